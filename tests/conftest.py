@@ -1,0 +1,7 @@
+"""Test-wide setup: the Triton interpreter must be on before any kernel is defined."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,51 @@
+"""PyTorch tree attention: the readable ``eager`` reference and the ``sdpa`` backend.
+
+Both expand the packed ancestor bits into a dense boolean mask over all S keys: key s of
+batch row b is visible to tree node i iff s < prefix_lens[b] (the verified prefix), or
+s - prefix_lens[b] is i itself or one of its ancestors.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from treedec.tree.layout import unpack_bits
+
+
+def dense_mask(ancestor_bits: torch.Tensor, prefix_lens: torch.Tensor, T: int, S: int) -> torch.Tensor:
+    """Bool [B, T, S] visibility mask from packed bits ([T, W] or [B, T, W]) and prefix lengths [B]."""
+    B = prefix_lens.shape[0]
+    tree = unpack_bits(ancestor_bits, T)  # [(B,) T, T]
+    if tree.dim() == 2:
+        tree = tree.expand(B, T, T)
+    rel = torch.arange(S, device=prefix_lens.device)[None, :] - prefix_lens[:, None]  # [B, S]
+    in_tree = (rel >= 0) & (rel < T)
+    picked = torch.gather(tree, 2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, S))
+    return (rel < 0)[:, None, :] | (in_tree[:, None, :] & picked)
+
+
+def eager_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale: float | None = None) -> torch.Tensor:
+    """Explicit masked softmax in fp32; slow and obviously right."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    kf = k.float().repeat_interleave(G, dim=1)
+    vf = v.float().repeat_interleave(G, dim=1)
+    scores = torch.einsum("bhtd,bhsd->bhts", q.float(), kf) * scale
+    mask = dense_mask(ancestor_bits, prefix_lens, T, S)[:, None]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a fully masked row gives zeros
+    return torch.einsum("bhts,bhsd->bhtd", probs, vf).to(q.dtype)
+
+
+def sdpa_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale: float | None = None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` with a boolean mask (the CPU default)."""
+    B, Hq, T, D = q.shape
+    mask = dense_mask(ancestor_bits, prefix_lens, T, k.shape[2])[:, None]
+    G = Hq // k.shape[1]
+    if G > 1:
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
