@@ -51,10 +51,18 @@ def check_inputs(q, k, v, ancestor_bits, prefix_lens) -> torch.Tensor:
     return prefix_lens
 
 
-def tree_attention(q, k, v, ancestor_bits, prefix_lens, backend: str = "sdpa", scale: float | None = None) -> torch.Tensor:
-    """Attention where tree node i sees the prefix, itself and its ancestors only."""
+def tree_attention(q, k, v, ancestor_bits, prefix_lens, backend: str = "sdpa", scale: float | None = None,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention where tree node i sees the prefix, itself and its ancestors only.
+
+    ``mask`` is an optional precomputed ``dense_mask(...)[:, None]`` for eager/sdpa: a model
+    builds it once per forward and reuses it in every layer (inputs are then trusted).
+    """
     if backend not in BACKENDS:
         raise ValueError(f"unknown tree-attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if mask is not None and backend != "triton":
+        fn = eager_tree_attention if backend == "eager" else sdpa_tree_attention
+        return fn(q, k, v, ancestor_bits, prefix_lens, scale, mask=mask)
     prefix_lens = check_inputs(q, k, v, ancestor_bits, prefix_lens)
     if backend == "eager":
         return eager_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale)

@@ -26,7 +26,7 @@ def dense_mask(ancestor_bits: torch.Tensor, prefix_lens: torch.Tensor, T: int, S
     return (rel < 0)[:, None, :] | (in_tree[:, None, :] & picked)
 
 
-def eager_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale: float | None = None) -> torch.Tensor:
+def eager_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale: float | None = None, mask=None) -> torch.Tensor:
     """Explicit masked softmax in fp32; slow and obviously right."""
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -35,16 +35,18 @@ def eager_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale: float | Non
     kf = k.float().repeat_interleave(G, dim=1)
     vf = v.float().repeat_interleave(G, dim=1)
     scores = torch.einsum("bhtd,bhsd->bhts", q.float(), kf) * scale
-    mask = dense_mask(ancestor_bits, prefix_lens, T, S)[:, None]
+    if mask is None:
+        mask = dense_mask(ancestor_bits, prefix_lens, T, S)[:, None]
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a fully masked row gives zeros
     return torch.einsum("bhts,bhsd->bhtd", probs, vf).to(q.dtype)
 
 
-def sdpa_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale: float | None = None) -> torch.Tensor:
+def sdpa_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale: float | None = None, mask=None) -> torch.Tensor:
     """``scaled_dot_product_attention`` with a boolean mask (the CPU default)."""
     B, Hq, T, D = q.shape
-    mask = dense_mask(ancestor_bits, prefix_lens, T, k.shape[2])[:, None]
+    if mask is None:
+        mask = dense_mask(ancestor_bits, prefix_lens, T, k.shape[2])[:, None]
     G = Hq // k.shape[1]
     if G > 1:
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)

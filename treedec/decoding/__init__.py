@@ -1,0 +1,1 @@
+"""Decoding: the vanilla baseline, verification rules and the speculative loop."""

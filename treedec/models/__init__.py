@@ -1,0 +1,14 @@
+"""Target models (Llama family), the static KV cache, EAGLE draft heads and checkpoint I/O."""
+from treedec.models.cache import KVCache
+from treedec.models.config import SUPPORTED_ARCHITECTURES, LlamaConfig
+from treedec.models.llama import ModelOutput, Transformer
+
+
+def load_model(name_or_path, **kw):
+    """Load "tiny-code" (the bundled model) or a local Hugging Face directory; see checkpoint.load_model."""
+    from treedec.models.checkpoint import load_model as _load
+
+    return _load(name_or_path, **kw)
+
+
+__all__ = ["KVCache", "LlamaConfig", "ModelOutput", "SUPPORTED_ARCHITECTURES", "Transformer", "load_model"]

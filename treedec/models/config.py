@@ -1,0 +1,88 @@
+"""Model configuration for the Llama family (Llama 2/3, Mistral, Qwen2), mapped from HF config.json."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    qkv_bias: bool = False  # Qwen2 (and Llama's attention_bias)
+    o_bias: bool = False  # Llama's attention_bias also biases o_proj
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    architecture: str = "LlamaForCausalLM"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    extra: dict = field(default_factory=dict)  # other HF keys, written back on save
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def eos_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return [] if e is None else ([e] if isinstance(e, int) else list(e))
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "LlamaConfig":
+        """Map a Hugging Face config.json dict; unknown architectures are a clear error."""
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; treedec supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        kw["architecture"] = arch
+        if arch == "Qwen2ForCausalLM":
+            kw["qkv_bias"] = True
+        elif d.get("attention_bias"):
+            kw["qkv_bias"] = kw["o_bias"] = True
+        kw["mlp_bias"] = bool(d.get("mlp_bias", False))
+        rs = d.get("rope_scaling")
+        if rs is not None:
+            kind = rs.get("rope_type", rs.get("type"))
+            if kind not in ("llama3", "linear", "default"):
+                raise ValueError(f"unsupported rope_scaling type {kind!r}; treedec supports 'llama3' and 'linear'")
+        ignore = {"architectures", "attention_bias", "mlp_bias", "model_type", "torch_dtype", "dtype",
+                  "transformers_version", "hidden_act", "use_cache", "attention_dropout", "initializer_range",
+                  "pretraining_tp", "sliding_window", "use_sliding_window", "max_window_layers", "pad_token_id"}
+        kw["extra"] = {k: v for k, v in d.items() if k not in known and k not in ignore}
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; the Llama family uses 'silu'")
+        return cls(**kw)
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json dict that `transformers` loads as the same architecture."""
+        d = {k: v for k, v in asdict(self).items() if k not in ("qkv_bias", "o_bias", "mlp_bias", "architecture", "extra")}
+        model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+        d.update(architectures=[self.architecture], model_type=model_type[self.architecture], hidden_act="silu")
+        if self.architecture == "LlamaForCausalLM":
+            d.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+        if self.architecture in ("MistralForCausalLM", "Qwen2ForCausalLM"):
+            d.update(sliding_window=None, use_sliding_window=False)
+        d.update(self.extra)
+        return d

@@ -1,0 +1,194 @@
+"""One compact Llama-family transformer (Llama 2/3, Mistral, Qwen2) with tree-aware attention.
+
+Every forward pass is "T new tokens after each row's cached prefix, arranged as a tree":
+a prompt or a plain decoding step is simply a chain. Attention goes through
+:func:`treedec.attention.tree_attention`, so the same code verifies a draft tree in one pass.
+Parameter names follow Hugging Face's, so checkpoints load without renaming.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from treedec.attention import default_backend, dense_mask, tree_attention
+from treedec.models.cache import KVCache
+from treedec.models.config import LlamaConfig
+from treedec.tree.layout import chain_bits
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Rotary inverse frequencies, with Llama-3 ("llama3") or linear position scaling."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        inv = inv / rs["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old = rs.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos/sin [B, 1, T, D] (rotate-half convention, as in HF Llama)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rot = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, bits, mask, backend: str):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.write(layer, k, v)
+        out = tree_attention(q, keys, values, bits, cache.lengths, backend=backend, mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(h, i, bias=b), nn.Linear(h, i, bias=b), nn.Linear(i, h, bias=b)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.self_attn, self.mlp = Attention(cfg), MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, layer, bits, mask, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, bits, mask, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None  # [B, T, V] (or only the rows asked for)
+    hidden: torch.Tensor  # final normed hidden state [B, T, H]: the LM head's input, EAGLE's feature
+    layer_inputs: dict[int, torch.Tensor]  # inputs of the layers asked for (EAGLE-3-style fusion)
+
+
+class Backbone(nn.Module):
+    """HF's ``model.*`` submodule: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """A causal LM whose every forward may be a tree; ``attn_backend`` is eager | sdpa | triton | auto."""
+
+    def __init__(self, cfg: LlamaConfig, attn_backend: str = "auto"):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.attn_backend = attn_backend
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def backend(self) -> str:
+        return default_backend(self.device) if self.attn_backend == "auto" else self.attn_backend
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
+        c = self.config
+        max_len = max_len or c.max_position_embeddings
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, self.dtype, self.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        position_ids: torch.Tensor | None = None,
+        ancestor_bits: torch.Tensor | None = None,
+        logits: str | torch.Tensor = "all",
+        layer_inputs: tuple[int, ...] = (),
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        """Run T new tokens per row after the cached prefix; the cache length does not move.
+
+        ``ancestor_bits`` [T, W] or [B, T, W] arranges the tokens as a tree (default: a chain);
+        ``position_ids`` default to ``length + arange(T)``. ``logits`` is "all", "last", "none"
+        or an index tensor of positions to project. Then call ``cache.advance`` or ``cache.commit``.
+        """
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T = x.shape[:2]
+        cache.check_room(T)
+        if position_ids is None:
+            position_ids = cache.lengths[:, None] + torch.arange(T, device=x.device)
+        elif position_ids.dim() == 1:
+            position_ids = position_ids[None].expand(B, T)
+        if int(position_ids.max()) >= self.config.max_position_embeddings:
+            raise ValueError(
+                f"position {int(position_ids.max())} is beyond the model's context of "
+                f"{self.config.max_position_embeddings} tokens; shorten the prompt or max_new_tokens"
+            )
+        bits = chain_bits(T, x.device) if ancestor_bits is None else ancestor_bits
+        backend = self.backend()
+        S = int(cache.lengths.max()) + T
+        mask = dense_mask(bits, cache.lengths, T, S)[:, None] if backend != "triton" else None
+        freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        cos, sin = emb.cos(), emb.sin()
+        saved = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in layer_inputs:
+                saved[i] = x
+            x = layer(x, cos, sin, cache, i, bits, mask, backend)
+        h = self.model.norm(x)
+        if isinstance(logits, str):
+            out = {"all": lambda: self.lm_head(h), "last": lambda: self.lm_head(h[:, -1:]), "none": lambda: None}[logits]()
+        else:
+            out = self.lm_head(h[:, logits] if logits.dim() == 1 else h.gather(1, logits[..., None].expand(-1, -1, h.shape[-1])))
+        return ModelOutput(out, h, saved)
