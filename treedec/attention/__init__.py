@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from treedec.attention.reference import dense_mask, eager_tree_attention, sdpa_tree_attention
+from treedec.attention.reference import dense_mask, eager_tree_attention, prefix_tree_mask, sdpa_tree_attention
 
 BACKENDS = ("eager", "sdpa", "triton")
 
@@ -73,4 +73,4 @@ def tree_attention(q, k, v, ancestor_bits, prefix_lens, backend: str = "sdpa", s
     return triton_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale)
 
 
-__all__ = ["BACKENDS", "default_backend", "dense_mask", "tree_attention"]
+__all__ = ["BACKENDS", "default_backend", "dense_mask", "prefix_tree_mask", "tree_attention"]

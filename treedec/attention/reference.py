@@ -16,13 +16,21 @@ from treedec.tree.layout import unpack_bits
 
 def dense_mask(ancestor_bits: torch.Tensor, prefix_lens: torch.Tensor, T: int, S: int) -> torch.Tensor:
     """Bool [B, T, S] visibility mask from packed bits ([T, W] or [B, T, W]) and prefix lengths [B]."""
+    return prefix_tree_mask(unpack_bits(ancestor_bits, T), prefix_lens, S)
+
+
+def prefix_tree_mask(tree: torch.Tensor, prefix_lens: torch.Tensor, S: int) -> torch.Tensor:
+    """Bool [B, Tq, S] from a tree-visibility matrix tree [(B,) Tq, Tk] whose Tk keys follow each row's prefix.
+
+    Tq may be smaller than Tk: a draft head expanding one depth queries only its newest nodes.
+    """
     B = prefix_lens.shape[0]
-    tree = unpack_bits(ancestor_bits, T)  # [(B,) T, T]
     if tree.dim() == 2:
-        tree = tree.expand(B, T, T)
+        tree = tree.expand(B, *tree.shape)
+    Tq, Tk = tree.shape[-2:]
     rel = torch.arange(S, device=prefix_lens.device)[None, :] - prefix_lens[:, None]  # [B, S]
-    in_tree = (rel >= 0) & (rel < T)
-    picked = torch.gather(tree, 2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, S))
+    in_tree = (rel >= 0) & (rel < Tk)
+    picked = torch.gather(tree, 2, rel.clamp(0, Tk - 1)[:, None, :].expand(B, Tq, S))
     return (rel < 0)[:, None, :] | (in_tree[:, None, :] & picked)
 
 

@@ -51,6 +51,13 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     return inv.float()
 
 
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, T, D] for position ids [B, T]."""
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, T, D]; cos/sin [B, 1, T, D] (rotate-half convention, as in HF Llama)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -178,9 +185,7 @@ class Transformer(nn.Module):
         backend = self.backend()
         S = int(cache.lengths.max()) + T
         mask = dense_mask(bits, cache.lengths, T, S)[:, None] if backend != "triton" else None
-        freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq)
         saved = {}
         for i, layer in enumerate(self.model.layers):
             if i in layer_inputs:
