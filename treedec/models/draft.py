@@ -1,0 +1,150 @@
+"""EAGLE-1/2 draft head: one decoder layer that reads the target's features.
+
+Input at draft position t is ``fc(concat(embed(token[t+1]), feature[t]))`` — the token is one
+step ahead of the feature — followed by one Llama decoder layer whose first input norm is
+skipped (as in EAGLE). Its output is the predicted next feature, i.e. the target LM head's
+input, so ``logits = lm_head(feature)``. The embedding and LM head are the target's own,
+shared and frozen, and never written into the draft checkpoint.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from treedec.models.cache import KVCache
+from treedec.models.config import LlamaConfig
+from treedec.models.llama import DecoderLayer, Transformer, rope_cos_sin, rope_inv_freq
+
+DRAFT_CONFIG = "draft_config.json"
+DRAFT_WEIGHTS = "draft.safetensors"
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    kind: str = "eagle"  # room for "eagle3" (fused low/mid/high features; fc: 3h -> h)
+    feature_layers: list[int] = field(default_factory=lambda: [-1])  # -1: the final normed hidden state
+    target: str = ""  # what it was trained for (informational)
+
+    @classmethod
+    def for_target(cls, cfg: LlamaConfig, target: str = "", **overrides) -> "DraftConfig":
+        """A head shaped like one layer of the target (EAGLE's choice)."""
+        d = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                 num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                 head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
+                 rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, target=target)
+        d.update(overrides)
+        return cls(**d)
+
+    def layer_config(self) -> LlamaConfig:
+        return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_hidden_layers=1,
+                           num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                           head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
+                           rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling)
+
+
+class DraftHead(nn.Module):
+    """Trainable part of an EAGLE head; ``bind(target)`` attaches the shared embedding and LM head."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        if cfg.kind != "eagle":
+            raise ValueError(f"draft kind {cfg.kind!r} is not built yet; treedec supports 'eagle'")
+        self.config = cfg
+        n_feat = len(cfg.feature_layers)
+        self.fc = nn.Linear((1 + n_feat) * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.layer = DecoderLayer(cfg.layer_config())
+        self.layer.input_layernorm = nn.Identity()  # EAGLE skips the first input norm
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.layer_config()), persistent=False)
+        self._target: tuple[Transformer, ...] = ()
+
+    def bind(self, target: Transformer) -> "DraftHead":
+        """Share the target's embedding and LM head; a vocabulary or width mismatch is a clear error."""
+        tc, dc = target.config, self.config
+        if tc.vocab_size != dc.vocab_size or tc.hidden_size != dc.hidden_size:
+            raise ValueError(
+                f"draft head (vocab {dc.vocab_size}, hidden {dc.hidden_size}) does not fit the target "
+                f"(vocab {tc.vocab_size}, hidden {tc.hidden_size}); it was trained for {dc.target or 'another model'!r}: "
+                "train a head for this target with `python -m treedec.train`"
+            )
+        self._target = (target,)  # a tuple keeps the target out of this module's parameters
+        return self
+
+    @property
+    def target(self) -> Transformer:
+        if not self._target:
+            raise RuntimeError("draft head is not bound to a target: call draft.bind(target) first")
+        return self._target[0]
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.config
+        w = self.fc.weight
+        return KVCache(1, batch, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
+
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, cache: KVCache,
+                position_ids: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, T] (one ahead of) features [B, T, H] -> (predicted features, logits [B, T, V]).
+
+        ``mask`` is a dense [B, 1, T, S] visibility mask over the cache (from ``prefix_tree_mask``);
+        None means a chain after each row's cached prefix. The cache length does not move.
+        """
+        t = self.target
+        x = self.fc(torch.cat((t.model.embed_tokens(tokens), features.to(self.fc.weight.dtype)), dim=-1))
+        B, T = tokens.shape
+        cache.check_room(T)
+        if mask is None:
+            from treedec.attention import dense_mask
+            from treedec.tree.layout import chain_bits
+
+            mask = dense_mask(chain_bits(T, x.device), cache.lengths, T, int(cache.lengths.max()) + T)[:, None]
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq)
+        backend = "eager" if t.attn_backend == "eager" else "sdpa"  # one small layer: a dense mask is cheapest
+        feat = self.layer(x, cos, sin, cache, 0, None, mask, backend)
+        return feat, t.lm_head(feat.to(t.lm_head.weight.dtype))
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / DRAFT_CONFIG).write_text(json.dumps(asdict(self.config), indent=2))
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(path / DRAFT_WEIGHTS))
+
+    @classmethod
+    def load(cls, path: str | Path, target: Transformer | None = None, dtype=None, device=None) -> "DraftHead":
+        """Load from a directory (draft_config.json + draft.safetensors); never unpickles."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / DRAFT_CONFIG).is_file():
+            raise FileNotFoundError(f"no draft head at {path}: expected {DRAFT_CONFIG} and {DRAFT_WEIGHTS} (train one with `python -m treedec.train`)")
+        try:
+            cfg = DraftConfig(**json.loads((path / DRAFT_CONFIG).read_text()))
+        except (TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"corrupt {path / DRAFT_CONFIG}: {e}") from e
+        head = cls(cfg)
+        try:
+            state = load_file(str(path / DRAFT_WEIGHTS))
+        except (FileNotFoundError, SafetensorError, OSError) as e:
+            raise ValueError(f"cannot read draft weights {path / DRAFT_WEIGHTS} ({e}); re-save or retrain the head") from e
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"draft weights in {path} do not match its config: missing {missing}, unexpected {unexpected}")
+        head = head.to(device=device or "cpu", dtype=dtype or next(iter(state.values())).dtype)
+        return head.bind(target) if target is not None else head
