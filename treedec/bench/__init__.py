@@ -1,0 +1,1 @@
+"""Benchmarks: the speculative-decoding harness, peers, the kernel micro-benchmark and reports."""
