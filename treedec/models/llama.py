@@ -84,6 +84,19 @@ class Attention(nn.Module):
         out = tree_attention(q, keys, values, bits, cache.lengths, backend=backend, mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
+    def forward_causal(self, x, cos, sin):
+        """Plain causal self-attention over ``x`` alone (no cache): the training path."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.nkv != self.nh:
+            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
@@ -104,6 +117,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache, layer, bits, mask, backend):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, bits, mask, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_causal(self, x, cos, sin):
+        x = x + self.self_attn.forward_causal(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -197,3 +214,22 @@ class Transformer(nn.Module):
         else:
             out = self.lm_head(h[:, logits] if logits.dim() == 1 else h.gather(1, logits[..., None].expand(-1, -1, h.shape[-1])))
         return ModelOutput(out, h, saved)
+
+    def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] of a plain causal pass from position 0, without a KV cache (pretraining).
+
+        The same function as :meth:`forward` on a fresh cache with the default chain (tested to
+        fp32 precision), but with ``scaled_dot_product_attention(is_causal=True)``: no cache
+        writes, no dense mask and no K/V kept, so autograd stores less. Used by
+        :class:`treedec.training.lm.CausalLMModule`; :meth:`forward` is unchanged.
+        """
+        B, T = input_ids.shape
+        if T > self.config.max_position_embeddings:
+            raise ValueError(f"sequence of {T} tokens is beyond the model's context of "
+                             f"{self.config.max_position_embeddings} tokens")
+        x = self.model.embed_tokens(input_ids)
+        pos = torch.arange(T, device=x.device)[None].expand(B, T)
+        cos, sin = rope_cos_sin(pos, self.inv_freq)
+        for layer in self.model.layers:
+            x = layer.forward_causal(x, cos, sin)
+        return self.lm_head(self.model.norm(x))

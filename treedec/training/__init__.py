@@ -1,0 +1,1 @@
+"""Lightning training: target-LM pretraining (lm.py, data.py) and draft-head training."""

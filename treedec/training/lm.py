@@ -1,0 +1,133 @@
+"""Lightning module for causal-LM pretraining of the Llama-family :class:`treedec.models.llama.Transformer`.
+
+Hyperparameters are plain data only (dicts, numbers, strings), so Lightning checkpoints load
+with ``torch.load(..., weights_only=True)``. Training uses ``Transformer.forward_train`` (plain
+causal SDPA, no KV cache); ``use_cache_path=True`` trains through the tree-aware
+``forward`` with a fresh cache per batch instead (same numbers, slower).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from treedec.models.config import LlamaConfig
+from treedec.models.llama import Transformer
+
+
+def _plain(x: Any) -> Any:
+    """OmegaConf containers -> dict/list, recursively; leaves plain data as it is."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(x, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(x, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def cosine_with_warmup(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warm-up to 1, then cosine decay to ``min_lr_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / max(1, warmup_steps)
+    t = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+class CausalLMModule(L.LightningModule):
+    """Next-token cross-entropy on ``[B, seq_len + 1]`` token windows.
+
+    ``arch``: LlamaConfig keyword arguments (HF names: vocab_size, hidden_size, ...).
+    """
+
+    def __init__(self, arch: dict, lr: float = 3e-3, weight_decay: float = 0.1, betas: tuple = (0.9, 0.95),
+                 warmup_steps: int = 200, max_steps: int = 10_000, min_lr_ratio: float = 0.1,
+                 init_std: float = 0.02, use_cache_path: bool = False, seed: int = 0):
+        super().__init__()
+        arch = _plain(arch)
+        self.save_hyperparameters({
+            "arch": arch, "lr": float(lr), "weight_decay": float(weight_decay), "betas": [float(b) for b in betas],
+            "warmup_steps": int(warmup_steps), "max_steps": int(max_steps), "min_lr_ratio": float(min_lr_ratio),
+            "init_std": float(init_std), "use_cache_path": bool(use_cache_path), "seed": int(seed),
+        })
+        torch.manual_seed(seed)
+        self.config = LlamaConfig(**arch)
+        self.model = Transformer(self.config, attn_backend="sdpa")
+        self._init_weights(init_std)
+        self._last_step_time: float | None = None
+
+    def _init_weights(self, std: float) -> None:
+        """GPT-2/Llama-style init: N(0, std), residual output projections scaled by 1/sqrt(2 * layers)."""
+        n_layers = self.config.num_hidden_layers
+        for name, p in self.model.named_parameters():
+            if p.dim() == 2:
+                s = std / math.sqrt(2 * n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+                torch.nn.init.normal_(p, mean=0.0, std=s)
+            elif name.endswith("bias"):
+                torch.nn.init.zeros_(p)
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())  # tied weights counted once
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.hparams.use_cache_path:
+            B, T = input_ids.shape
+            cache = self.model.new_cache(B, T)
+            return self.model(input_ids, cache).logits
+        return self.model.forward_train(input_ids)
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        x, y = batch[:, :-1], batch[:, 1:]
+        logits = self(x)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        now = time.perf_counter()
+        if self._last_step_time is not None:
+            self.log("train/tok_per_s", batch.shape[0] * (batch.shape[1] - 1) / (now - self._last_step_time),
+                     on_step=True, on_epoch=False)
+        self._last_step_time = now
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+        self.log("train/tokens", float((self.global_step + 1) * batch.shape[0] * (batch.shape[1] - 1)),
+                 on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("val/loss", loss, prog_bar=True, on_step=False, on_epoch=True, batch_size=batch.shape[0])
+        return loss
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        decay, no_decay = [], []
+        for _, p in self.model.named_parameters():
+            (decay if p.dim() >= 2 else no_decay).append(p)
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), fused=False)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, _Schedule(hp.warmup_steps, hp.max_steps, hp.min_lr_ratio))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class _Schedule:
+    """Picklable LR lambda whose state is plain numbers (LambdaLR saves a callable object's __dict__)."""
+
+    def __init__(self, warmup_steps: int, total_steps: int, min_lr_ratio: float):
+        self.warmup_steps, self.total_steps, self.min_lr_ratio = warmup_steps, total_steps, min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        return cosine_with_warmup(step, self.warmup_steps, self.total_steps, self.min_lr_ratio)
+
+
+__all__ = ["CausalLMModule", "cosine_with_warmup"]
