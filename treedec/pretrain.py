@@ -110,8 +110,10 @@ def run(cfg: DictConfig) -> dict:
                                                        flush_logs_every_n_steps=int(cfg.log_every)))
     last = run_dir / "checkpoints" / "last.ckpt"
     resume = str(last) if last.is_file() else None
+    start_step = 0
     if resume:
         log.info("resuming from %s", resume)
+        start_step = int(torch.load(resume, map_location="cpu", weights_only=True)["global_step"])
     trainer.fit(module, datamodule=dm, ckpt_path=resume)
     fit_end = time.time()
 
@@ -135,7 +137,8 @@ def run(cfg: DictConfig) -> dict:
         "epochs": tokens / max(1, dm.n_train_tokens), "train_tokens_corpus": dm.n_train_tokens,
         "val_tokens_corpus": meta["splits"]["validation"]["tokens"], "params": module.n_params,
         "wall_time_s": time.time() - t0, "fit_time_s": fit_end - t0,
-        "tokens_per_s": tokens / max(1e-9, fit_end - t0), "resumed_from": resume,
+        "tokens_per_s": (steps - start_step) * dm.batch_size * dm.seq_len / max(1e-9, fit_end - t0),
+        "resumed_from": resume,
         "export_dir": str(export) if export else None, "final_ckpt": str(ckpt_path),
         "arch": arch, "seq_len": dm.seq_len, "batch_size": dm.batch_size,
     }
