@@ -3,7 +3,8 @@
 ``tree_attention(q, k, v, ancestor_bits, prefix_lens, backend=...)``: q [B, Hq, T, D];
 k, v [B, Hkv, S, D] where row b holds its prefix keys at [0, prefix_lens[b]) and its T
 tree keys at [prefix_lens[b], prefix_lens[b] + T); ancestor_bits [T, W] or [B, T, W];
-returns [B, Hq, T, D]. Keys past prefix_lens[b] + T are never read.
+returns [B, Hq, T, D]. Keys past prefix_lens[b] + T never affect the output (the
+triton kernel does not load them; eager/sdpa mask them, so they must be finite: caches are zero-filled).
 """
 from __future__ import annotations
 

@@ -143,7 +143,10 @@ class DraftHead(nn.Module):
             state = load_file(str(path / DRAFT_WEIGHTS))
         except (FileNotFoundError, SafetensorError, OSError) as e:
             raise ValueError(f"cannot read draft weights {path / DRAFT_WEIGHTS} ({e}); re-save or retrain the head") from e
-        missing, unexpected = head.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = head.load_state_dict(state, strict=False)
+        except RuntimeError as e:  # a tensor whose shape does not fit the config
+            raise ValueError(f"draft weights in {path} do not fit {DRAFT_CONFIG}: {e}") from e
         if missing or unexpected:
             raise ValueError(f"draft weights in {path} do not match its config: missing {missing}, unexpected {unexpected}")
         head = head.to(device=device or "cpu", dtype=dtype or next(iter(state.values())).dtype)

@@ -1,0 +1,43 @@
+"""A chi-square goodness-of-fit check without scipy."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+
+
+def chi2_threshold(df: int, z: float = 3.72) -> float:
+    """Wilson–Hilferty upper quantile of chi-square(df); z = 3.72 is p ~ 1e-4 (one-sided)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2_stat(samples: list, probs: dict) -> tuple[float, int]:
+    """Chi-square statistic and degrees of freedom; cells with expectation < 5 are pooled."""
+    n = len(samples)
+    counts = Counter(samples)
+    stat, df, pool_e, pool_o = 0.0, -1, 0.0, 0
+    for cell, p in probs.items():
+        e = n * p
+        if e < 5:
+            pool_e, pool_o = pool_e + e, pool_o + counts.get(cell, 0)
+            continue
+        stat += (counts.get(cell, 0) - e) ** 2 / e
+        df += 1
+    unexpected = sum(c for cell, c in counts.items() if cell not in probs)
+    pool_o += unexpected
+    if pool_e > 0:
+        stat += (pool_o - pool_e) ** 2 / max(pool_e, 1e-9)
+        df += 1
+    elif unexpected:
+        stat = float("inf")
+    return stat, max(df, 1)
+
+
+def fits(samples: list, probs: dict) -> bool:
+    stat, df = chi2_stat(samples, probs)
+    return stat < chi2_threshold(df)
+
+
+def as_dict(p: torch.Tensor) -> dict:
+    return {i: float(v) for i, v in enumerate(p.tolist()) if v > 0}

@@ -1,0 +1,131 @@
+"""Tree policies: shapes, EAGLE-2 invariants, and draft-tree ≡ draft-branches for the drafter."""
+import pytest
+import torch
+
+from treedec.decoding.drafter import Drafter
+from treedec.tree import Tree, TreeError
+from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
+from treedec.tree.shapes import list_shapes, load_shape
+
+from .helpers import make_pair
+
+
+def primed_drafter(seed=0, batch=2, prompt_len=(9, 4)):
+    """A drafter after prefill on random target features (rows of different lengths)."""
+    target, draft = make_pair(seed)
+    g = torch.Generator().manual_seed(seed)
+    L = max(prompt_len)
+    d = Drafter(draft, batch, 128)
+    toks = torch.randint(0, 64, (batch, L), generator=g)
+    feats = torch.randn(batch, L, 64, generator=g)
+    with torch.inference_mode():
+        d.catch_up(toks, feats, torch.tensor(prompt_len[:batch]), toks[:, 0])
+    return d
+
+
+@pytest.mark.parametrize("name", list_shapes())
+def test_static_policy_grows_exactly_its_shape(name):
+    d = primed_drafter()
+    pol = StaticPolicy(shape=name)
+    with torch.inference_mode():
+        tree = pol.draft(d)
+    shape = Tree.from_choices(load_shape(name))
+    for b in range(2):
+        assert torch.equal(tree.parents[b], shape.parents)
+        assert torch.equal(tree.rank[b], shape.rank)
+    # the root's rank-r child is the draft's r-th most likely token
+    first = [c for c in range(len(shape)) if int(shape.parents[c]) == 0]
+    top = d.root_logp.topk(len(first)).indices
+    for c in first:
+        assert torch.equal(tree.tokens[:, c], top[:, int(shape.rank[c])])
+    assert torch.equal(tree.tokens[:, 0], d.root_tokens)
+
+
+def test_chain_policy_is_a_chain():
+    d = primed_drafter()
+    with torch.inference_mode():
+        tree = ChainPolicy(depth=6).draft(d)
+    assert tree.parents[0].tolist() == [-1, 0, 1, 2, 3, 4, 5]
+    assert tree.depth[1].tolist() == list(range(7))
+    with pytest.raises(TreeError):
+        ChainPolicy(0)
+
+
+@pytest.mark.parametrize("total,depth,k", [(10, 4, 3), (30, 6, 5), (61, 6, 10), (100, 3, 8)])
+@pytest.mark.parametrize("seed", range(3))
+def test_dynamic_tree_invariants(total, depth, k, seed):
+    d = primed_drafter(seed)
+    with torch.inference_mode():
+        tree = DynamicPolicy(total, depth, k).draft(d)
+    assert tree.size == total
+    for b in range(2):
+        par, dep, sc = tree.parents[b], tree.depth[b], tree.scores[b]
+        assert par[0] == -1 and dep[0] == 0
+        assert bool((par[1:] < torch.arange(1, total)).all())  # topological, connected to the root
+        assert bool((par[1:] >= 0).all())
+        assert torch.equal(dep[1:], dep[par[1:]] + 1)
+        assert bool((sc[1:] <= sc[par[1:]] + 1e-6).all())  # a child never outscores its parent
+        assert int(dep.max()) <= depth
+        # siblings are distinct tokens with distinct ranks
+        for p in set(par[1:].tolist()):
+            kids = (par == p).nonzero().flatten()
+            assert len(set(tree.tokens[b, kids].tolist())) == len(kids)
+        Tree.from_parents(par)  # validates
+
+
+def test_dynamic_tree_keeps_the_best_scored_nodes():
+    """With one depth, the kept nodes are exactly the top (total-1) root children."""
+    d = primed_drafter(1)
+    with torch.inference_mode():
+        tree = DynamicPolicy(6, 1, 10).draft(d)
+    top = d.root_logp.topk(5).indices
+    for b in range(2):
+        assert set(tree.tokens[b, 1:].tolist()) == set(top[b].tolist())
+
+
+def test_dynamic_budget_validation():
+    with pytest.raises(TreeError, match="total_tokens"):
+        DynamicPolicy(total_tokens=100, depth=2, top_k=3)
+    with pytest.raises(TreeError):
+        DynamicPolicy(total_tokens=10, depth=0, top_k=3)
+
+
+@pytest.mark.parametrize("policy", [lambda: StaticPolicy(shape="eagle_mc_sim_7b_63"), lambda: DynamicPolicy(20, 5, 4)])
+def test_draft_tree_equals_draft_branches(policy, monkeypatch):
+    """Each drafted node's draft log-probs equal a plain one-token-at-a-time draft pass along its own path."""
+    d = primed_drafter(2)
+    calls = []
+    real = d.expand
+
+    def spy(tokens, parent_feats, depth, forest_parents, n_prev):
+        feat, logp = real(tokens, parent_feats, depth, forest_parents, n_prev)
+        calls.append((tokens, parent_feats, torch.as_tensor(forest_parents), n_prev, feat, logp))
+        return feat, logp
+
+    monkeypatch.setattr(d, "expand", spy)
+    with torch.inference_mode():
+        policy().draft(d)
+        inputs, feats = [], []  # per forest node: (token [B], parent forest index [B] or -1, feat, logp)
+        for tokens, _, fp, n_prev, feat, logp in calls:
+            fp = fp if fp.dim() == 2 else fp[None].expand(2, -1)
+            for j in range(tokens.shape[1]):
+                inputs.append((tokens[:, j], fp[:, n_prev + j], feat[:, j], logp[:, j]))
+        for b in range(2):
+            for i, (tok, par, _, logp) in enumerate(inputs):
+                chain, node = [], i  # walk up the forest to build this node's branch
+                while node >= 0:
+                    chain.append(node)
+                    node = int(inputs[node][1][b])
+                chain.reverse()
+                cache = d.head.new_cache(1, 128)
+                L = int(d.cache.lengths[b])
+                cache.k[:, :, :, :L] = d.cache.k[:, b : b + 1, :, :L]
+                cache.v[:, :, :, :L] = d.cache.v[:, b : b + 1, :, :L]
+                cache.lengths.fill_(L)
+                f = d.root_feat[b : b + 1]
+                for depth, n in enumerate(chain, start=1):
+                    f2, logits = d.head(inputs[n][0][b : b + 1, None], f[:, None], cache, torch.tensor([[L - 1 + depth]]))
+                    cache.advance(1)
+                    f = f2[:, 0]
+                ref = torch.log_softmax(logits[0, -1].float(), -1)
+                assert torch.allclose(ref, logp[b], atol=1e-4), (b, i)
