@@ -6,6 +6,7 @@ uses with the SpecInfer rule); that is classic speculative sampling on a chain.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Sequence
 
 import torch
@@ -17,12 +18,13 @@ from treedec.tree.tree import Tree, TreeError
 
 
 class StaticPolicy(TreePolicy):
-    def __init__(self, choices: Sequence[Sequence[int]] | str | None = None, shape: str | None = None,
+    def __init__(self, choices: Sequence[Sequence[int]] | None = None, shape: str | Mapping | None = None,
                  sample_drafts: bool = False):
+        """``shape``: a shipped shape name, a YAML/JSON file, or a mapping with ``choices`` (a ``tree/shape`` config)."""
         if choices is None and shape is None:
             raise TreeError("a static tree needs `choices` (path lists) or a `shape` name/file")
-        if isinstance(choices, str) or choices is None:
-            choices = load_shape(choices or shape)
+        if choices is None:
+            choices = shape["choices"] if isinstance(shape, Mapping) else load_shape(shape)
         self.shape = Tree.from_choices([list(c) for c in choices])
         if len(self.shape) < 2:
             raise TreeError("a static tree needs at least one draft node besides the root")
