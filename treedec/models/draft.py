@@ -19,6 +19,8 @@ from treedec.models.cache import KVCache
 from treedec.models.config import LlamaConfig
 from treedec.models.llama import DecoderLayer, Transformer, rope_cos_sin, rope_inv_freq
 
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+BUNDLED_DRAFTS = {"tiny-code-eagle": ASSETS / "tiny-code-eagle"}  # the head shipped for tiny-code
 DRAFT_CONFIG = "draft_config.json"
 DRAFT_WEIGHTS = "draft.safetensors"
 
@@ -116,6 +118,15 @@ class DraftHead(nn.Module):
         feat = self.layer(x, cos, sin, cache, 0, None, mask, backend)
         return feat, t.lm_head(feat.to(t.lm_head.weight.dtype))
 
+    def forward_train(self, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal pass from position 0 without a cache (training): same maths as :meth:`forward` on a chain."""
+        t = self.target
+        x = self.fc(torch.cat((t.model.embed_tokens(tokens), features.to(self.fc.weight.dtype)), dim=-1))
+        B, T = tokens.shape
+        cos, sin = rope_cos_sin(torch.arange(T, device=x.device)[None].expand(B, T), self.inv_freq)
+        feat = self.layer.forward_causal(x, cos, sin)
+        return feat, t.lm_head(feat.to(t.lm_head.weight.dtype))
+
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
@@ -127,11 +138,11 @@ class DraftHead(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, target: Transformer | None = None, dtype=None, device=None) -> "DraftHead":
-        """Load from a directory (draft_config.json + draft.safetensors); never unpickles."""
+        """Load "tiny-code-eagle" (bundled) or a directory (draft_config.json + draft.safetensors); never unpickles."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        path = Path(path)
+        path = BUNDLED_DRAFTS.get(str(path), Path(path))
         if not (path / DRAFT_CONFIG).is_file():
             raise FileNotFoundError(f"no draft head at {path}: expected {DRAFT_CONFIG} and {DRAFT_WEIGHTS} (train one with `python -m treedec.train`)")
         try:

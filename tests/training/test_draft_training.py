@@ -1,0 +1,73 @@
+"""EAGLE draft-head training: loss falls, τ is measured, the head exports and resumes, target stays out."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from treedec.models.checkpoint import save_pretrained
+from treedec.models.config import LlamaConfig
+from treedec.models.llama import Transformer
+from treedec.tree.shapes import SHAPE_DIR
+
+from .test_pretrain import TINY_ARCH, corpus, tokenizer  # noqa: F401  (fixtures)
+
+CONF = str(SHAPE_DIR.parents[1])
+
+
+@pytest.fixture(scope="module")
+def target_dir(tokenizer, tmp_path_factory):  # noqa: F811
+    torch.manual_seed(0)
+    model = Transformer(LlamaConfig(**TINY_ARCH), "sdpa")
+    out = tmp_path_factory.mktemp("target")
+    save_pretrained(model, out, tokenizer=str(tokenizer[0]))
+    return out
+
+
+def train_cfg(target_dir, corpus, tmp_path, steps):  # noqa: F811
+    overrides = [f"target={target_dir}", "target_dtype=float32", f"export_dir={tmp_path / 'draft'}",
+                 f"paths.run_dir={tmp_path / 'run'}", f"data.root={corpus}", "data.seq_len=32", "data.batch_size=8",
+                 "data.val_fraction=0.2", f"data.cache_dir={tmp_path / 'cache'}", "data.max_val_windows=2",
+                 f"trainer.max_steps={steps}", "trainer.max_time=null", "trainer.val_check_interval=10",
+                 "trainer.precision=32-true", "optim.time_budget_s=null", "optim.lr=3e-3", "optim.warmup_steps=2",
+                 "eval.n_prompts=2", "eval.prompt_tokens=24", "eval.max_new_tokens=8", "eval.every_n_steps=10",
+                 "ckpt_every_n_steps=5", "log_every=5", "export_dtype=float32"]
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def test_train_resume_and_export(target_dir, corpus, tmp_path):  # noqa: F811
+    from treedec.models.draft import DraftHead
+    from treedec.train import run
+
+    m = run(train_cfg(target_dir, corpus, tmp_path, 20))
+    assert m["steps"] == 20 and m["tau"] >= 1.0 and len(m["tau_history"]) >= 2
+    rows = (tmp_path / "run" / "csv" / "metrics.csv").read_text().splitlines()
+    assert len(rows) > 2
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert not any(k.startswith(("target", "_target")) or "embed_tokens" in k or "lm_head" in k for k in state["state_dict"])
+    # re-running the same command continues from last.ckpt and ends at the new step count
+    m2 = run(train_cfg(target_dir, corpus, tmp_path, 30))
+    assert m2["resumed_from"] and m2["steps"] == 30
+    head = DraftHead.load(tmp_path / "draft")
+    assert head.config.target == str(target_dir)
+
+
+def test_draft_loss_decreases(target_dir):
+    from treedec.training.draft import DraftModule
+
+    torch.manual_seed(0)
+    module = DraftModule(str(target_dir), lr=3e-3, target_dtype="float32", feature_noise=0.0)
+    opt = torch.optim.AdamW(module.head.parameters(), lr=3e-3)
+    ids = torch.randint(0, TINY_ARCH["vocab_size"], (4, 33))
+    first = None
+    for _ in range(40):
+        out = module.losses(ids, 0.0)
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+        first = first if first is not None else float(out["loss"])
+    assert float(out["loss"]) < 0.5 * first
+    assert all(p.grad is None for p in module.target.parameters())  # the target stays frozen

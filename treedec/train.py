@@ -1,0 +1,106 @@
+"""Train an EAGLE draft head: ``python -m treedec.train [hydra overrides]``.
+
+The target is loaded frozen (``target=tiny-code`` or a local HF directory); the head trains on
+token windows of ``data`` with the EAGLE loss, checkpoints ``last.ckpt`` into the run dir and
+resumes from it when re-run with the same ``hydra.run.dir``; a callback runs the real
+speculative loop on held-out prompts and logs τ. The head is exported to ``export_dir`` and
+``metrics.json`` is written into the run dir.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+
+def resolve_draft_export(export_dir: str | None) -> Path | None:
+    if not export_dir:
+        return None
+    if export_dir == "bundled":
+        from treedec.models.draft import BUNDLED_DRAFTS
+
+        return BUNDLED_DRAFTS["tiny-code-eagle"]
+    return Path(export_dir)
+
+
+def run(cfg: DictConfig) -> dict:
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from treedec.models.checkpoint import resolve_path
+    from treedec.models.tokenizer import load_tokenizer
+    from treedec.pretrain import _progress_callback, _seconds
+    from treedec.training.data import heldout_prompts
+    from treedec.training.draft import DraftModule, SpeculativeEvalCallback
+
+    t0 = time.time()
+    torch.set_num_threads(int(cfg.num_threads))
+    L.seed_everything(int(cfg.seed), workers=True)
+    run_dir = Path(cfg.paths.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target_dir = resolve_path(cfg.target)
+    tok_path = cfg.paths.tokenizer or str(target_dir / "tokenizer.json")
+    if not Path(tok_path).is_file():
+        raise FileNotFoundError(f"no tokenizer at {tok_path}: the draft trains on the target's own tokenizer")
+    OmegaConf.set_struct(cfg, False)
+    cfg.data.tokenizer_path = tok_path
+    dm = hydra.utils.instantiate(cfg.data)
+    dm.prepare_data()
+    dm.setup("fit")
+
+    optim = OmegaConf.to_container(cfg.optim, resolve=True)
+    if optim.get("time_budget_s") == "auto":
+        optim["time_budget_s"] = max(60.0, _seconds(cfg.trainer.max_time) - 60.0) if cfg.trainer.get("max_time") else None
+    module = DraftModule(str(target_dir), draft=OmegaConf.to_container(cfg.draft, resolve=True),
+                         max_steps=int(cfg.trainer.max_steps), target_dtype=cfg.target_dtype, seed=int(cfg.seed),
+                         init_from=cfg.init_from, **optim)
+    log.info("draft head: %.2fM trainable parameters", sum(p.numel() for p in module.head.parameters()) / 1e6)
+
+    tok = load_tokenizer(str(target_dir))
+    prompts = [tok.encode(p) for p in heldout_prompts(int(cfg.eval.n_prompts), int(cfg.eval.prompt_tokens), dm.root,
+                                                      tokenizer=tok)]
+    tau_cb = SpeculativeEvalCallback(prompts, int(cfg.eval.every_n_steps), int(cfg.eval.max_new_tokens))
+    ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step}", save_last=True,
+                           every_n_train_steps=int(cfg.ckpt_every_n_steps), save_top_k=1, auto_insert_metric_name=False)
+    trainer = hydra.utils.instantiate(
+        cfg.trainer, default_root_dir=str(run_dir), callbacks=[ckpt, tau_cb, _progress_callback(int(cfg.log_every))],
+        logger=CSVLogger(str(run_dir), name="csv", version="", flush_logs_every_n_steps=int(cfg.log_every)))
+    last = run_dir / "checkpoints" / "last.ckpt"
+    resume = str(last) if last.is_file() else None
+    if resume:
+        log.info("resuming from %s", resume)
+    tau0 = tau_cb.measure(module) if not resume else None
+    trainer.fit(module, datamodule=dm, ckpt_path=resume)
+    val = trainer.validate(module, datamodule=dm, verbose=False)
+    export = resolve_draft_export(cfg.export_dir)
+    if export is not None:
+        head = module.head.to(getattr(torch, cfg.export_dtype))
+        head.config.target = str(cfg.target)
+        head.save(export)
+        log.info("exported draft head to %s", export)
+    metrics = {
+        "steps": int(trainer.global_step), "tau_before": tau0, "tau_history": tau_cb.history,
+        "tau": tau_cb.history[-1][1] if tau_cb.history else None,
+        "val": {k: float(v) for k, v in (val[0] if val else {}).items()},
+        "wall_time_s": time.time() - t0, "resumed_from": resume, "export_dir": str(export) if export else None,
+    }
+    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    log.info("metrics: %s", json.dumps(metrics))
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Lightning module that trains an EAGLE draft head against a frozen target.
+
+For a window x_0..x_S the target gives features f_t (its final normed hidden state) and its
+next-token distribution p_t = softmax(lm_head(f_t)). The head reads (f_t + noise, x_{t+1}) and
+predicts f_{t+1}; loss = w_feat · SmoothL1(f̂_{t+1}, f_{t+1}) + w_ce · CE(p_{t+1}, softmax(lm_head(f̂_{t+1}))),
+as in EAGLE. The target is held outside the module's parameters, so it is never trained nor
+written into a checkpoint; hyperparameters are plain data (checkpoints load with weights_only=True).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from treedec.models.draft import DraftConfig, DraftHead
+from treedec.training.lm import _plain, cosine_with_warmup
+
+
+class DraftModule(L.LightningModule):
+    def __init__(self, target_path: str, draft: dict | None = None, lr: float = 1e-3, weight_decay: float = 0.0,
+                 betas: tuple = (0.9, 0.95), warmup_steps: int = 100, max_steps: int = 2000, min_lr_ratio: float = 0.1,
+                 feature_noise: float = 0.1, w_feat: float = 1.0, w_ce: float = 0.1, target_dtype: str = "bfloat16",
+                 seed: int = 0, time_budget_s: float | None = None, init_from: str | None = None):
+        super().__init__()
+        self.save_hyperparameters({
+            "target_path": str(target_path), "draft": _plain(draft or {}), "lr": float(lr),
+            "weight_decay": float(weight_decay), "betas": [float(b) for b in betas], "warmup_steps": int(warmup_steps),
+            "max_steps": int(max_steps), "min_lr_ratio": float(min_lr_ratio), "feature_noise": float(feature_noise),
+            "w_feat": float(w_feat), "w_ce": float(w_ce), "target_dtype": str(target_dtype), "seed": int(seed),
+            "time_budget_s": float(time_budget_s) if time_budget_s else None, "init_from": init_from,
+        })
+        from treedec.models import load_model
+
+        torch.manual_seed(seed)
+        target = load_model(target_path, dtype=target_dtype).eval().requires_grad_(False)
+        self._target = (target,)  # a tuple keeps the frozen target out of parameters and checkpoints
+        if init_from:
+            self.head = DraftHead.load(init_from, target=target, dtype=torch.float32)
+        else:
+            cfg = DraftConfig.for_target(target.config, target=str(target_path), **(draft or {}))
+            self.head = DraftHead(cfg).bind(target)
+        self._t_start, self._elapsed_base = None, 0.0
+
+    @property
+    def target(self):
+        return self._target[0]
+
+    def on_fit_start(self) -> None:
+        self.target.to(self.device)
+
+    @torch.no_grad()
+    def target_features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, hidden = self.target.forward_train(ids, return_hidden=True)
+        return hidden.float(), logits.float()
+
+    def losses(self, ids: torch.Tensor, noise: float) -> dict:
+        feats, logits = self.target_features(ids)
+        inp = feats[:, :-1]
+        if noise:
+            inp = inp + (torch.rand_like(inp) * 2 - 1) * noise
+        pred, draft_logits = self.head.forward_train(ids[:, 1:], inp)
+        want_feat, want_p = feats[:, 1:], logits[:, 1:].softmax(-1)
+        feat_loss = F.smooth_l1_loss(pred.float(), want_feat)
+        logq = draft_logits.float().log_softmax(-1)
+        ce = -(want_p * logq).sum(-1).mean()
+        acc = (draft_logits.argmax(-1) == logits[:, 1:].argmax(-1)).float().mean()
+        loss = self.hparams.w_feat * feat_loss + self.hparams.w_ce * ce
+        return {"loss": loss, "feat_loss": feat_loss, "ce": ce, "top1_acc": acc}
+
+    def training_step(self, batch, batch_idx):
+        out = self.losses(batch, self.hparams.feature_noise)
+        for k, v in out.items():
+            self.log(f"train/{k}", v, on_step=True, on_epoch=False, prog_bar=k == "loss")
+        return out["loss"]
+
+    def validation_step(self, batch, batch_idx):
+        out = self.losses(batch, 0.0)
+        for k, v in out.items():
+            self.log(f"val/{k}", v, on_step=False, on_epoch=True, batch_size=batch.shape[0], prog_bar=k == "top1_acc")
+
+    # ------------------------------------------------------------ optimisation (wall-time aware cosine)
+    def lr_multiplier(self, step: int | None = None) -> float:
+        hp = self.hparams
+        elapsed = self._elapsed_base + (time.time() - self._t_start if self._t_start else 0.0)
+        frac = elapsed / hp.time_budget_s if hp.time_budget_s else 0.0
+        return cosine_with_warmup(self.global_step if step is None else step, hp.warmup_steps, hp.max_steps,
+                                  hp.min_lr_ratio, frac)
+
+    def on_train_start(self) -> None:
+        self._t_start = time.time()
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        for g in self.optimizers(use_pl_optimizer=False).param_groups:
+            g["lr"] = self.hparams.lr * self.lr_multiplier()
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["train_elapsed_s"] = self._elapsed_base + (time.time() - self._t_start if self._t_start else 0.0)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._elapsed_base = float(checkpoint.get("train_elapsed_s", 0.0))
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        return torch.optim.AdamW(self.head.parameters(), lr=hp.lr * self.lr_multiplier(0), betas=tuple(hp.betas),
+                                 weight_decay=hp.weight_decay)
+
+
+class SpeculativeEvalCallback(L.Callback):
+    """Every ``every_n_steps`` (and at the end), run the real speculative loop on held-out prompts and log τ."""
+
+    def __init__(self, prompts: list[list[int]], every_n_steps: int = 250, max_new_tokens: int = 64, policy=None):
+        self.prompts, self.every, self.max_new = prompts, every_n_steps, max_new_tokens
+        self.policy = policy
+        self.history: list[tuple[int, float]] = []
+
+    def measure(self, module: DraftModule) -> float:
+        from treedec.decoding.speculative import SpeculativeDecoder
+        from treedec.tree.policies import DynamicPolicy
+
+        target = module.target
+        # A bf16 copy, as inference runs; casting the trained fp32 weights in place would round them.
+        head = DraftHead(module.head.config)
+        head.load_state_dict(module.head.state_dict())
+        head = head.to(device=target.device, dtype=target.dtype).eval().bind(target)
+        dec = SpeculativeDecoder(target, head, self.policy or DynamicPolicy(24, 5, 6))
+        tau = dec.generate(self.prompts, self.max_new).stats.tau
+        return tau
+
+    def _log(self, trainer, module) -> None:
+        tau = self.measure(module)
+        self.history.append((trainer.global_step, tau))
+        for lg in trainer.loggers:
+            lg.log_metrics({"val/tau": tau}, step=trainer.global_step)
+        import logging
+
+        logging.getLogger(__name__).info("step %d  speculative tau %.3f", trainer.global_step, tau)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if self.every and trainer.global_step % self.every == 0 and trainer.global_step > 0:
+            self._log(trainer, module)
+
+    def on_train_end(self, trainer, module) -> None:
+        self._log(trainer, module)
+
+
+__all__ = ["DraftModule", "SpeculativeEvalCallback"]
