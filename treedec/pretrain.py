@@ -62,6 +62,16 @@ def _progress_callback(every: int):
     return LogProgress()
 
 
+def _seconds(max_time) -> float:
+    """Lightning's max_time "DD:HH:MM:SS" (or a dict of timedelta kwargs) in seconds."""
+    if isinstance(max_time, str):
+        d, h, m, sec = (int(x) for x in max_time.split(":"))
+        return float(((d * 24 + h) * 60 + m) * 60 + sec)
+    import datetime
+
+    return datetime.timedelta(**dict(max_time)).total_seconds()
+
+
 def resolve_export_dir(export_dir: str | None) -> Path | None:
     if not export_dir:
         return None
@@ -75,7 +85,7 @@ def resolve_export_dir(export_dir: str | None) -> Path | None:
 def run(cfg: DictConfig) -> dict:
     import lightning as L
     import torch
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
     from treedec.training.lm import CausalLMModule
@@ -98,14 +108,17 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError(f"model_arch.vocab_size {arch['vocab_size']} < tokenizer vocab {meta['vocab_size']}")
 
     max_steps = int(cfg.trainer.max_steps)
-    module = CausalLMModule(arch, max_steps=max_steps, seed=int(cfg.seed), **OmegaConf.to_container(cfg.optim))
+    optim = OmegaConf.to_container(cfg.optim, resolve=True)
+    if optim.get("time_budget_s") == "auto":  # the LR reaches its floor just before trainer.max_time stops the run
+        optim["time_budget_s"] = max(60.0, _seconds(cfg.trainer.get("max_time")) - 60.0) if cfg.trainer.get("max_time") else None
+    module = CausalLMModule(arch, max_steps=max_steps, seed=int(cfg.seed), **optim)
     log.info("model: %.2fM parameters", module.n_params / 1e6)
 
     ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step}", save_last=True,
                            every_n_train_steps=int(cfg.ckpt_every_n_steps), save_top_k=1,
                            auto_insert_metric_name=False)
     trainer = hydra.utils.instantiate(cfg.trainer, default_root_dir=str(run_dir),
-                                      callbacks=[ckpt, LearningRateMonitor("step"), _progress_callback(int(cfg.log_every))],
+                                      callbacks=[ckpt, _progress_callback(int(cfg.log_every))],
                                       logger=CSVLogger(str(run_dir), name="csv", version="",
                                                        flush_logs_every_n_steps=int(cfg.log_every)))
     last = run_dir / "checkpoints" / "last.ckpt"

@@ -35,11 +35,17 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def cosine_with_warmup(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """LR multiplier: linear warm-up to 1, then cosine decay to ``min_lr_ratio`` at ``total_steps``."""
+def cosine_with_warmup(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float,
+                       time_frac: float = 0.0) -> float:
+    """LR multiplier: linear warm-up to 1, then cosine decay to ``min_lr_ratio``.
+
+    Decay progress is the larger of the step fraction ``(step - warmup) / (total - warmup)``
+    and ``time_frac`` (elapsed / time budget), so a run capped by wall time still ends on the floor.
+    """
     if step < warmup_steps:
         return (step + 1) / max(1, warmup_steps)
-    t = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    t = max((step - warmup_steps) / max(1, total_steps - warmup_steps), time_frac)
+    t = min(1.0, t)
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
 
@@ -51,19 +57,23 @@ class CausalLMModule(L.LightningModule):
 
     def __init__(self, arch: dict, lr: float = 3e-3, weight_decay: float = 0.1, betas: tuple = (0.9, 0.95),
                  warmup_steps: int = 200, max_steps: int = 10_000, min_lr_ratio: float = 0.1,
-                 init_std: float = 0.02, use_cache_path: bool = False, seed: int = 0):
+                 init_std: float = 0.02, use_cache_path: bool = False, seed: int = 0,
+                 time_budget_s: float | None = None):
         super().__init__()
         arch = _plain(arch)
         self.save_hyperparameters({
             "arch": arch, "lr": float(lr), "weight_decay": float(weight_decay), "betas": [float(b) for b in betas],
             "warmup_steps": int(warmup_steps), "max_steps": int(max_steps), "min_lr_ratio": float(min_lr_ratio),
             "init_std": float(init_std), "use_cache_path": bool(use_cache_path), "seed": int(seed),
+            "time_budget_s": float(time_budget_s) if time_budget_s else None,
         })
         torch.manual_seed(seed)
         self.config = LlamaConfig(**arch)
         self.model = Transformer(self.config, attn_backend="sdpa")
         self._init_weights(init_std)
         self._last_step_time: float | None = None
+        self._elapsed_base = 0.0  # training wall time of earlier jobs (restored from the checkpoint)
+        self._t_start: float | None = None
 
     def _init_weights(self, std: float) -> None:
         """GPT-2/Llama-style init: N(0, std), residual output projections scaled by 1/sqrt(2 * layers)."""
@@ -99,6 +109,7 @@ class CausalLMModule(L.LightningModule):
                      on_step=True, on_epoch=False)
         self._last_step_time = now
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+        self.log("train/lr", self.hparams.lr * self.lr_multiplier(), on_step=True, on_epoch=False)
         self.log("train/tokens", float((self.global_step + 1) * batch.shape[0] * (batch.shape[1] - 1)),
                  on_step=True, on_epoch=False)
         return loss
@@ -108,26 +119,40 @@ class CausalLMModule(L.LightningModule):
         self.log("val/loss", loss, prog_bar=True, on_step=False, on_epoch=True, batch_size=batch.shape[0])
         return loss
 
+    # ------------------------------------------------------------ LR schedule (wall-time aware)
+    @property
+    def train_elapsed_s(self) -> float:
+        return self._elapsed_base + (time.time() - self._t_start if self._t_start is not None else 0.0)
+
+    def lr_multiplier(self, step: int | None = None) -> float:
+        hp = self.hparams
+        step = self.global_step if step is None else step
+        frac = self.train_elapsed_s / hp.time_budget_s if hp.time_budget_s else 0.0
+        return cosine_with_warmup(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio, frac)
+
+    def on_train_start(self) -> None:
+        self._t_start = time.time()
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        lr = self.hparams.lr * self.lr_multiplier()
+        for opt in (self.optimizers(use_pl_optimizer=False),):
+            for g in opt.param_groups:
+                g["lr"] = lr
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["train_elapsed_s"] = float(self.train_elapsed_s)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._elapsed_base = float(checkpoint.get("train_elapsed_s", 0.0))
+
     def configure_optimizers(self):
+        """AdamW; weight decay on matrices only. The LR is set before every step by ``lr_multiplier``."""
         hp = self.hparams
         decay, no_decay = [], []
         for _, p in self.model.named_parameters():
             (decay if p.dim() >= 2 else no_decay).append(p)
         groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), fused=False)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, _Schedule(hp.warmup_steps, hp.max_steps, hp.min_lr_ratio))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-class _Schedule:
-    """Picklable LR lambda whose state is plain numbers (LambdaLR saves a callable object's __dict__)."""
-
-    def __init__(self, warmup_steps: int, total_steps: int, min_lr_ratio: float):
-        self.warmup_steps, self.total_steps, self.min_lr_ratio = warmup_steps, total_steps, min_lr_ratio
-
-    def __call__(self, step: int) -> float:
-        return cosine_with_warmup(step, self.warmup_steps, self.total_steps, self.min_lr_ratio)
+        return torch.optim.AdamW(groups, lr=hp.lr * self.lr_multiplier(0), betas=tuple(hp.betas), fused=False)
 
 
 __all__ = ["CausalLMModule", "cosine_with_warmup"]
