@@ -43,7 +43,7 @@ class OraclePolicy(TreePolicy):
 
     def __init__(self, inner: TreePolicy, references: list[list[int]], p_hit: float = 0.8, seed: int = 0):
         self.inner, self.refs, self.p_hit = inner, references, p_hit
-        self.max_depth, self.max_size = inner.max_depth, inner.max_size
+        self.max_depth, self.max_size, self.max_inputs = inner.max_depth, inner.max_size, inner.max_inputs
         self.emitted = [0] * len(references)  # updated by the stream callback
         self.rng = torch.Generator().manual_seed(seed)
 

@@ -13,6 +13,7 @@ POLICIES = {
     "static_balanced": lambda: StaticPolicy(shape="balanced_2x3"),
     "dynamic": lambda: DynamicPolicy(total_tokens=20, depth=5, top_k=4),
     "dynamic_wide": lambda: DynamicPolicy(total_tokens=70, depth=3, top_k=6),  # T > 64: two mask words
+    "dynamic_deep": lambda: DynamicPolicy(total_tokens=8, depth=6, top_k=4),  # draft reads more nodes than T
 }
 
 

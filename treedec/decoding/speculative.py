@@ -119,7 +119,7 @@ class SpeculativeDecoder:
             )
         max_len = Lmax + max_new_tokens + self.policy.max_size + 2
         cache = tgt.new_cache(B, max_len)
-        drafter = Drafter(self.draft, B, max_len)
+        drafter = Drafter(self.draft, B, Lmax + max_new_tokens + self.policy.max_inputs + 2)
         stats, out = SpecStats(), [[] for _ in range(B)]
         done = [max_new_tokens <= 0] * B
         rows = torch.arange(B, device=dev)

@@ -50,8 +50,9 @@ class DraftTree:
 class TreePolicy:
     """Draws a tree of candidates from a drafter; subclasses are the static/dynamic/chain/learned policies."""
 
-    max_depth: int
-    max_size: int
+    max_depth: int  # deepest node below the root
+    max_size: int  # T, root included
+    max_inputs: int  # tree nodes the draft head reads per step (its cache must hold them)
 
     def draft(self, drafter, params=None, generator: torch.Generator | None = None) -> DraftTree:
         raise NotImplementedError

@@ -27,6 +27,7 @@ class DynamicPolicy(TreePolicy):
             )
         self.total_tokens, self.max_depth, self.top_k = total_tokens, depth, top_k
         self.max_size = total_tokens
+        self.max_inputs = top_k * (depth - 1)
 
     def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> DraftTree:
         B, k, dev = drafter.batch, self.top_k, drafter.device

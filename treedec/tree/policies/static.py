@@ -37,6 +37,7 @@ class StaticPolicy(TreePolicy):
         self.levels = [[i for i in range(len(depth)) if depth[i] == d] for d in range(self.max_depth + 1)]
         self.expanded = [[i for i in lvl if kids[i]] for lvl in self.levels]
         self.fan_out = max(len(k) for k in kids)
+        self.max_inputs = sum(len(e) for e in self.expanded[1:])
 
     def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> DraftTree:
         shape, B = self.shape, drafter.batch
