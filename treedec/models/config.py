@@ -41,6 +41,12 @@ class LlamaConfig:
             )
 
     @property
+    def context_length(self) -> int:
+        """Longest sequence the model handles exactly: the position limit, or a smaller sliding window."""
+        window = self.extra.get("sliding_window")
+        return min(self.max_position_embeddings, window) if window else self.max_position_embeddings
+
+    @property
     def eos_ids(self) -> list[int]:
         e = self.eos_token_id
         return [] if e is None else ([e] if isinstance(e, int) else list(e))
@@ -62,15 +68,30 @@ class LlamaConfig:
         elif d.get("attention_bias"):
             kw["qkv_bias"] = kw["o_bias"] = True
         kw["mlp_bias"] = bool(d.get("mlp_bias", False))
-        rs = d.get("rope_scaling")
+        rp = d.get("rope_parameters")  # transformers >= 5 folds rope_theta and rope_scaling into one dict
+        if isinstance(rp, dict) and "rope_theta" not in d:
+            rp = dict(rp)
+            if "rope_theta" in rp:
+                kw["rope_theta"] = rp.pop("rope_theta")
+            if rp.get("rope_type", rp.get("type", "default")) != "default" and d.get("rope_scaling") is None:
+                kw["rope_scaling"] = rp
+        rs = kw.get("rope_scaling")
         if rs is not None:
             kind = rs.get("rope_type", rs.get("type"))
             if kind not in ("llama3", "linear", "default"):
                 raise ValueError(f"unsupported rope_scaling type {kind!r}; treedec supports 'llama3' and 'linear'")
         ignore = {"architectures", "attention_bias", "mlp_bias", "model_type", "torch_dtype", "dtype",
                   "transformers_version", "hidden_act", "use_cache", "attention_dropout", "initializer_range",
-                  "pretraining_tp", "sliding_window", "use_sliding_window", "max_window_layers", "pad_token_id"}
+                  "pretraining_tp", "sliding_window", "use_sliding_window", "max_window_layers", "pad_token_id",
+                  "rope_parameters", "layer_types"}
         kw["extra"] = {k: v for k, v in d.items() if k not in known and k not in ignore}
+        # A sliding window is exact full attention as long as the sequence fits in it: keep it as a context limit.
+        window = d.get("sliding_window")
+        uses_window = d.get("use_sliding_window", arch == "MistralForCausalLM")
+        if uses_window and window and (arch != "Qwen2ForCausalLM" or d.get("max_window_layers", 0) < d.get("num_hidden_layers", 0)):
+            kw["extra"]["sliding_window"] = window
+            if arch == "Qwen2ForCausalLM":
+                kw["extra"].update(use_sliding_window=True, max_window_layers=d.get("max_window_layers"))
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; the Llama family uses 'silu'")
         return cls(**kw)

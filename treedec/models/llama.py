@@ -33,9 +33,12 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    """Rotary inverse frequencies, with Llama-3 ("llama3") or linear position scaling."""
+    """Rotary inverse frequencies, with Llama-3 ("llama3") or linear position scaling.
+
+    Computed in fp32 with the same operations as ``transformers``, so that both agree bit for bit.
+    """
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     rs = cfg.rope_scaling or {}
     kind = rs.get("rope_type", rs.get("type"))
     if kind == "linear":
@@ -44,10 +47,10 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
         factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
         old = rs.get("original_max_position_embeddings", 8192)
         wavelen = 2 * math.pi / inv
-        smooth = ((old / wavelen) - lo) / (hi - lo)
         scaled = torch.where(wavelen > old / lo, inv / factor, inv)
-        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
-        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        mid = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        inv = torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
     return inv.float()
 
 
@@ -63,6 +66,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.chunk(2, dim=-1)
     rot = torch.cat((-x2, x1), dim=-1)
     return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def _sdpa_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """SDPA for a chain whose keys are exactly [prefix, new tokens] in every row.
+
+    ``causal=False``: one new token that sees every key (a decode step); ``causal=True``: T new
+    tokens and no prefix (a prefill from empty). GQA without copying K/V where torch allows it.
+    """
+    G = q.shape[1] // k.shape[1]
+    if G > 1 and not _SDPA_GQA:
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    elif G > 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 class Attention(nn.Module):
@@ -81,7 +101,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.write(layer, k, v)
-        out = tree_attention(q, keys, values, bits, cache.lengths, backend=backend, mask=mask)
+        if isinstance(mask, str):  # a plain chain over rows of equal length: SDPA needs no mask ("full" | "causal")
+            out = _sdpa_plain(q, keys, values, causal=mask == "causal")
+        else:
+            out = tree_attention(q, keys, values, bits, cache.lengths, backend=backend, mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
     def forward_causal(self, x, cos, sin):
@@ -193,15 +216,25 @@ class Transformer(nn.Module):
             position_ids = cache.lengths[:, None] + torch.arange(T, device=x.device)
         elif position_ids.dim() == 1:
             position_ids = position_ids[None].expand(B, T)
-        if int(position_ids.max()) >= self.config.max_position_embeddings:
+        ctx = self.config.context_length
+        if int(position_ids.max()) >= ctx:
             raise ValueError(
                 f"position {int(position_ids.max())} is beyond the model's context of "
-                f"{self.config.max_position_embeddings} tokens; shorten the prompt or max_new_tokens"
+                f"{ctx} tokens; shorten the prompt or max_new_tokens"
             )
-        bits = chain_bits(T, x.device) if ancestor_bits is None else ancestor_bits
         backend = self.backend()
-        S = int(cache.lengths.max()) + T
-        mask = dense_mask(bits, cache.lengths, T, S)[:, None] if backend != "triton" else None
+        mask = bits = None
+        if ancestor_bits is None and backend == "sdpa":
+            # A plain chain where every row holds the same length needs no mask: decode steps
+            # (T == 1) see every key, a prefill from an empty cache is causal.
+            lens = cache.lengths
+            if T == 1 or int(lens.max()) == 0:
+                if B == 1 or bool((lens == lens[0]).all()):
+                    mask = "full" if T == 1 else "causal"
+        if mask is None:
+            bits = chain_bits(T, x.device) if ancestor_bits is None else ancestor_bits
+            S = int(cache.lengths.max()) + T
+            mask = dense_mask(bits, cache.lengths, T, S)[:, None] if backend != "triton" else None
         cos, sin = rope_cos_sin(position_ids, self.inv_freq)
         saved = {}
         for i, layer in enumerate(self.model.layers):

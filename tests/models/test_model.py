@@ -1,0 +1,254 @@
+"""The target model's invariants: incremental decoding, tree == branches, KV commit, rollback."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models.helpers import full_logits, tiny_model
+from treedec.tree import Tree
+from treedec.tree.layout import pack_bits
+
+ATOL = 2e-5
+
+
+def triton_available() -> bool:
+    try:
+        import treedec.attention.triton_kernel  # noqa: F401
+    except Exception:  # module not written yet, or no Triton
+        return False
+    return True
+
+
+def backends(include_triton: bool = True):
+    out = ["eager", "sdpa"]
+    if include_triton:
+        out.append(pytest.param("triton", marks=pytest.mark.skipif(not triton_available(),
+                                                                   reason="Triton tree-attention kernel unavailable")))
+    return out
+
+
+def random_tree(T: int, gen: torch.Generator) -> Tree:
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, T)]
+    return Tree.from_parents(parents)
+
+
+def rand_ids(n: int, gen: torch.Generator, V: int = 97) -> list[int]:
+    return torch.randint(0, V, (n,), generator=gen).tolist()
+
+
+# --------------------------------------------------------------------------- incremental decoding
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_incremental_equals_full_forward(backend, kv_heads):
+    model = tiny_model(seed=kv_heads, backend=backend, num_key_value_heads=kv_heads)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.tensor([rand_ids(24, gen), rand_ids(24, gen)])
+    want = full_logits(model, ids)
+    cache = model.new_cache(2, 32)
+    got = []
+    with torch.inference_mode():
+        for a, b in [(0, 7), (7, 12)]:  # chunked prefill
+            got.append(model(ids[:, a:b], cache).logits)
+            cache.advance(b - a)
+        for t in range(12, 24):  # one-token steps
+            got.append(model(ids[:, t:t + 1], cache, logits="last").logits)
+            cache.advance(1)
+    torch.testing.assert_close(torch.cat(got, 1), want, atol=ATOL, rtol=1e-4)
+    assert int(cache.lengths[0]) == 24
+
+
+def test_logits_selection_and_hidden():
+    model = tiny_model(seed=1)
+    ids = torch.tensor([rand_ids(9, torch.Generator().manual_seed(1))])
+    full = full_logits(model, ids)
+    with torch.inference_mode():
+        out = model(ids, model.new_cache(1, 9), logits=torch.tensor([2, 5]), layer_inputs=(1,))
+        torch.testing.assert_close(out.logits, full[:, [2, 5]])
+        torch.testing.assert_close(model.lm_head(out.hidden), full, atol=ATOL, rtol=1e-4)
+        assert set(out.layer_inputs) == {1}
+        none = model(ids, model.new_cache(1, 9), logits="none")
+        assert none.logits is None
+
+
+# --------------------------------------------------------------------------- tree == branches
+def check_tree_equals_branches(model, prefix: list[int], tree: Tree, tokens: list[int], atol=ATOL):
+    L, T = len(prefix), len(tree)
+    cache = model.new_cache(1, L + T)
+    with torch.inference_mode():
+        model(torch.tensor([prefix]), cache, logits="none")
+        cache.advance(L)
+        out = model(torch.tensor([tokens]), cache, position_ids=tree.position_ids(L)[None],
+                    ancestor_bits=tree.ancestor_bits()).logits[0]
+    assert int(cache.lengths[0]) == L  # a tree forward does not move the length
+    for node in range(T):
+        branch = prefix + [tokens[j] for j in tree.path_to(node)]
+        want = full_logits(model, [branch])[0, -1]
+        torch.testing.assert_close(out[node], want, atol=atol, rtol=1e-4, msg=lambda m: f"node {node}: {m}")
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("seed", range(4))
+def test_tree_equals_branches(backend, seed):
+    gen = torch.Generator().manual_seed(seed)
+    model = tiny_model(seed=seed, backend=backend)
+    T = [5, 17, 40, 29][seed]
+    tree = random_tree(T, gen)
+    check_tree_equals_branches(model, rand_ids(3 + 4 * seed, gen), tree, rand_ids(T, gen))
+
+
+def test_tree_beyond_64_nodes():
+    gen = torch.Generator().manual_seed(11)
+    model = tiny_model(seed=11, backend="sdpa", num_key_value_heads=1)
+    tree = random_tree(70, gen)
+    assert tree.ancestor_bits().shape == (70, 2)
+    check_tree_equals_branches(model, rand_ids(6, gen), tree, rand_ids(70, gen))
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton tree-attention kernel unavailable")
+def test_tree_equals_branches_triton():
+    gen = torch.Generator().manual_seed(3)
+    model = tiny_model(seed=3, backend="triton", num_hidden_layers=1)
+    tree = random_tree(6, gen)
+    check_tree_equals_branches(model, rand_ids(5, gen), tree, rand_ids(6, gen), atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_ragged_batch_per_row_trees(backend):
+    """Two rows, different prefix lengths, different trees ([B, T, W] bits, [B, T] positions)."""
+    gen = torch.Generator().manual_seed(21)
+    small = backend == "triton"
+    model = tiny_model(seed=21, backend=backend, num_hidden_layers=1 if small else 2)
+    T = 5 if small else 12
+    prefixes = [rand_ids(4, gen), rand_ids(9, gen)]
+    trees = [random_tree(T, gen), random_tree(T, gen)]
+    tokens = [rand_ids(T, gen), rand_ids(T, gen)]
+    lens = torch.tensor([len(p) for p in prefixes])
+    cache = model.new_cache(2, int(lens.max()) + T)
+    padded = torch.zeros(2, int(lens.max()), dtype=torch.long)
+    for b, p in enumerate(prefixes):
+        padded[b, : len(p)] = torch.tensor(p)
+    bits = torch.stack([t.ancestor_bits() for t in trees])
+    pos = torch.stack([t.position_ids(int(lens[b])) for b, t in enumerate(trees)])
+    with torch.inference_mode():
+        model(padded, cache, logits="none")
+        cache.rollback(lens)
+        out = model(torch.tensor(tokens), cache, position_ids=pos, ancestor_bits=bits).logits
+    for b in range(2):
+        for node in range(T):
+            branch = prefixes[b] + [tokens[b][j] for j in trees[b].path_to(node)]
+            torch.testing.assert_close(out[b, node], full_logits(model, [branch])[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_tree_with_sibling_tokens_equal():
+    """Siblings holding the same token at the same position must still not see each other."""
+    model = tiny_model(seed=4)
+    tree = Tree.from_parents([-1, 0, 0, 1, 2, 2])
+    check_tree_equals_branches(model, [1, 2, 3], tree, [7, 9, 9, 4, 4, 5])
+
+
+# --------------------------------------------------------------------------- KV commit
+def vanilla_cache(model, tokens: list[int]):
+    cache = model.new_cache(1, len(tokens) + 1)
+    with torch.inference_mode():
+        model(torch.tensor([tokens]), cache, logits="none")
+    cache.advance(len(tokens))
+    return cache
+
+
+def assert_cache_rows_equal(cache, b: int, ref, atol=ATOL):
+    n = int(ref.lengths[0])
+    assert int(cache.lengths[b]) == n
+    torch.testing.assert_close(cache.k[:, b, :, :n], ref.k[:, 0, :, :n], atol=atol, rtol=1e-4)
+    torch.testing.assert_close(cache.v[:, b, :, :n], ref.v[:, 0, :, :n], atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("seed", range(3))
+def test_kv_commit_equals_vanilla(backend, seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    model = tiny_model(seed=seed, backend=backend)
+    seq = rand_ids(6, gen)
+    cache = model.new_cache(1, 200)
+    with torch.inference_mode():
+        model(torch.tensor([seq]), cache, logits="none")
+        cache.advance(len(seq))
+        for step in range(6):
+            T = int(torch.randint(1, 25, (1,), generator=gen))
+            tree = random_tree(T, gen)
+            toks = rand_ids(T, gen)
+            model(torch.tensor([toks]), cache, position_ids=tree.position_ids(cache.lengths),
+                  ancestor_bits=tree.ancestor_bits(), logits="none")
+            node = int(torch.randint(0, T, (1,), generator=gen))
+            path = tree.path_to(node)
+            cache.commit(torch.tensor(path))
+            seq += [toks[j] for j in path]
+            assert_cache_rows_equal(cache, 0, vanilla_cache(model, seq))
+    # and decoding continues exactly as vanilla
+    nxt = rand_ids(3, gen)
+    with torch.inference_mode():
+        got = model(torch.tensor([nxt]), cache).logits
+    torch.testing.assert_close(got, full_logits(model, [seq + nxt])[:, -3:], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_kv_commit_ragged_rows(backend):
+    """Per-row trees and per-row accepted paths ([B, n] padded, n_accept per row) over several steps."""
+    gen = torch.Generator().manual_seed(7)
+    model = tiny_model(seed=7, backend=backend)
+    seqs = [rand_ids(3, gen), rand_ids(8, gen)]
+    B, T = 2, 15
+    lens = torch.tensor([len(s) for s in seqs])
+    cache = model.new_cache(B, 150)
+    padded = torch.zeros(B, int(lens.max()), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        padded[b, : len(s)] = torch.tensor(s)
+    with torch.inference_mode():
+        model(padded, cache, logits="none")
+        cache.rollback(lens)
+        for step in range(5):
+            trees = [random_tree(T, gen) for _ in range(B)]
+            toks = [rand_ids(T, gen) for _ in range(B)]
+            bits = torch.stack([t.ancestor_bits() for t in trees])
+            pos = torch.stack([t.position_ids(int(cache.lengths[b])) for b, t in enumerate(trees)])
+            model(torch.tensor(toks), cache, position_ids=pos, ancestor_bits=bits, logits="none")
+            paths = [trees[b].path_to(int(torch.randint(0, T, (1,), generator=gen))) for b in range(B)]
+            n = torch.tensor([len(p) for p in paths])
+            width = int(n.max())
+            path_t = torch.tensor([p + [0] * (width - len(p)) for p in paths])
+            cache.commit(path_t, n)
+            for b in range(B):
+                seqs[b] += [toks[b][j] for j in paths[b]]
+                assert_cache_rows_equal(cache, b, vanilla_cache(model, seqs[b]))
+
+
+def test_rollback_then_decode():
+    gen = torch.Generator().manual_seed(9)
+    model = tiny_model(seed=9)
+    seq = rand_ids(20, gen)
+    cache = model.new_cache(1, 40)
+    with torch.inference_mode():
+        model(torch.tensor([seq]), cache, logits="none")
+        cache.advance(20)
+        cache.rollback(12)  # forget the last 8 tokens, then take a different continuation
+        alt = rand_ids(5, gen)
+        got = model(torch.tensor([alt]), cache).logits
+        cache.advance(5)
+    torch.testing.assert_close(got, full_logits(model, [seq[:12] + alt])[:, -5:], atol=ATOL, rtol=1e-4)
+    assert_cache_rows_equal(cache, 0, vanilla_cache(model, seq[:12] + alt))
+
+
+def test_context_overflow_is_a_clear_error():
+    model = tiny_model(seed=0, max_position_embeddings=16)
+    cache = model.new_cache(1, 64)
+    with pytest.raises(ValueError, match="context"):
+        with torch.inference_mode():
+            model(torch.zeros(1, 17, dtype=torch.long), cache)
+    small = model.new_cache(1, 4)
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        with torch.inference_mode():
+            model(torch.zeros(1, 5, dtype=torch.long), small)
+
+
+def test_pack_bits_matches_tree_mask():
+    tree = random_tree(30, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(tree.ancestor_bits(), pack_bits(tree.mask()))

@@ -1,0 +1,226 @@
+"""A small tokenizer wrapper over ``tokenizers`` for Hugging Face model directories.
+
+Reads ``tokenizer.json`` (the fast-tokenizer file every modern HF checkpoint has) and, when
+present, ``tokenizer_config.json`` (BOS policy, special tokens, chat template),
+``chat_template.jinja``, ``generation_config.json`` and ``config.json`` (EOS ids).
+Chat templates are rendered with jinja2 in a sandbox, the way ``transformers`` does, so a
+chat model sees exactly the prompt format it was trained on.
+"""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+from treedec.models.checkpoint import resolve_path
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); restore it from the model's repository") from exc
+
+
+def _token_str(tok: Any) -> str | None:
+    """Special tokens in tokenizer_config.json are strings or AddedToken dicts ({"content": ...})."""
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok if isinstance(tok, str) else None
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    return [int(x)] if isinstance(x, int) else [int(i) for i in x]
+
+
+class Tokenizer:
+    """``encode`` / ``decode`` / ``eos_ids`` / ``apply_chat_template`` over a ``tokenizers.Tokenizer``."""
+
+    def __init__(self, tokenizer, tokenizer_config: dict | None = None, eos_ids: Sequence[int] = (),
+                 bos_id: int | None = None, chat_template: str | None = None):
+        self.tk = tokenizer
+        self.tokenizer_config = dict(tokenizer_config or {})
+        cfg = self.tokenizer_config
+        eos = list(dict.fromkeys(int(i) for i in eos_ids))
+        eos_tok = _token_str(cfg.get("eos_token"))
+        if eos_tok is not None and self.tk.token_to_id(eos_tok) is not None:
+            tid = self.tk.token_to_id(eos_tok)
+            if tid not in eos:
+                eos.append(tid)
+        self.eos_ids: list[int] = eos
+        bos_tok = _token_str(cfg.get("bos_token"))
+        if bos_id is None and bos_tok is not None:
+            bos_id = self.tk.token_to_id(bos_tok)
+        self.bos_id: int | None = bos_id
+        pad_tok = _token_str(cfg.get("pad_token"))
+        self.pad_id: int | None = self.tk.token_to_id(pad_tok) if pad_tok is not None else None
+        tmpl = chat_template if chat_template is not None else cfg.get("chat_template")
+        if isinstance(tmpl, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
+            tmpl = named.get("default") or next(iter(named.values()), None)
+        self.chat_template: str | None = tmpl
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_dir(cls, name_or_path: str | os.PathLike) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = resolve_path(name_or_path)
+        file = path / TOKENIZER_FILE
+        if not file.is_file():
+            found = sorted(p.name for p in path.iterdir())
+            hint = (" A slow (sentencepiece) tokenizer.model is there: convert it once with transformers: "
+                    "`AutoTokenizer.from_pretrained(dir).save_pretrained(dir)` writes tokenizer.json."
+                    if "tokenizer.model" in found else "")
+            raise FileNotFoundError(
+                f"{path} has no {TOKENIZER_FILE} (found: {', '.join(found) or 'nothing'}); treedec reads the "
+                f"fast-tokenizer file that Hugging Face checkpoints ship.{hint}"
+            )
+        try:
+            tk = HFTokenizer.from_file(str(file))
+        except Exception as exc:
+            raise ValueError(f"cannot read {file} ({exc}); it is corrupt or from an incompatible tokenizers version") from exc
+        tcfg = _read_json(path / "tokenizer_config.json")
+        eos = _as_list(_read_json(path / "config.json").get("eos_token_id"))
+        eos += _as_list(_read_json(path / "generation_config.json").get("eos_token_id"))
+        tmpl_file = path / "chat_template.jinja"
+        tmpl = tmpl_file.read_text() if tmpl_file.is_file() else None
+        if tmpl is None and (path / "chat_template.json").is_file():
+            tmpl = _read_json(path / "chat_template.json").get("chat_template")
+        return cls(tk, tcfg, eos, chat_template=tmpl)
+
+    # ------------------------------------------------------------------ core
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text``.
+
+        ``add_bos=None`` follows the checkpoint (its post-processor, and tokenizer_config's
+        ``add_bos_token``), as ``transformers`` does for ``tokenizer(text)``; True/False force it.
+        Text rendered by :meth:`apply_chat_template` already holds its special tokens: encode
+        it with ``add_bos=False``.
+        """
+        if add_bos is None:
+            ids = self.tk.encode(text, add_special_tokens=True).ids
+            if self.tokenizer_config.get("add_bos_token") and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+                ids = [self.bos_id] + ids
+            return ids
+        ids = self.tk.encode(text, add_special_tokens=False).ids
+        if add_bos:
+            if self.bos_id is None:
+                raise ValueError("add_bos=True but this tokenizer defines no bos_token (tokenizer_config.json)")
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tk.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tk.id_to_token(int(i))
+
+    # ------------------------------------------------------------------ chat
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False, **kwargs) -> str | list[int]:
+        """Render ``messages`` ([{"role": ..., "content": ...}]) with the checkpoint's chat template.
+
+        Returns the prompt text, or its ids with ``tokenize=True`` (special tokens come from the
+        template, so no BOS is added on top). Extra keyword arguments reach the template.
+        """
+        if not self.chat_template:
+            raise ValueError(
+                "this tokenizer has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja); "
+                "it is a base model: encode the plain prompt text instead"
+            )
+        text = render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                    **self._special_tokens(), **kwargs)
+        return self.encode(text, add_bos=False) if tokenize else text
+
+    def _special_tokens(self) -> dict[str, str | None]:
+        keys = ("bos_token", "eos_token", "pad_token", "unk_token")
+        return {k: _token_str(self.tokenizer_config.get(k)) for k in keys}
+
+    # ------------------------------------------------------------------ saving
+    def save(self, path: str | os.PathLike) -> None:
+        """Write tokenizer.json and tokenizer_config.json into directory ``path``."""
+        save_tokenizer(self, path)
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
+    """Render a Hugging Face chat template (jinja2, sandboxed, trim/lstrip blocks as in transformers)."""
+    try:
+        import jinja2
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as exc:  # pragma: no cover - transformers depends on jinja2
+        raise ImportError("chat templates need jinja2: `pip install jinja2` (or pass a plain prompt)") from exc
+
+    class _Generation(Extension):
+        """``{% generation %}...{% endgeneration %}`` marks assistant spans; render its body as is."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+
+
+def save_tokenizer(tokenizer, path: str | os.PathLike, config=None) -> None:
+    """Write tokenizer.json (+ tokenizer_config.json) so that both treedec and transformers load it.
+
+    ``tokenizer``: a :class:`Tokenizer`, a ``tokenizers.Tokenizer`` or a path to a tokenizer.json.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = HFTokenizer.from_file(str(tokenizer))
+    wrapper = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
+    wrapper.tk.save(str(path / TOKENIZER_FILE))
+    tcfg = dict(wrapper.tokenizer_config)
+    tcfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    if config is not None:
+        for key, ids in (("bos_token", [config.bos_token_id] if config.bos_token_id is not None else []),
+                         ("eos_token", config.eos_ids)):
+            if key not in tcfg and ids and wrapper.id_to_token(ids[0]) is not None:
+                tcfg[key] = wrapper.id_to_token(ids[0])
+    if wrapper.chat_template and "chat_template" not in tcfg:
+        tcfg["chat_template"] = wrapper.chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of ``"tiny-code"`` (the bundled model) or of a local Hugging Face directory."""
+    return Tokenizer.from_dir(name_or_path)
+
+
+__all__ = ["Tokenizer", "load_tokenizer", "render_chat_template", "save_tokenizer"]
