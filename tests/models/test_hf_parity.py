@@ -147,3 +147,23 @@ def test_bf16_load(tmp_path):
     got = full_logits(ours, ids).float()
     want = hf_logits(hf, ids)
     assert (got - want).abs().max() < 0.1 * want.abs().max()
+
+
+@pytest.mark.parametrize("case", ["qwen2"])
+def test_bf16_greedy_matches_transformers_generate(case, tmp_path):
+    """RoPE is applied in the model dtype as transformers does, so bf16 greedy decoding agrees token for token."""
+    from treedec.decoding.vanilla import generate
+
+    hf_model(case, seed=1).save_pretrained(tmp_path)
+    ours = load_model(tmp_path, dtype="bf16")
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    except TypeError:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.bfloat16).eval()
+    hf.generation_config.eos_token_id = None  # Llama's default EOS (2) would stop it or, with min_new_tokens, be masked
+    prompt = ids_for(8, B=1, T=9)
+    with torch.inference_mode():
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40,
+                           do_sample=False, pad_token_id=0)[0, 9:].tolist()
+    assert len(want) == 40
+    assert generate(ours, prompt, 40, eos_ids=[]).tokens[0] == want

@@ -8,9 +8,12 @@ that background load hits both alike, and medians after a warm-up are reported.
 
     python -m treedec.bench.vanilla_vs_hf --size 20m --dtype bf16 --threads 2 --new-tokens 128
 
-In fp32 the two outputs must be identical (the script fails otherwise); in bf16 the two
-implementations round differently (e.g. transformers applies RoPE in bf16, treedec in fp32),
-so greedy paths may part after a while: the script reports how many leading tokens agree.
+In fp32 the two outputs must be identical (the script fails otherwise). treedec applies RoPE
+in the model dtype as transformers does, so bf16 outputs normally agree too; bf16 kernels may
+still round differently, so there the script only reports how many leading tokens agree.
+
+Timings need a quiet machine: with other processes competing for the cores, multi-threaded
+CPU kernels stall at OpenMP barriers and both figures collapse (the ratio suffers less).
 """
 from __future__ import annotations
 

@@ -62,10 +62,14 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[to
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos/sin [B, 1, T, D] (rotate-half convention, as in HF Llama)."""
+    """x [B, H, T, D]; cos/sin [B, 1, T, D] (rotate-half convention, as in HF Llama).
+
+    Computed in x's dtype with cos/sin rounded to it, exactly as ``transformers`` does, so that
+    bf16 models decode the same tokens in both (cos/sin are computed in fp32 first).
+    """
     x1, x2 = x.chunk(2, dim=-1)
     rot = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * cos + rot.float() * sin).to(x.dtype)
+    return x * cos.to(x.dtype) + rot * sin.to(x.dtype)
 
 
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -236,6 +240,7 @@ class Transformer(nn.Module):
             S = int(cache.lengths.max()) + T
             mask = dense_mask(bits, cache.lengths, T, S)[:, None] if backend != "triton" else None
         cos, sin = rope_cos_sin(position_ids, self.inv_freq)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         saved = {}
         for i, layer in enumerate(self.model.layers):
             if i in layer_inputs:

@@ -1,0 +1,110 @@
+"""calibrate -> learned tree -> generate on a tiny random model; calibrate's config and errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+from .test_generate import CONF, overrides, stack  # noqa: F401  (fixtures)
+from .training.test_pretrain import corpus, tokenizer  # noqa: F401  (fixtures)
+
+
+def calib_overrides(stack, run_dir, *extra):  # noqa: F811
+    return [f"model.path={stack / 'target'}", "model.dtype=float32", f"draft.path={stack / 'draft'}",
+            f"paths.run_dir={run_dir}", "probe.top_k=3", "probe.depth=3", "prompts.n=2", "prompts.prompt_tokens=32",
+            "max_new_tokens=12", "dp.max_budget=12", "dp.max_depth=3", "timing.repeats=1", "timing.warmup=0",
+            "timing.budgets=[2,6,12]", "timing.prefix_len=32", "num_threads=1", *extra]
+
+
+def compose_calibrate(ovr):
+    import treedec.calibrate  # noqa: F401  (registers the schemas)
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="calibrate", overrides=ovr)
+
+
+def test_calibrate_then_generate_with_learned_tree(stack, tmp_path, corpus, capsys):  # noqa: F811
+    from treedec.calibrate import run
+    from treedec.generate import run as generate
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n" + json.dumps("class Thing:\n") + "\n")
+    cdir = tmp_path / "calib"
+    m = run(compose_calibrate(calib_overrides(stack, cdir, "prompts.source=file", f"prompts.file={prompts}")))
+    out = cdir / "learned_tree.yaml"
+    assert m["out"] == str(out) and out.is_file() and (cdir / "metrics.json").is_file()
+    shape = yaml.safe_load(out.read_text())
+    assert shape["budget"] == len(shape["choices"]) + 1 == m["budget"] and 2 <= m["budget"] <= 12
+    assert shape["depth"] <= 3 and shape["expected_tau"] >= 1.0
+    assert set(shape["timing"]["t_verify_ms"]) >= {2, 6, 12} and shape["timing"]["t_draft_ms"] > 0
+    assert sorted(shape["trees"]) == list(range(2, 13))
+    acc = json.loads((cdir / "acceptance.json").read_text())
+    assert acc["steps"] == m["steps"] > 0 and len(acc["trials"][0]) == 3  # a random draft rarely gets past depth 1
+    assert [f["budget"] for f in m["frontier"]] == [2, 6, 12]
+    assert "tree=learned tree.path=" in capsys.readouterr().out
+
+    gdir = tmp_path / "gen"
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="generate", overrides=overrides(stack, gdir, "tree=learned", f"tree.path={out}",
+                                                                  "compare=true", "stream=false"))
+    g = generate(cfg)
+    assert g["identical_to_vanilla"] is True and g["new_tokens"] > 0
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="generate", overrides=overrides(stack, gdir, "tree=learned", f"tree.path={out}",
+                                                                  "tree.total_tokens=5", "stream=false"))
+    from hydra.utils import instantiate
+
+    assert instantiate(cfg.tree).max_size == 5
+
+    # heldout prompts from a corpus's validation split, fixed budget, no timing
+    hdir = tmp_path / "heldout"
+    m2 = run(compose_calibrate(calib_overrides(stack, hdir, f"prompts.root={corpus}", "prompts.val_fraction=0.5",
+                                               "timing.enabled=false", "dp.budget=7", "dp.per_depth=false",
+                                               f"out={tmp_path / 'fixed.yaml'}")))
+    assert m2["budget"] == 7 and m2["prompts"] == 2 and m2["expected_tokens_per_s"] is None
+    assert yaml.safe_load((tmp_path / "fixed.yaml").read_text())["timing"] is None
+
+
+def test_probe_recovers_oracle_acceptance():
+    """With an oracle that makes each drafted child correct with probability 0.7 (independently), the probe
+    measures p[rank] ~ 0.7 at every rank, and the DP's expected tau for the probe tree matches the run's."""
+    from treedec.calibrate import probe_acceptance
+    from treedec.decoding.sampling import SamplingParams
+    from treedec.tree.sequoia import AcceptanceCounts, comb_probe, expected_accepted
+
+    from .decoding.helpers import OraclePolicy, greedy_reference, make_pair
+
+    target, draft = make_pair(seed=3)
+    total = AcceptanceCounts()
+    for i in range(3):
+        prompt = [(7 * i + j) % 64 for j in range(5)]
+        ref = greedy_reference(target, prompt, 80)
+        oracle = OraclePolicy(comb_probe(3, 3), [ref], p_hit=0.7, seed=i)
+        counts, _ = probe_acceptance(target, draft, oracle, SamplingParams(), [prompt], 60, [], 0,
+                                         stream=oracle.stream)
+        for k, v in counts.hits.items():
+            total.hits[k] = total.hits.get(k, 0) + v
+        for k, v in counts.trials.items():
+            total.trials[k] = total.trials.get(k, 0) + v
+        total.steps += counts.steps
+        total.accepted += counts.accepted
+    assert total.pooled()[:2] == pytest.approx([0.7, 0.7], abs=0.12)
+    exp_tau = expected_accepted(comb_probe(3, 3).shape, total.rates(per_depth=True)) + 1
+    assert exp_tau == pytest.approx(total.as_dict()["tau"], abs=0.25)
+
+
+def test_calibrate_config_errors(stack, tmp_path):  # noqa: F811
+    from treedec.calibrate import run
+    from treedec.config_schema import ConfigError
+
+    with pytest.raises(Exception, match="dp.max_budget"):
+        compose_calibrate(calib_overrides(stack, tmp_path, "dp.max_budget=lots"))
+    with pytest.raises(Exception, match="top_kk"):
+        compose_calibrate(calib_overrides(stack, tmp_path, "probe.top_kk=3"))
+    with pytest.raises(ConfigError, match="probe.top_kk"):  # appended keys pass Hydra; the schema stops them
+        run(compose_calibrate(calib_overrides(stack, tmp_path, "+probe.top_kk=3", "model.path=/nonexistent")))
+    with pytest.raises(FileNotFoundError, match="prompts.file"):
+        run(compose_calibrate(calib_overrides(stack, tmp_path, "prompts.source=file",
+                                              f"prompts.file={tmp_path / 'none.jsonl'}")))

@@ -1,0 +1,125 @@
+"""Every config group option composes, validates against the schemas and instantiates; typos are clear errors."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+import treedec.config_schema as schema
+from treedec.decoding.sampling import SamplingParams
+from treedec.tree.policies import ChainPolicy, DynamicPolicy, LearnedPolicy, StaticPolicy
+from treedec.tree.policies.learned import save_learned
+from treedec.tree.shapes import SHAPE_DIR, list_shapes
+
+CONF = SHAPE_DIR.parents[1]
+GROUPS = ("tree", "sampling", "kernel", "model", "draft")
+OPTIONS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in GROUPS}
+POLICY = {"static": StaticPolicy, "dynamic": DynamicPolicy, "chain": ChainPolicy, "learned": LearnedPolicy}
+
+
+@pytest.fixture(scope="module")
+def learned_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("learned") / "learned_tree.yaml"
+    return save_learned(path, [[0], [1], [0, 0]], {"name": "t4", "budget": 4}, {2: [[0]], 4: [[0], [1], [0, 0]]})
+
+
+def gen(overrides=(), name="generate"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+def test_group_options_exist():
+    assert set(OPTIONS["tree"]) == set(POLICY)
+    assert {"greedy", "sample"} <= set(OPTIONS["sampling"]) and set(OPTIONS["kernel"]) == set(schema.KERNEL_BACKENDS)
+
+
+def test_schemas_registered():
+    repo = ConfigStore.instance().repo
+    assert {"generate.yaml", "calibrate.yaml", "model.yaml", "kernel.yaml"} <= set(repo["schema"])
+    assert {"static.yaml", "dynamic.yaml", "chain.yaml", "learned.yaml", "shape.yaml"} <= set(repo["schema"]["tree"])
+
+
+@pytest.mark.parametrize("tree", OPTIONS["tree"])
+def test_every_tree_option_composes_validates_instantiates(tree, learned_file):
+    extra = [f"tree.path={learned_file}"] if tree == "learned" else []
+    cfg = gen([f"tree={tree}", *extra])
+    schema.validate(cfg, "generate")
+    assert isinstance(instantiate(cfg.tree), POLICY[tree])
+
+
+@pytest.mark.parametrize("shape", list_shapes())
+def test_every_shape_validates(shape):
+    cfg = gen(["tree=static", f"tree/shape={shape}"])
+    schema.validate(cfg, "generate")
+    assert len(instantiate(cfg.tree).shape) == len(cfg.tree.shape.choices) + 1
+
+
+@pytest.mark.parametrize("group", ["sampling", "kernel", "model", "draft"])
+def test_every_other_option_composes_and_validates(group):
+    for option in OPTIONS[group]:
+        extra = [f"{group}.path=/some/dir"] if option in ("hf", "path") else []
+        for entry in ("generate", "calibrate"):
+            cfg = gen([f"{group}={option}", *extra], entry)
+            schema.validate(cfg, entry)
+            if group == "sampling":
+                assert isinstance(instantiate(cfg.sampling), SamplingParams)
+            if group == "kernel":
+                assert cfg.kernel.backend == option
+
+
+def test_calibrate_config_probe_instantiates():
+    cfg = gen([], "calibrate")
+    schema.validate(cfg, "calibrate")
+    probe = instantiate(cfg.probe)
+    assert isinstance(probe, StaticPolicy) and probe.max_depth == cfg.probe.depth
+    assert OmegaConf.to_container(cfg, resolve=False)["out"] == "${paths.run_dir}/learned_tree.yaml"
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("max_new_tokens=lots", "max_new_tokens"),  # wrong type (compose time, the schema is registered)
+    ("sampling.temperature=hot", "temperature"),
+    ("tree.totl_tokens=8", "totl_tokens"),  # Hydra's struct mode
+])
+def test_compose_time_errors(override, needle):
+    with pytest.raises(Exception, match=needle):
+        gen([override])
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("+tree.totl_tokens=8", "tree.totl_tokens"),
+    ("tree.total_tokens=many", "tree.total_tokens"),
+    ("+seeed=1", "seeed"),
+    ("kernel.backend=cudnn", "kernel.backend"),
+    ("tree=static|+tree.shape.choicez=[[0]]", "tree.shape.choicez"),
+])
+def test_validate_errors_name_the_key(override, needle):
+    cfg = gen(override.split("|"))
+    with pytest.raises(schema.ConfigError, match=needle.replace(".", r"\.")):
+        schema.validate(cfg, "generate")
+
+
+def test_cli_typo_fails_before_loading_the_model(tmp_path):
+    """A subprocess: nothing imported treedec.config_schema before composing, the ValidateConfig callback
+    stops the job; the (nonexistent) model is never touched."""
+    base = [sys.executable, "-m", "treedec.generate", "model.path=/nonexistent/model", f"hydra.run.dir={tmp_path}"]
+    for override, needle in (("+tree.totl_tokens=8", "tree.totl_tokens"), ("max_new_tokens=lots", "max_new_tokens")):
+        done = subprocess.run(base + [override], capture_output=True, text=True, timeout=120, cwd=Path(CONF).parent)
+        assert done.returncode != 0
+        assert needle in done.stderr and "Error: invalid" in done.stderr
+        assert "/nonexistent/model" not in done.stderr  # failed before any model load
+
+
+def test_optuna_experiment_composes():
+    """The optional Optuna sweep (conf/experiment/optuna_tree.yaml) composes where the plugin is installed."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="generate", overrides=["+experiment=optuna_tree"], return_hydra_config=True)
+    assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper") and cfg.optimized_metric == "tokens_per_s"
+    assert set(cfg.hydra.sweeper.params) == {"tree.total_tokens", "tree.depth", "tree.top_k"}
+    schema.validate(cfg, "generate")

@@ -1,0 +1,310 @@
+"""Learn a tree shape: ``python -m treedec.calibrate [hydra overrides]``.
+
+1. **Probe**: speculative decoding with a wide probe tree (default: a "comb", see
+   :func:`treedec.tree.sequoia.comb_choices`) on calibration prompts (held-out stdlib code or a
+   jsonl file) records, for every verified node with children, which sibling ranks were tried
+   and which was accepted, by depth: the acceptance rates ``p[depth][rank]`` of the Sequoia
+   model (SpecStats' ``rank_hits / rank_trials``, split by depth).
+2. **Timing** (``timing.enabled``): the median target verify pass for trees of each budget on
+   this machine, with ``timing.prefix_len`` tokens in the KV cache, and the median draft-head
+   step (one tree level).
+3. **DP**: :func:`treedec.tree.sequoia.solve` gives the tree of every budget and depth limit that
+   maximises the expected accepted length; :func:`~treedec.tree.sequoia.choose` picks the budget
+   and depth with the most expected tokens/s (or the fixed ``dp.budget`` / ``dp.depth``).
+4. **Output**: the shape file ``out`` (default ``<run dir>/learned_tree.yaml``; use it with
+   ``tree=learned tree.path=...``), ``acceptance.json`` and ``metrics.json`` in the run dir.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+import treedec.config_schema  # noqa: F401  (registers schema/calibrate before Hydra composes)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMING_GRID = (2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
+PROMPT_KEYS = ("prompt", "text", "content", "input")
+
+
+# ------------------------------------------------------------------------------------------ prompts
+def prompt_texts(cfg: DictConfig, tok) -> list[str]:
+    p = cfg.prompts
+    if p.source == "heldout":
+        from treedec.training.data import heldout_prompts
+
+        texts = heldout_prompts(int(p.n), int(p.prompt_tokens), root=p.root, val_fraction=float(p.val_fraction),
+                                tokenizer=tok)
+        if not texts:
+            raise ValueError(f"no held-out prompts found (corpus root {p.root or 'stdlib'}, val_fraction "
+                             f"{p.val_fraction}); pass prompts.source=file prompts.file=prompts.jsonl")
+        return texts
+    if p.source != "file":
+        raise ValueError(f"prompts.source must be 'heldout' or 'file', got {p.source!r}")
+    if not p.file:
+        raise ValueError("prompts.source=file needs prompts.file=<a .jsonl with one prompt per line, or a text file>")
+    path = Path(p.file).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts.file {str(path)!r} does not exist")
+    if path.suffix != ".jsonl":
+        return [path.read_text()]
+    texts = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        if isinstance(item, dict):
+            key = next((k for k in PROMPT_KEYS if isinstance(item.get(k), str)), None)
+            if key is None:
+                raise ValueError(f"{path}:{i}: a jsonl prompt needs one of the keys {', '.join(PROMPT_KEYS)}")
+            item = item[key]
+        if not isinstance(item, str):
+            raise ValueError(f"{path}:{i}: expected a string or an object with a prompt, got {type(item).__name__}")
+        texts.append(item)
+    if not texts:
+        raise ValueError(f"{path} holds no prompts")
+    return texts[: int(p.n)]
+
+
+def encode_prompts(cfg: DictConfig, tok, texts: list[str]) -> list[list[int]]:
+    out = []
+    for t in texts:
+        ids = tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True) if cfg.chat else tok.encode(t)
+        ids = ids[-int(cfg.prompts.prompt_tokens):]
+        if ids:
+            out.append(ids)
+    if not out:
+        raise ValueError("every calibration prompt encoded to zero tokens")
+    return out
+
+
+# -------------------------------------------------------------------------------------------- probe
+def probe_acceptance(target, draft, probe, sampling, prompts, max_new_tokens: int, eos_ids, seed: int, stream=None):
+    """Run speculative decoding with ``probe`` on each prompt -> (AcceptanceCounts, merged SpecStats dict)."""
+    import torch
+
+    from treedec.decoding.speculative import SpeculativeDecoder, SpecStats
+    from treedec.tree.sequoia import AcceptanceCounts
+
+    counts = AcceptanceCounts()
+
+    class Recorder(SpeculativeDecoder):
+        # Batch size 1: the loop stops when its only row is done, so every verdict is a recorded step.
+        def _accept(self, tree, logits, generator):
+            verdicts = super()._accept(tree, logits, generator)
+            for v in verdicts:
+                counts.add(v.tried_ranks)
+            return verdicts
+
+    dec = Recorder(target, draft, probe, sampling, eos_ids=eos_ids)
+    total = SpecStats()
+    for i, ids in enumerate(prompts):
+        gen = torch.Generator(device=target.device).manual_seed(seed + i)
+        s = dec.generate([ids], max_new_tokens, generator=gen, stream=stream).stats
+        total.steps += s.steps
+        total.new_tokens += s.new_tokens
+        total.total_time += s.total_time
+        for name in ("accepted", "depth_hits", "depth_trials", "rank_hits", "rank_trials"):
+            getattr(total, name).update(getattr(s, name))
+        for k, v in s.time.items():
+            total.time[k] = total.time.get(k, 0.0) + v
+    return counts, total.as_dict()
+
+
+# ------------------------------------------------------------------------------------------- timing
+def _median_time(fn, repeats: int, warmup: int, sync) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(max(repeats, 1)):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def time_hardware(target, draft, table, budgets, depth_limit: int, prefix_len: int, repeats: int, warmup: int,
+                  width: int) -> tuple[dict[int, float], float]:
+    """(median verify seconds per budget, median seconds of one draft level of ``width`` nodes)."""
+    import torch
+
+    from treedec.decoding.drafter import Drafter
+    from treedec.tree.tree import Tree
+
+    dev = target.device
+    sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)  # noqa: E731
+    ctx = getattr(target.config, "context_length", target.config.max_position_embeddings)
+    prefix_len = max(1, min(prefix_len, ctx - max(budgets) - 2))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    V = target.config.vocab_size
+    ids = torch.randint(0, V, (1, prefix_len), generator=gen).to(dev)
+    verify: dict[int, float] = {}
+    with torch.inference_mode():
+        cache = target.new_cache(1, prefix_len + max(budgets) + 2)
+        pre = target(ids, cache, logits="none")
+        cache.advance(prefix_len)
+        for n in sorted(set(budgets)):
+            tree = Tree.from_choices(table.choices(n, depth_limit))
+            toks = torch.randint(0, V, (1, n), generator=gen).to(dev)
+            pos = cache.lengths[:, None] + tree.depth.to(dev)[None]
+            bits = tree.ancestor_bits().to(dev)
+            verify[n] = _median_time(lambda: target(toks, cache, position_ids=pos, ancestor_bits=bits),  # noqa: B023
+                                     repeats, warmup, sync)
+        head = draft.bind(target)
+        drafter = Drafter(head, 1, prefix_len + width + 4)
+        nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)
+        drafter.catch_up(nxt, pre.hidden, torch.tensor([prefix_len], device=dev), nxt[:, -1])
+        w_toks = torch.randint(0, V, (1, width), generator=gen).to(dev)
+        feats = drafter.root_feat[:, None].expand(-1, width, -1)
+        t_draft = _median_time(lambda: drafter.expand(w_toks, feats, depth=1, forest_parents=[-1] * width, n_prev=0),
+                               repeats, warmup, sync)
+    return verify, t_draft
+
+
+# ---------------------------------------------------------------------------------------------- run
+def load_target_and_draft(cfg: DictConfig):
+    from treedec.models import load_model
+    from treedec.models.draft import DraftHead
+    from treedec.models.tokenizer import load_tokenizer
+
+    target = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
+                        attn_backend=cfg.kernel.backend).eval()
+    tok = load_tokenizer(cfg.model.path)
+    draft = DraftHead.load(cfg.draft.path, target=target, dtype=target.dtype, device=target.device).eval()
+    return target, tok, draft
+
+
+def run(cfg: DictConfig) -> dict:
+    from treedec.config_schema import validate
+
+    validate(cfg, "calibrate")  # also the probe node by its _target_, before anything loads
+    import numpy as np
+    import torch
+
+    from treedec.tree import sequoia
+    from treedec.tree.policies.learned import save_learned
+
+    if cfg.num_threads:
+        torch.set_num_threads(int(cfg.num_threads))
+    torch.manual_seed(int(cfg.seed))
+    t_start = time.perf_counter()
+    probe = hydra.utils.instantiate(cfg.probe)
+    sampling = hydra.utils.instantiate(cfg.sampling)
+    target, tok, draft = load_target_and_draft(cfg)
+    prompts = encode_prompts(cfg, tok, prompt_texts(cfg, tok))
+    log.info("probing acceptance: %d prompts x %d new tokens, probe tree of %d nodes (depth %d)",
+             len(prompts), cfg.max_new_tokens, probe.max_size, probe.max_depth)
+    counts, probe_stats = probe_acceptance(target, draft, probe, sampling, prompts, int(cfg.max_new_tokens),
+                                           tok.eos_ids or None, int(cfg.seed))
+    if not counts.trials:
+        raise RuntimeError("the probe run verified no node with children; raise max_new_tokens or check the probe")
+
+    dp = cfg.dp
+    rates = counts.rates(per_depth=bool(dp.per_depth), prior_strength=float(dp.prior_strength))
+    if dp.per_depth and counts.depth < int(dp.max_depth):
+        log.warning("dp.max_depth=%d is deeper than the probe's trials reached (depth %d): deeper levels reuse "
+                    "depth %d's rates", dp.max_depth, counts.depth, counts.depth)
+    width = int(dp.max_width) if dp.max_width else counts.width
+    table = sequoia.solve(rates, int(dp.max_budget), int(dp.max_depth), width)
+
+    budgets = [int(dp.budget)] if dp.budget else None
+    depths = [int(dp.depth)] if dp.depth else None
+    if budgets and not 2 <= budgets[0] <= table.max_budget:
+        raise ValueError(f"dp.budget={dp.budget} must be in [2, dp.max_budget={dp.max_budget}]")
+    if depths and not 1 <= depths[0] <= table.max_depth:
+        raise ValueError(f"dp.depth={dp.depth} must be in [1, dp.max_depth={dp.max_depth}]")
+    timing = None
+    if cfg.timing.enabled:
+        tb = cfg.timing.budgets or [n for n in DEFAULT_TIMING_GRID if n < table.max_budget] + [table.max_budget]
+        tb = sorted({int(n) for n in tb if 2 <= int(n) <= table.max_budget} | set(budgets or []))
+        t_verify, t_draft = time_hardware(target, draft, table, tb, table.max_depth, int(cfg.timing.prefix_len),
+                                          int(cfg.timing.repeats), int(cfg.timing.warmup), width)
+        steps = max(probe_stats["steps"], 1)
+        split = probe_stats["time_split"]
+        # accept + commit per step; the commit includes one draft catch-up pass, counted in depth * t_draft
+        overhead = max((split["accept"] + split["commit"]) / steps - t_draft, 0.0) if cfg.timing.overhead else 0.0
+        raw_verify, t_verify = t_verify, sequoia.monotone(t_verify)  # noise must not make big trees look cheaper
+        timing = {"t_verify_s": t_verify, "t_draft_s": t_draft, "t_overhead_s": overhead}
+        pick = sequoia.choose(table, t_verify, t_draft, overhead, budgets=budgets, depths=depths)
+    else:
+        n = budgets[0] if budgets else table.max_budget
+        pick = sequoia.choose(table, budgets=[n], depths=depths)
+
+    # The best tree of every budget (by expected tokens/s with timings, else by expected tau), for
+    # tree.total_tokens=... and for the frontier table.
+    t_args = (timing["t_verify_s"], timing["t_draft_s"], timing["t_overhead_s"]) if timing else (None, 0.0, 0.0)
+    per_budget = {}
+    for n in range(2, table.max_budget + 1):
+        try:
+            per_budget[n] = sequoia.choose(table, *t_args, budgets=[n], depths=depths)
+        except ValueError:  # infeasible at the fixed depth
+            continue
+    frontier = [{"budget": n, "depth": c.depth, "expected_tau": round(c.expected_tau, 4),
+                 **({"step_ms": round(c.step_s * 1e3, 3), "expected_tokens_per_s": round(c.tokens_per_s, 2)}
+                    if timing else {})}
+                for n, c in per_budget.items() if not timing or n in timing["t_verify_s"]]
+
+    run_dir = Path(cfg.paths.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    acc = {**counts.as_dict(), "rates_used": np.round(rates, 6).tolist(), "per_depth": bool(dp.per_depth),
+           "prior_strength": float(dp.prior_strength), "spec_stats": {
+               k: probe_stats[k] for k in ("steps", "new_tokens", "tau", "accept_by_depth", "accept_by_rank")}}
+    (run_dir / "acceptance.json").write_text(json.dumps(acc, indent=2) + "\n")
+
+    trees = {n: c.choices for n, c in per_budget.items()}
+    meta = {
+        "name": f"learned_T{pick.n}_d{pick.depth}",
+        "budget": pick.n,
+        "depth": pick.depth,
+        "depth_limit": pick.depth_limit,
+        "expected_tau": round(pick.expected_tau, 4),
+        "expected_tokens_per_s": round(pick.tokens_per_s, 2) if timing else None,
+        "acceptance": {"per_depth": bool(dp.per_depth), "by_rank": np.round(counts.pooled(), 4).tolist(),
+                       "by_depth_rank": np.round(rates, 4).tolist(),
+                       "trials_by_depth_rank": counts.matrix(counts.trials).tolist()},
+        "timing": None if timing is None else {
+            "t_draft_ms": round(timing["t_draft_s"] * 1e3, 4), "t_overhead_ms": round(timing["t_overhead_s"] * 1e3, 4),
+            "t_verify_ms": {int(n): round(t * 1e3, 4) for n, t in sorted(timing["t_verify_s"].items())},
+            "t_verify_raw_ms": {int(n): round(t * 1e3, 4) for n, t in sorted(raw_verify.items())},
+            "prefix_len": int(cfg.timing.prefix_len), "device": str(target.device), "dtype": str(target.dtype),
+            "threads": torch.get_num_threads(), "backend": str(cfg.kernel.backend), "machine": platform.node()},
+        "calibration": {"model": str(cfg.model.path), "draft": str(cfg.draft.path),
+                        "sampling": OmegaConf.to_container(cfg.sampling), "prompts": len(prompts),
+                        "max_new_tokens": int(cfg.max_new_tokens), "probe": OmegaConf.to_container(cfg.probe),
+                        "probe_tau": round(probe_stats["tau"], 4), "steps": counts.steps,
+                        "date": time.strftime("%Y-%m-%d %H:%M:%S")},
+    }
+    out = save_learned(cfg.out, pick.choices, meta, trees)
+    metrics = {
+        "out": str(out), "budget": pick.n, "depth": pick.depth, "expected_tau": pick.expected_tau,
+        "expected_tokens_per_s": pick.tokens_per_s if timing else None, "probe_tau": probe_stats["tau"],
+        "probe_tokens_per_s": probe_stats["tokens_per_s"], "steps": counts.steps,
+        "new_tokens": probe_stats["new_tokens"], "prompts": len(prompts), "frontier": frontier,
+        "accept_by_rank": probe_stats["accept_by_rank"], "accept_by_depth": probe_stats["accept_by_depth"],
+        "time_s": time.perf_counter() - t_start,
+    }
+    (run_dir / "metrics.json").write_text(
+        json.dumps({**metrics, "config": OmegaConf.to_container(cfg, resolve=True)}, indent=2) + "\n")
+    tps = f", est. {pick.tokens_per_s:.1f} tok/s" if timing else ""
+    print(f"learned tree: T={pick.n} depth {pick.depth}, expected tau {pick.expected_tau:.2f}{tps} "
+          f"(probe tau {probe_stats['tau']:.2f} over {counts.steps} steps) -> {out}\n"
+          f"use it: python -m treedec.generate tree=learned tree.path={out}")
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="calibrate")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""Hydra callbacks (``hydra.callbacks`` in conf/generate.yaml).
+
+* :class:`ValidateConfig` checks each job's composed config against its schema
+  (treedec/config_schema.py) before the job runs, so a typo or a wrong type fails before any
+  model loads.
+* :class:`SweepSummary`, at the end of a multirun, gathers every job's ``metrics.json`` under the
+  sweep dir into ``summary.csv`` (one row per job: the job's overrides as columns, then τ,
+  tokens/s, speedup, new tokens, timings, acceptance by depth and rank) and draws
+  ``tree_size.png`` (τ and tokens/s against tree size, one line per policy and setting) and
+  ``acceptance.png`` (acceptance rate by depth and by sibling rank, one line per job).
+
+``python -m treedec.callbacks <sweep dir>`` rebuilds the summary of a sweep by hand (for
+example after a job failed, which stops Hydra before ``on_multirun_end``).
+
+Imports are lazy: the callbacks are instantiated for every run, single runs included.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+SCALARS = ("tau", "tokens_per_s", "speedup", "new_tokens", "steps", "prompt_tokens", "identical_to_vanilla")
+# Overrides that set the tree size (x axis) rather than a separate line in tree_size.png.
+SIZE_KEYS = ("tree.total_tokens", "tree/shape", "tree.shape", "tree.path", "tree.choices")
+
+
+class ValidateConfig(Callback):
+    """Validate the job's config against ``treedec.config_schema`` (``schema``: generate | calibrate)."""
+
+    def __init__(self, schema: str = "generate"):
+        self.schema = schema
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from treedec.config_schema import ConfigError, validate
+
+        try:
+            validate(config, self.schema)
+        except ConfigError as e:
+            # Hydra turns an exception raised by a callback into a warning and runs the job anyway;
+            # SystemExit is not an Exception, so it stops the run here with the message on stderr.
+            raise SystemExit(f"Error: {e}") from None
+
+
+class SweepSummary(Callback):
+    """Collect a multirun's ``metrics.json`` files into ``summary.csv`` and plots in the sweep dir."""
+
+    def __init__(self, filename: str = "summary.csv", plots: bool = True,
+                 average_over: Sequence[str] = ("seed", "prompt", "prompt_file")):
+        self.filename, self.plots, self.average_over = filename, plots, tuple(average_over)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        try:
+            path = summarize(sweep_dir, self.filename, self.plots, self.average_over)
+        except Exception as e:  # a report must never turn a finished sweep into a failure
+            log.warning("sweep summary failed for %s: %s", sweep_dir, e)
+            return
+        if path is not None:
+            log.info("sweep summary: %s", path)
+
+
+# ------------------------------------------------------------------------------------------ collect
+def _policy_name(target: str | None) -> str:
+    if not target:
+        return "?"
+    name = str(target).rsplit(".", 1)[-1]
+    if name.endswith("Policy"):
+        name = name[: -len("Policy")]
+    return name.lower() or "?"
+
+
+def _tree_size(tree_cfg: dict | None) -> int | None:
+    """T (root included) of a job's tree config: instantiate the policy (cheap, no model) and read max_size."""
+    if not tree_cfg:
+        return None
+    try:
+        from hydra.utils import instantiate
+
+        return int(instantiate(OmegaConf.create(tree_cfg)).max_size)
+    except Exception:  # a custom or broken policy config: leave the column empty
+        total = tree_cfg.get("total_tokens")
+        return int(total) if isinstance(total, int) else None
+
+
+def _parse_overrides(job_dir: Path) -> dict[str, str]:
+    f = job_dir / ".hydra" / "overrides.yaml"
+    if not f.is_file():
+        return {}
+    out = {}
+    for item in OmegaConf.to_container(OmegaConf.load(f)) or []:
+        key, _, value = str(item).partition("=")
+        out[key.lstrip("+~")] = value
+    return out
+
+
+def _job_dirs(sweep_dir: Path) -> list[Path]:
+    dirs = {p.parent for p in sweep_dir.rglob("metrics.json")}
+
+    def key(p: Path):
+        rel = p.relative_to(sweep_dir).parts
+        return tuple((0, int(x), "") if x.isdigit() else (1, 0, x) for x in rel)
+
+    return sorted(dirs, key=key)
+
+
+def collect(sweep_dir: str | Path) -> tuple[list[dict], list[dict]]:
+    """Rows of summary.csv (flat dicts) and the raw metrics of every job under ``sweep_dir``."""
+    sweep_dir = Path(sweep_dir)
+    rows, raw = [], []
+    for job_dir in _job_dirs(sweep_dir):
+        try:
+            m = json.loads((job_dir / "metrics.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            log.warning("skipping %s: %s", job_dir / "metrics.json", e)
+            continue
+        cfg = m.get("config") or {}
+        tree = cfg.get("tree") if isinstance(cfg.get("tree"), dict) else None
+        row: dict[str, Any] = {"job": job_dir.relative_to(sweep_dir).as_posix()}
+        row.update(_parse_overrides(job_dir))
+        row["policy"] = _policy_name(tree.get("_target_") if tree else None)
+        row["tree_size"] = _tree_size(tree)
+        for k in SCALARS:
+            row[k] = m.get(k)
+        van = m.get("vanilla") or {}
+        row["vanilla_tokens_per_s"] = van.get("tokens_per_s")
+        for k, v in (m.get("time_split") or {}).items():
+            row[f"time_{k}"] = v
+        for d, v in (m.get("accept_by_depth") or {}).items():
+            row[f"accept_depth_{d}"] = v
+        for r, v in (m.get("accept_by_rank") or {}).items():
+            row[f"accept_rank_{r}"] = v
+        rows.append(row)
+        raw.append(m)
+    return rows, raw
+
+
+def _is_metric(c: str) -> bool:
+    return c in ("policy", "tree_size") or c in SCALARS or c.startswith(("vanilla_", "time_", "accept_"))
+
+
+def override_columns(rows: Sequence[dict]) -> tuple[list[str], list[str]]:
+    """(overrides that vary across jobs, overrides shared by every job), in first-seen order."""
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols and k != "job" and not _is_metric(k)]
+    varying = [c for c in cols if len({str(r.get(c)) for r in rows}) > 1]
+    return varying, [c for c in cols if c not in varying]
+
+
+def _columns(rows: Sequence[dict]) -> list[str]:
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    varying, shared = override_columns(rows)
+
+    def order(c: str):
+        head, _, tail = c.rpartition("_")
+        return (head, int(tail)) if tail.isdigit() else (c, -1)
+
+    metrics = ["policy", "tree_size", *SCALARS, "vanilla_tokens_per_s"]
+    tail = sorted((c for c in cols if c.startswith(("time_", "accept_"))), key=order)
+    return [c for c in ["job", *varying, *metrics, *tail, *shared] if c in cols]
+
+
+def _fmt(v):
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return v
+
+
+def write_csv(rows: list[dict], path: Path) -> Path:
+    cols = _columns(rows)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: _fmt(r.get(c)) for c in cols})
+    return path
+
+
+def summarize(sweep_dir: str | Path, filename: str = "summary.csv", plots: bool = True,
+              average_over: Sequence[str] = ("seed", "prompt", "prompt_file")) -> Path | None:
+    """Write ``summary.csv`` (and the plots) for the sweep dir; None when no job left metrics.json."""
+    sweep_dir = Path(sweep_dir)
+    rows, _ = collect(sweep_dir)
+    if not rows:
+        log.warning("no metrics.json under %s: nothing to summarise", sweep_dir)
+        return None
+    path = write_csv(rows, sweep_dir / filename)
+    if plots:
+        try:
+            plot(rows, sweep_dir, average_over)
+        except ImportError:
+            log.warning("matplotlib is not installed (pip install 'treedec[plots]'): skipping sweep plots")
+    return path
+
+
+# --------------------------------------------------------------------------------------------- plot
+def _num(x) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _line_label(row: dict, override_cols: Sequence[str]) -> str:
+    parts = [row.get("policy") or "?"]
+    parts += [f"{c}={row[c]}" for c in override_cols if row.get(c) not in (None, "")]
+    return " ".join(parts)
+
+
+def plot(rows: list[dict], out_dir: Path, average_over: Sequence[str] = ()) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    overrides, _ = override_columns(rows)  # only what varies labels a line
+    line_cols = [c for c in overrides if c not in SIZE_KEYS and c not in average_over and c != "tree"]
+    # (line label) -> tree size -> list of (tau, tokens/s); averaged over `average_over` columns
+    lines: dict[str, dict[int, list[tuple[float | None, float | None]]]] = {}
+    for r in rows:
+        if r.get("tree_size") is None:
+            continue
+        lines.setdefault(_line_label(r, line_cols), {}).setdefault(int(r["tree_size"]), []).append(
+            (_num(r.get("tau")), _num(r.get("tokens_per_s"))))
+    out = []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, by_size in sorted(lines.items()):
+        xs = sorted(by_size)
+        for ax, i in zip(axes, (0, 1)):
+            ys = [_mean(v[i] for v in by_size[x]) for x in xs]
+            pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    vanilla = _mean(_num(r.get("vanilla_tokens_per_s")) for r in rows)
+    if vanilla is not None:
+        axes[1].axhline(vanilla, color="gray", linestyle="--", label="vanilla (mean)")
+        axes[1].legend(fontsize=7)
+    for ax, name in zip(axes, ("τ (tokens per target pass)", "tokens / s")):
+        ax.set_xlabel("tree size T (nodes verified per step, root included)")
+        ax.set_ylabel(name)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    if lines and len(lines) <= 16:
+        axes[0].legend(fontsize=7)
+    fig.suptitle(f"sweep: {len(rows)} jobs")
+    fig.tight_layout()
+    out.append(out_dir / "tree_size.png")
+    fig.savefig(out[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in rows:
+        label = _line_label(r, [c for c in overrides if c not in average_over])
+        for ax, prefix in zip(axes, ("accept_depth_", "accept_rank_")):
+            pts = sorted((int(k[len(prefix):]), _num(v)) for k, v in r.items()
+                         if k.startswith(prefix) and _num(v) is not None)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label)
+    axes[0].set_xlabel("depth (steps that reached it)")
+    axes[0].set_ylabel("acceptance rate")
+    axes[1].set_xlabel("sibling rank (given lower ranks rejected)")
+    axes[1].set_ylabel("acceptance rate")
+    for ax in axes:
+        ax.set_ylim(-0.02, 1.02)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    if len(rows) <= 16:
+        axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    out.append(out_dir / "acceptance.png")
+    fig.savefig(out[-1], dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _mean(xs: Iterable[float | None]) -> float | None:
+    v = [x for x in xs if x is not None]
+    return sum(v) / len(v) if v else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print("usage: python -m treedec.callbacks <sweep dir>   (rebuilds summary.csv and the plots)")
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    path = summarize(argv[0])
+    if path is None:
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
