@@ -226,6 +226,9 @@ def run(cfg: DictConfig) -> dict:
     if cfg.timing.enabled:
         tb = cfg.timing.budgets or [n for n in DEFAULT_TIMING_GRID if n < table.max_budget] + [table.max_budget]
         tb = sorted({int(n) for n in tb if 2 <= int(n) <= table.max_budget} | set(budgets or []))
+        tb = [n for n in tb if np.isfinite(table.value[table.max_depth, n])]  # width x depth may cap the size
+        if not tb:
+            raise ValueError(f"no timing budget fits dp.max_depth={dp.max_depth} with width {width}")
         t_verify, t_draft = time_hardware(target, draft, table, tb, table.max_depth, int(cfg.timing.prefix_len),
                                           int(cfg.timing.repeats), int(cfg.timing.warmup), width)
         steps = max(probe_stats["steps"], 1)
