@@ -1,0 +1,29 @@
+"""End-to-end benchmark: ``python -m treedec.bench [hydra overrides]`` (see conf/bench.yaml, docs/benchmarks.md).
+
+Writes metrics.json, results.md, outputs.jsonl and plots into the run dir. Exits 1 when a
+treedec greedy method's output differs from vanilla decoding (after writing metrics.json).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+log = logging.getLogger("treedec.bench")
+
+
+@hydra.main(version_base="1.3", config_path="../../conf", config_name="bench")
+def main(cfg: DictConfig) -> None:
+    from treedec.bench.harness import OutputMismatch, run
+
+    try:
+        run(cfg)
+    except OutputMismatch as exc:
+        log.error("greedy output differs from vanilla decoding: %s", exc)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

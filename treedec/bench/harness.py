@@ -1,0 +1,473 @@
+"""The end-to-end benchmark: treedec's methods and its peers, side by side in one process.
+
+Every method decodes every prompt (batch 1) from the same token ids with the same EOS ids.
+After ``warmup`` untimed runs of each method on the first prompt, ``repeats`` timed passes
+go over all prompts; within a pass the methods take turns on each prompt (the order rotates
+from prompt to prompt and pass to pass), so that background load and thermal drift hit every
+method alike. A method's figure for one pass is its total new tokens over its total wall
+time (prefill included, measured here around the call, with a CUDA sync on a GPU); the
+reported ``tokens_per_s`` is the median over passes and ``speedup`` is its ratio to
+treedec's vanilla decoding measured in the same passes.
+
+Greedy methods must reproduce vanilla's tokens exactly (treedec's speculative methods by
+construction, DESIGN.md §5). A treedec method that does not is an error: :func:`run` writes
+everything, then raises :class:`OutputMismatch` (the CLI exits 1). A peer that differs is
+reported as such (in bf16, transformers rounds differently, so its greedy path may part from
+ours after a while) and fails the run only with ``bench.strict_peers=true``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("treedec.bench")
+
+
+
+class OutputMismatch(RuntimeError):
+    """A greedy method's tokens differ from vanilla's; ``metrics`` holds the full report (already written)."""
+
+    def __init__(self, message: str, metrics: dict):
+        super().__init__(message)
+        self.metrics = metrics
+
+
+# --------------------------------------------------------------------------- prompts
+@dataclass
+class Prompt:
+    id: str
+    text: str
+    ids: list[int]
+
+
+def read_jsonl_prompts(path: str | os.PathLike) -> list[tuple[str, str]]:
+    """(id, text) pairs from a .jsonl file: one JSON object per line with ``prompt`` and an optional ``id``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"bench.prompts={str(path)!r}: no such file (one JSON object per line with a 'prompt' field)")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not valid JSON ({exc}); write one object per line, e.g. "
+                             '{"id": "a", "prompt": "def f(x):"}') from exc
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise ValueError(f"{path}:{n}: each line needs a string 'prompt' field, got {line[:80]!r}")
+        out.append((str(obj.get("id", f"p{len(out)}")), obj["prompt"]))
+    if not out:
+        raise ValueError(f"{path} holds no prompts")
+    return out
+
+
+def load_prompts(bench: DictConfig, tokenizer) -> list[Prompt]:
+    """The prompt set: ``bench.prompts`` (jsonl) or ``bench.n_prompts`` held-out stdlib prompts."""
+    if bench.prompts:
+        pairs = read_jsonl_prompts(bench.prompts)
+    else:
+        from treedec.training.data import heldout_prompts
+
+        texts = heldout_prompts(n=int(bench.n_prompts), prompt_tokens=int(bench.prompt_tokens), tokenizer=tokenizer)
+        if not texts:
+            raise RuntimeError("no held-out stdlib prompts found; pass bench.prompts=<file.jsonl>")
+        pairs = [(f"heldout{i}", t) for i, t in enumerate(texts)]
+    prompts = []
+    for pid, text in pairs:
+        if bench.get("chat"):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
+        else:
+            ids = tokenizer.encode(text)
+        if not ids:
+            raise ValueError(f"prompt {pid!r} encodes to no tokens")
+        prompts.append(Prompt(pid, text, list(ids)))
+    return prompts
+
+
+# --------------------------------------------------------------------------- methods
+@dataclass
+class RunOutput:
+    """One method on one prompt."""
+
+    tokens: list[int]
+    passes: int  # target forward passes after the prefill (verification steps)
+    produced: int  # tokens those passes produced, before the max_new_tokens/EOS cut (τ = produced / passes)
+    forwards: int  # every target forward, prefill included
+    split: dict[str, float] = field(default_factory=dict)  # seconds, by phase (the method's own clocks)
+    accepted: Counter = field(default_factory=Counter)  # accepted drafts per step -> steps (speculative)
+
+
+@dataclass
+class Method:
+    name: str
+    family: str  # "treedec" | "peer"
+    greedy: bool
+    fn: Callable[[Prompt, int], RunOutput]  # (prompt, seed) -> output
+    info: dict = field(default_factory=dict)
+    reference: str = "vanilla"  # the method its speedup (and, when greedy, its tokens) are measured against
+
+    def __call__(self, prompt: Prompt, seed: int) -> RunOutput:
+        return self.fn(prompt, seed)
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
+def vanilla_method(name: str, target, max_new_tokens: int, sampling, eos_ids) -> Method:
+    from treedec.decoding import vanilla
+
+    def fn(p: Prompt, seed: int) -> RunOutput:
+        gen = None if sampling.greedy else _generator(target.device, seed)
+        res = vanilla.generate(target, p.ids, max_new_tokens, sampling=sampling, eos_ids=eos_ids, generator=gen)
+        s = res.stats
+        passes = max(s["n_forward"] - 1, 0)
+        return RunOutput(res.tokens[0], passes, passes, s["n_forward"],
+                         {"prefill": s["prefill_s"], "decode": s["decode_s"]})
+
+    return Method(name, "treedec", sampling.greedy, fn, {"policy": None, "sampling": _sampling_dict(sampling)},
+                  reference="vanilla" if sampling.greedy else "vanilla_sample")
+
+
+def speculative_method(name: str, target, draft, policy, max_new_tokens: int, sampling, eos_ids) -> Method:
+    from treedec.decoding.speculative import SpeculativeDecoder
+
+    dec = SpeculativeDecoder(target, draft, policy, sampling, eos_ids=eos_ids)
+
+    def fn(p: Prompt, seed: int) -> RunOutput:
+        gen = None if sampling.greedy else _generator(target.device, seed)
+        res = dec.generate(p.ids, max_new_tokens, generator=gen)
+        st = res.stats
+        produced = sum((k + 1) * c for k, c in st.accepted.items())
+        split = dict(st.time)
+        split["other"] = max(st.total_time - sum(st.time.values()), 0.0)
+        return RunOutput(res.tokens[0], st.steps, produced, st.steps + 1, split, Counter(st.accepted))
+
+    info = {"policy": type(policy).__name__, "tree_size": policy.max_size, "tree_depth": policy.max_depth,
+            "sampling": _sampling_dict(sampling)}
+    return Method(name, "treedec", sampling.greedy, fn, info, reference="vanilla" if sampling.greedy else "vanilla_sample")
+
+
+def _sampling_dict(s) -> dict:
+    return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
+
+
+def build_methods(cfg: DictConfig, target, draft, eos_ids) -> tuple[list[Method], dict[str, str]]:
+    """treedec's methods from ``bench.methods`` (and their sampled variants); returns (methods, skipped)."""
+    from hydra.utils import instantiate
+
+    from treedec.decoding.sampling import SamplingParams
+
+    bench = cfg.bench
+    n = int(bench.max_new_tokens)
+    greedy = SamplingParams()
+    names = list(dict.fromkeys(bench.methods))
+    if "vanilla" not in names:
+        log.info("adding `vanilla` to bench.methods: every speedup and identity check is measured against it")
+        names.insert(0, "vanilla")
+    sampled = None
+    if bench.sampling:
+        sampled = instantiate(cfg.sampling)
+        if sampled.greedy:
+            log.warning("bench.sampling=true but the sampling group is greedy (temperature 0): the sampled variants "
+                        "would repeat the greedy ones, so they are skipped; pick sampling=sample")
+            sampled = None
+    methods, skipped = [], {}
+    for name in names:
+        if name == "vanilla":
+            methods.append(vanilla_method("vanilla", target, n, greedy, eos_ids))
+            if sampled is not None:
+                methods.append(vanilla_method("vanilla_sample", target, n, sampled, eos_ids))
+            continue
+        if name == "learned" and not bench.learned_path:
+            skipped[name] = "bench.learned_path is not set (point it at a learned tree-shape file)"
+            log.info("skipping `learned`: %s", skipped[name])
+            continue
+        if name not in bench.trees:
+            raise ValueError(f"bench.methods names {name!r}, which has no tree config under bench.trees "
+                             f"(have: vanilla, {', '.join(bench.trees)}); add bench.trees.{name} with a _target_")
+        policy = instantiate(bench.trees[name])
+        methods.append(speculative_method(name, target, draft, policy, n, greedy, eos_ids))
+        if sampled is not None:
+            methods.append(speculative_method(f"{name}_sample", target, draft, instantiate(bench.trees[name]), n,
+                                              sampled, eos_ids))
+    return methods, skipped
+
+
+# --------------------------------------------------------------------------- machine
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return sorted(have & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"})
+    except OSError:
+        pass
+    return []
+
+
+def _git_commit() -> str | None:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def machine_info(target) -> dict:
+    dev = target.device
+    info = {
+        "cpu": _cpu_model(), "cpu_flags": _cpu_flags(), "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+        "platform": platform.platform(), "device": str(dev), "dtype": str(target.dtype).removeprefix("torch."),
+        "attn_backend": target.backend(),
+        "git_commit": _git_commit(),
+    }
+    if dev.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(dev)
+        info["cuda"] = torch.version.cuda
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    return info
+
+
+# --------------------------------------------------------------------------- timing loop
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_methods(methods: list[Method], prompts: list[Prompt], repeats: int, warmup: int, seed: int,
+                 device: torch.device) -> dict[str, dict]:
+    """Run every method on every prompt, interleaved; returns per method its per-pass times and first-pass outputs."""
+    for w in range(warmup):
+        for m in methods:
+            log.info("warm-up %d/%d: %s", w + 1, warmup, m.name)
+            m(prompts[0], seed)
+    res = {m.name: {"times": [], "tokens": [], "outputs": [], "splits": []} for m in methods}
+    for r in range(max(repeats, 1)):
+        t_pass = {m.name: 0.0 for m in methods}
+        n_pass = {m.name: 0 for m in methods}
+        split_pass = {m.name: Counter() for m in methods}
+        outs: dict[str, list[RunOutput]] = {m.name: [] for m in methods}
+        for i, p in enumerate(prompts):
+            k = (r + i) % len(methods)
+            for m in methods[k:] + methods[:k]:
+                _sync(device)
+                t0 = time.perf_counter()
+                out = m(p, seed + i)
+                _sync(device)
+                dt = time.perf_counter() - t0
+                t_pass[m.name] += dt
+                n_pass[m.name] += len(out.tokens)
+                split_pass[m.name].update(out.split)
+                outs[m.name].append(out)
+        for m in methods:
+            d = res[m.name]
+            d["times"].append(t_pass[m.name])
+            d["tokens"].append(n_pass[m.name])
+            d["splits"].append(dict(split_pass[m.name]))
+            if r == 0:
+                d["outputs"] = outs[m.name]
+            elif m.greedy and [o.tokens for o in outs[m.name]] != [o.tokens for o in d["outputs"]]:
+                log.warning("%s: greedy output changed between passes (non-deterministic kernels?)", m.name)
+        log.info("pass %d/%d: %s", r + 1, repeats,
+                 ", ".join(f"{m.name} {n_pass[m.name] / t_pass[m.name]:.1f} tok/s" for m in methods if t_pass[m.name]))
+    return res
+
+
+def first_difference(ref: list[int], got: list[int]) -> int | None:
+    """Index of the first differing token (a length difference counts), or None when identical."""
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            return i
+    return None if len(ref) == len(got) else min(len(ref), len(got))
+
+
+def summarize(methods: list[Method], prompts: list[Prompt], timing: dict[str, dict]) -> tuple[dict, list[str]]:
+    """The ``methods`` section of metrics.json and the list of failures (treedec greedy mismatches)."""
+    out, failures = {}, []
+    for m in methods:
+        d = timing[m.name]
+        tps = [n / t if t > 0 else 0.0 for n, t in zip(d["tokens"], d["times"])]
+        med = statistics.median(tps)
+        mid = sorted(range(len(tps)), key=lambda j: tps[j])[len(tps) // 2]  # the median pass (upper on ties)
+        outs: list[RunOutput] = d["outputs"]
+        passes, produced = sum(o.passes for o in outs), sum(o.produced for o in outs)
+        entry = {
+            "family": m.family, "greedy": m.greedy,
+            "tokens_per_s": med, "tau": produced / passes if passes else 1.0, "speedup": None,
+            "speedup_over_tau": None, "identical_to_vanilla": None,
+            "new_tokens": sum(len(o.tokens) for o in outs),
+            "target_forwards": sum(o.forwards for o in outs),
+            "time_s": d["times"][mid],
+            "time_split": {**{k: v for k, v in d["splits"][mid].items() if v}, "total": d["times"][mid]},
+            "tokens_per_s_passes": tps,
+            **m.info,
+        }
+        acc = sum((o.accepted for o in outs), Counter())
+        if acc:
+            entry["accepted_hist"] = {int(k): v for k, v in sorted(acc.items())}
+        out[m.name] = entry
+    for m in methods:
+        e, ref = out[m.name], out.get(m.reference)
+        if ref is not None and ref["tokens_per_s"] > 0:
+            e["speedup"] = e["tokens_per_s"] / ref["tokens_per_s"]
+            e["speedup_over_tau"] = e["speedup"] / e["tau"] if e["tau"] else None
+        if not m.greedy or m.name == "vanilla" or "vanilla" not in timing:
+            if m.name == "vanilla":
+                e["identical_to_vanilla"] = True
+            continue
+        diffs = []
+        for p, a, b in zip(prompts, timing["vanilla"]["outputs"], timing[m.name]["outputs"]):
+            pos = first_difference(a.tokens, b.tokens)
+            if pos is not None:
+                diffs.append({"prompt": p.id, "position": pos,
+                              "vanilla": a.tokens[pos] if pos < len(a.tokens) else None,
+                              "got": b.tokens[pos] if pos < len(b.tokens) else None,
+                              "agreeing_prefix": pos})
+        e["identical_to_vanilla"] = not diffs
+        if diffs:
+            e["mismatches"] = diffs
+            first = diffs[0]
+            msg = (f"{m.name}: greedy output differs from vanilla on {len(diffs)}/{len(prompts)} prompt(s); first at "
+                   f"prompt {first['prompt']!r}, token {first['position']} (vanilla {first['vanilla']}, "
+                   f"{m.name} {first['got']})")
+            if m.family == "treedec":
+                log.error("LOSSLESS VIOLATION: %s", msg)
+                failures.append(msg)
+            else:
+                e["failure_message"] = msg
+                log.warning("%s (a peer: its numerics may differ from treedec's, e.g. in bf16)", msg)
+    return out, failures
+
+
+@torch.inference_mode()
+def logit_gap(target, ids: list[int]) -> float | None:
+    """Top-1 minus top-2 target logit after ``ids`` (one plain forward): the margin at a mismatch.
+
+    A gap near the dtype's resolution (bf16: ~1e-2 at logit scale) means a numerical near-tie
+    that rounding can flip between code paths; a large gap points at a real bug.
+    """
+    try:
+        cache = target.new_cache(1, len(ids))
+        logits = target(torch.tensor([ids], device=target.device), cache, logits="last").logits[0, -1].float()
+        top = logits.topk(2).values
+        return float(top[0] - top[1])
+    except Exception as exc:  # a diagnostic must never hide the mismatch itself
+        log.warning("could not compute the logit gap at the mismatch: %s", exc)
+        return None
+
+
+# --------------------------------------------------------------------------- entry
+def load_stack(cfg: DictConfig):
+    """(target, tokenizer, draft head) from the model/draft/kernel groups."""
+    from treedec.models import load_model
+    from treedec.models.draft import DraftHead
+    from treedec.models.tokenizer import load_tokenizer
+
+    target = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, attn_backend=cfg.kernel.backend)
+    tok = load_tokenizer(cfg.model.path)
+    draft = DraftHead.load(cfg.draft.path, target=target, dtype=target.dtype, device=target.device).eval()
+    return target, tok, draft
+
+
+def run(cfg: DictConfig) -> dict:
+    """Run the benchmark described by a composed ``bench`` config; write metrics.json, results.md, plots."""
+    from treedec.bench import peers as peer_mod
+    from treedec.bench import report
+
+    bench = cfg.bench
+    try:
+        load_start = list(os.getloadavg())
+    except OSError:
+        load_start = None
+    if bench.num_threads:
+        torch.set_num_threads(int(bench.num_threads))
+    torch.manual_seed(int(bench.seed))
+    run_dir = Path(cfg.paths.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    target, tok, draft = load_stack(cfg)
+    eos_ids = list(tok.eos_ids) or list(target.config.eos_ids)
+    prompts = load_prompts(bench, tok)
+    log.info("%d prompts (%d-%d tokens), max_new_tokens=%d, %d threads, %s %s on %s", len(prompts),
+             min(len(p.ids) for p in prompts), max(len(p.ids) for p in prompts), int(bench.max_new_tokens),
+             torch.get_num_threads(), str(target.dtype).removeprefix("torch."), cfg.kernel.backend, target.device)
+    methods, skipped = build_methods(cfg, target, draft, eos_ids)
+    peer_methods, peer_skipped = peer_mod.build_peers(cfg, target, eos_ids)
+    methods += peer_methods
+    skipped.update(peer_skipped)
+
+    timing = time_methods(methods, prompts, int(bench.repeats), int(bench.warmup), int(bench.seed), target.device)
+    table, failures = summarize(methods, prompts, timing)
+    if bench.strict_peers:
+        failures += [e["failure_message"] for e in table.values() if e.get("failure_message")]
+    for e in table.values():
+        for d in e.get("mismatches", [])[:3]:
+            p = next(p for p in prompts if p.id == d["prompt"])
+            van = timing["vanilla"]["outputs"][prompts.index(p)].tokens
+            d["logit_gap"] = logit_gap(target, p.ids + van[: d["position"]])
+    machine = machine_info(target)
+    try:
+        machine["loadavg_start"], machine["loadavg_end"] = load_start, list(os.getloadavg())
+    except OSError:
+        pass
+    metrics = {
+        "methods": table,
+        "machine": machine,
+        "prompts": {"n": len(prompts), "source": str(bench.prompts) if bench.prompts else "heldout_stdlib",
+                    "ids": [p.id for p in prompts], "prompt_tokens": [len(p.ids) for p in prompts]},
+        "skipped": skipped,
+        "failures": failures,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    with open(run_dir / "outputs.jsonl", "w") as f:
+        for m in methods:
+            for p, o in zip(prompts, timing[m.name]["outputs"]):
+                f.write(json.dumps({"method": m.name, "prompt": p.id, "new_tokens": len(o.tokens), "tokens": o.tokens,
+                                    "text": tok.decode(o.tokens)}) + "\n")
+    md = report.markdown(metrics)
+    (run_dir / "results.md").write_text(md)
+    if bench.plots:
+        report.plots(metrics, run_dir)
+    print(md)
+    log.info("wrote %s", run_dir / "metrics.json")
+    if failures:
+        raise OutputMismatch("; ".join(failures), metrics)
+    return metrics
+
+
+__all__ = ["Method", "OutputMismatch", "Prompt", "RunOutput", "build_methods", "first_difference", "load_prompts",
+           "machine_info", "read_jsonl_prompts", "run", "summarize", "time_methods"]

@@ -1,0 +1,129 @@
+"""Peers: what a user would run instead of treedec, on identical weights, through ``transformers``.
+
+* ``hf_greedy``: ``model.generate(do_sample=False)``: plain decoding, transformers' own loop.
+* ``hf_prompt_lookup``: the same with ``prompt_lookup_num_tokens`` (n-gram drafts copied
+  from the prompt; no draft model). Lossless greedy.
+* ``hf_assisted``: assisted generation with ``assistant_model`` (a smaller model that shares
+  the tokenizer), only when ``bench.assistant_path`` is set. Lossless greedy.
+
+The target's directory is loaded with ``AutoModelForCausalLM.from_pretrained`` in the same
+dtype and on the same device as treedec's model (the bundled ``tiny-code`` is a Hugging Face
+directory), and every call passes treedec's EOS ids, so a peer stops where treedec stops.
+τ of a peer is its new tokens per target forward (counted with a forward hook on the target).
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from omegaconf import DictConfig
+
+from treedec.bench.harness import Method, Prompt, RunOutput
+
+log = logging.getLogger("treedec.bench")
+
+PEERS = ("hf_greedy", "hf_prompt_lookup", "hf_assisted")
+
+
+def load_hf(path, dtype: torch.dtype, device):
+    """``AutoModelForCausalLM.from_pretrained(path)`` in ``dtype`` on ``device``, in eval mode."""
+    import transformers
+
+    try:
+        transformers.utils.logging.disable_progress_bar()
+    except AttributeError:  # pragma: no cover - older transformers
+        pass
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except TypeError:  # transformers < 4.56 names it torch_dtype
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=dtype)
+    return model.to(device).eval()
+
+
+class ForwardCounter:
+    """Counts calls of a module's forward (the target's passes, prefill included)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.n = 0
+        self.handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_):
+        self.n += 1
+
+
+def hf_method(name: str, model, max_new_tokens: int, eos_ids: list[int], **extra) -> Method:
+    counter = ForwardCounter(model)
+    pad = eos_ids[0] if eos_ids else 0
+    kwargs = dict(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids),
+                  pad_token_id=pad, **extra)
+
+    def fn(p: Prompt, seed: int) -> RunOutput:
+        ids = torch.tensor([p.ids], device=model.device)
+        counter.n = 0
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # generation-config deprecation chatter, not ours to fix
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        toks = out[0, ids.shape[1]:].tolist()
+        # A batch of one is never padded after EOS, but cut at the first EOS to be safe.
+        for i, t in enumerate(toks):
+            if t in eos_ids:
+                toks = toks[: i + 1]
+                break
+        fw = counter.n
+        return RunOutput(toks, max(fw, 1), len(toks), fw, {})
+
+    info = {"policy": None, "peer": name, **{k: v for k, v in extra.items() if k != "assistant_model"}}
+    return Method(name, "peer", True, fn, info)
+
+
+def build_peers(cfg: DictConfig, target, eos_ids: list[int]) -> tuple[list[Method], dict[str, str]]:
+    """The peers named in ``bench.peers`` that can run here; returns (methods, skipped reasons)."""
+    bench = cfg.bench
+    names = list(dict.fromkeys(bench.get("peers") or []))
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        raise ValueError(f"bench.peers names {unknown[0]!r}; the peers are {', '.join(PEERS)}")
+    skipped: dict[str, str] = {}
+    if not names:
+        return [], skipped
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        for n in names:
+            skipped[n] = "transformers is not installed (pip install transformers)"
+        log.warning("skipping peers %s: transformers is not installed", names)
+        return [], skipped
+    if "hf_assisted" in names and not bench.get("assistant_path"):
+        names.remove("hf_assisted")
+        skipped["hf_assisted"] = "bench.assistant_path is not set (a smaller HF model with the same tokenizer)"
+        log.info("skipping hf_assisted: %s", skipped["hf_assisted"])
+    if not names:
+        return [], skipped
+    from treedec.models.checkpoint import resolve_path
+
+    path = resolve_path(cfg.model.path)
+    try:
+        model = load_hf(path, target.dtype, target.device)
+    except Exception as exc:  # a checkpoint transformers cannot read is a skipped peer, not a failed bench
+        for n in names:
+            skipped[n] = f"transformers could not load {path}: {type(exc).__name__}: {exc}"
+        log.warning("skipping peers %s: transformers could not load %s (%s)", names, path, exc)
+        return [], skipped
+    n = int(bench.max_new_tokens)
+    methods = []
+    for name in names:
+        if name == "hf_greedy":
+            methods.append(hf_method(name, model, n, eos_ids))
+        elif name == "hf_prompt_lookup":
+            methods.append(hf_method(name, model, n, eos_ids,
+                                     prompt_lookup_num_tokens=int(bench.prompt_lookup_num_tokens)))
+        elif name == "hf_assisted":
+            assistant = load_hf(resolve_path(bench.assistant_path), target.dtype, target.device)
+            m = hf_method(name, model, n, eos_ids, assistant_model=assistant)
+            m.info["assistant_path"] = str(bench.assistant_path)
+            methods.append(m)
+    return methods, skipped
+
+
+__all__ = ["PEERS", "ForwardCounter", "build_peers", "hf_method", "load_hf"]

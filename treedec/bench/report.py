@@ -1,0 +1,133 @@
+"""Reports of a bench run: the Markdown table (results.md) and plots (matplotlib, when installed)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+log = logging.getLogger("treedec.bench")
+
+PHASES = ("prefill", "draft", "verify", "accept", "commit", "decode", "other")
+
+
+def _f(x, fmt: str) -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def _identical(e: dict) -> str:
+    v = e.get("identical_to_vanilla")
+    if v is None:
+        return "n/a (sampled)" if not e.get("greedy", True) else "–"
+    if v:
+        return "yes"
+    first = (e.get("mismatches") or [{}])[0]
+    gap = first.get("logit_gap")
+    gap = f", target logit gap {gap:.3g}" if gap is not None else ""
+    return f"**NO** (from token {first.get('position')} of {first.get('prompt')}{gap})"
+
+
+def markdown(metrics: dict) -> str:
+    """The results table plus a header naming the model, the prompts and the machine."""
+    cfg, mach, pr = metrics.get("config", {}), metrics.get("machine", {}), metrics.get("prompts", {})
+    bench, model = cfg.get("bench", {}), cfg.get("model", {})
+    hw = mach.get("gpu") or mach.get("cpu", "?")
+    lines = [
+        "# treedec benchmark",
+        "",
+        f"- model: `{model.get('path')}` ({mach.get('dtype')}, {mach.get('device')}, attention `{mach.get('attn_backend')}`), "
+        f"draft `{cfg.get('draft', {}).get('path')}`",
+        f"- prompts: {pr.get('n')} ({pr.get('source')}), max_new_tokens {bench.get('max_new_tokens')}, "
+        f"median of {bench.get('repeats')} passes after {bench.get('warmup')} warm-up run(s), batch 1",
+        f"- machine: {hw}, {mach.get('threads')} threads, torch {mach.get('torch')}"
+        + (f", transformers {mach['transformers']}" if mach.get("transformers") else "")
+        + (f", commit {mach['git_commit']}" if mach.get("git_commit") else ""),
+        "",
+        "| method | tok/s | τ | speedup | speedup ÷ τ | identical to vanilla | new tokens |",
+        "|---|---:|---:|---:|---:|---|---:|",
+    ]
+    for name, e in metrics["methods"].items():
+        lines.append(f"| {name} | {_f(e['tokens_per_s'], '.1f')} | {_f(e['tau'], '.2f')} | "
+                     f"{_f(e['speedup'], '.2f')}× | {_f(e['speedup_over_tau'], '.2f')} | {_identical(e)} | "
+                     f"{e['new_tokens']} |")
+    # Where the time of treedec's methods goes (the median pass, by phase).
+    rows = [(n, e) for n, e in metrics["methods"].items() if e.get("family") == "treedec"]
+    phases = [p for p in PHASES if any(p in e["time_split"] for _, e in rows)]
+    if rows and phases:
+        lines += ["", "Time split of the median pass (% of wall time; phases timed by the decoder itself):", "",
+                  "| method | " + " | ".join(phases) + " | total s |", "|---|" + "---:|" * (len(phases) + 1)]
+        for n, e in rows:
+            ts, total = e["time_split"], e["time_split"].get("total") or 0.0
+            cells = [f"{100 * ts.get(p, 0.0) / total:.0f}%" if total else "–" for p in phases]
+            lines.append(f"| {n} | " + " | ".join(cells) + f" | {total:.2f} |")
+    if metrics.get("skipped"):
+        lines += ["", "Skipped: " + "; ".join(f"`{k}`: {v}" for k, v in metrics["skipped"].items())]
+    if metrics.get("failures"):
+        lines += ["", "**FAILURES**:", *[f"- {f}" for f in metrics["failures"]]]
+    return "\n".join(lines) + "\n"
+
+
+def plots(metrics: dict, out_dir: str | Path) -> list[Path]:
+    """tokens_per_s.png, tau.png and time_split.png; returns the files written (none without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib is not installed: no plots (pip install matplotlib)")
+        return []
+    out_dir = Path(out_dir)
+    ms = metrics["methods"]
+    names = list(ms)
+    colors = ["#4c72b0" if ms[n].get("family") == "treedec" else "#dd8452" for n in names]
+    written = []
+    try:
+        fig, ax = plt.subplots(figsize=(1.0 + 0.9 * len(names), 3.6))
+        vals = [ms[n]["tokens_per_s"] for n in names]
+        bars = ax.bar(names, vals, color=colors)
+        for b, n in zip(bars, names):
+            s = ms[n].get("speedup")
+            if s is not None:
+                ax.annotate(f"{s:.2f}×", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
+                            fontsize=8)
+        if "vanilla" in ms:
+            ax.axhline(ms["vanilla"]["tokens_per_s"], color="gray", lw=0.8, ls="--")
+        ax.set_ylabel("tokens / s (median)")
+        ax.set_title("throughput (blue: treedec, orange: transformers); label: speedup vs vanilla", fontsize=9)
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / "tokens_per_s.png", dpi=120)
+        plt.close(fig)
+        written.append(out_dir / "tokens_per_s.png")
+
+        fig, ax = plt.subplots(figsize=(1.0 + 0.9 * len(names), 3.6))
+        ax.bar(names, [ms[n]["tau"] for n in names], color=colors)
+        ax.set_ylabel("τ (tokens per target forward)")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / "tau.png", dpi=120)
+        plt.close(fig)
+        written.append(out_dir / "tau.png")
+
+        spec = [n for n in names if ms[n].get("family") == "treedec"]
+        phases = [p for p in PHASES if any(ms[n]["time_split"].get(p) for n in spec)]
+        if spec and phases:
+            fig, ax = plt.subplots(figsize=(1.0 + 0.9 * len(spec), 3.6))
+            bottom = [0.0] * len(spec)
+            for p in phases:
+                v = [ms[n]["time_split"].get(p, 0.0) for n in spec]
+                ax.bar(spec, v, bottom=bottom, label=p)
+                bottom = [a + b for a, b in zip(bottom, v)]
+            ax.set_ylabel("seconds (median pass, all prompts)")
+            ax.legend(fontsize=7)
+            ax.tick_params(axis="x", rotation=30, labelsize=8)
+            fig.tight_layout()
+            fig.savefig(out_dir / "time_split.png", dpi=120)
+            plt.close(fig)
+            written.append(out_dir / "time_split.png")
+    except Exception as exc:  # a plot is never worth failing a benchmark for
+        log.warning("plotting failed: %s: %s", type(exc).__name__, exc)
+    return written
+
+
+__all__ = ["markdown", "plots"]
