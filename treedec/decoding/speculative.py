@@ -110,16 +110,18 @@ class SpeculativeDecoder:
         tgt, dev, params = self.target, self.target.device, self.sampling
         ids, lens = pad_prompts(prompts, dev)
         B, Lmax = ids.shape
-        ctx = tgt.config.max_position_embeddings
+        ctx = tgt.config.context_length
         need = Lmax + max_new_tokens + self.policy.max_depth + 1
         if need > ctx:
             raise ValueError(
                 f"prompt ({Lmax} tokens) + max_new_tokens ({max_new_tokens}) + tree depth ({self.policy.max_depth}) "
                 f"exceeds the model's context of {ctx} tokens; shorten the prompt or lower max_new_tokens"
             )
-        max_len = Lmax + max_new_tokens + self.policy.max_size + 2
-        cache = tgt.new_cache(B, max_len)
-        drafter = Drafter(self.draft, B, Lmax + max_new_tokens + self.policy.max_inputs + 2)
+        # A row's cache may run max_depth past its budget on its last step (the path is committed whole);
+        # after that it is frozen, so its tree is still written (and ignored) at the same slots.
+        room = Lmax + max_new_tokens + self.policy.max_depth + 2
+        cache = tgt.new_cache(B, room + self.policy.max_size)
+        drafter = Drafter(self.draft, B, room + self.policy.max_inputs)
         stats, out = SpecStats(), [[] for _ in range(B)]
         done = [max_new_tokens <= 0] * B
         rows = torch.arange(B, device=dev)
@@ -138,24 +140,24 @@ class SpeculativeDecoder:
         while not all(done):
             tree = self.policy.draft(drafter, params, generator)
             t0 = self._clock(stats, "draft", t0)
-            res = tgt(tree.tokens, cache, position_ids=cache.lengths[:, None] + tree.depth,
-                      ancestor_bits=tree.ancestor_bits())
+            pos = (cache.lengths[:, None] + tree.depth).clamp(max=ctx - 1)  # clamps only frozen rows
+            res = tgt(tree.tokens, cache, position_ids=pos, ancestor_bits=tree.ancestor_bits())
             t0 = self._clock(stats, "verify", t0)
             verdicts = self._accept(tree, res.logits, generator)
             for b, v in enumerate(verdicts):
                 if not done[b]:
                     stats.record(v)
             t0 = self._clock(stats, "accept", t0)
-            # Finished rows keep only their root so that their caches stay bounded.
+            # Finished rows commit nothing: their caches stay frozen while other rows finish.
             paths = [v.path if not done[b] else [0] for b, v in enumerate(verdicts)]
-            n = torch.tensor([len(p) for p in paths], device=dev)
+            n = torch.tensor([len(p) if not done[b] else 0 for b, p in enumerate(paths)], device=dev)
             width = int(n.max())
             path_t = torch.tensor([p + [0] * (width - len(p)) for p in paths], device=dev)
             cache.commit(path_t, n)
             bonus = torch.tensor([v.bonus for v in verdicts], device=dev)
             # Draft catch-up: features of the accepted nodes, tokens one ahead (accepted children, then the bonus).
             ahead = torch.cat([tree.tokens.gather(1, path_t[:, 1:]), bonus[:, None]], 1)
-            ahead = ahead.scatter(1, (n - 1)[:, None], bonus[:, None])
+            ahead = ahead.scatter(1, (n - 1).clamp(min=0)[:, None], bonus[:, None])
             feats = res.hidden[rows[:, None], path_t]
             drafter.catch_up(ahead, feats, n, bonus)
             t0 = self._clock(stats, "commit", t0)

@@ -31,48 +31,59 @@ class StaticPolicy(TreePolicy):
         self.sample_drafts = sample_drafts
         self.max_depth = self.shape.max_depth
         self.max_size = len(self.shape)
-        kids = self.shape.children()
-        depth = self.shape.depth.tolist()
-        # Per depth: the nodes drafted there, and which of the previous depth's nodes must be expanded.
-        self.levels = [[i for i in range(len(depth)) if depth[i] == d] for d in range(self.max_depth + 1)]
-        self.expanded = [[i for i in lvl if kids[i]] for lvl in self.levels]
-        self.fan_out = max(len(k) for k in kids)
-        self.max_inputs = sum(len(e) for e in self.expanded[1:])
+        self._plan()
+
+    def _plan(self) -> None:
+        """Precompute, per depth, which nodes are drafted, from which parent slot, and who is expanded."""
+        kids, parents = self.shape.children(), self.shape.parents.tolist()
+        depth, ranks = self.shape.depth.tolist(), self.shape.rank.tolist()
+        levels = [[i for i in range(len(depth)) if depth[i] == d] for d in range(self.max_depth + 1)]
+        expanded = [[i for i in lvl if kids[i]] for lvl in levels]  # nodes whose children get drafted
+        slot = {n: j for lvl in expanded for j, n in enumerate(lvl)}  # position within its depth's expanded list
+        order = [n for lvl in expanded[1:] for n in lvl]  # draft-head inputs, in input order
+        forest = {n: i for i, n in enumerate(order)}
+        self.max_inputs = len(order)
+        self.steps = []
+        for d in range(1, self.max_depth + 1):
+            nodes = levels[d]
+            grow = expanded[d] if d < self.max_depth else []
+            self.steps.append(dict(
+                nodes=torch.tensor(nodes), parent=torch.tensor([parents[n] for n in nodes]),
+                slot=torch.tensor([slot[parents[n]] for n in nodes]), rank=torch.tensor([ranks[n] for n in nodes]),
+                k=max(ranks[n] for n in nodes) + 1, grow=torch.tensor(grow, dtype=torch.long),
+                grow_parent_slot=torch.tensor([slot[parents[n]] for n in grow], dtype=torch.long),
+                forest_parents=[forest.get(parents[n], -1) for n in order[: forest[grow[-1]] + 1]] if grow else [],
+                n_prev=forest[grow[0]] if grow else 0,
+            ))
 
     def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> DraftTree:
         shape, B = self.shape, drafter.batch
         T, dev = len(shape), drafter.device
-        parents, ranks = shape.parents.tolist(), shape.rank.tolist()
         tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
         tokens[:, 0] = drafter.root_tokens
         scores = torch.zeros(B, T, device=dev)
         sampled = self.sample_drafts and params is not None and not params.greedy
         probs_out = torch.zeros(B, T, drafter.vocab_size, device=dev) if sampled else None
-        logp = {0: drafter.root_logp}  # node -> draft log-probs of its children [B, V]
-        feat = {0: drafter.root_feat}  # node -> the draft feature its children read
-        forest: list[int] = []  # drafter inputs so far (tree node ids), in input order
-        for d in range(1, self.max_depth + 1):
-            for p in self.expanded[d - 1]:
-                kids = [c for c in self.levels[d] if parents[c] == p]
-                k = max(ranks[c] for c in kids) + 1
-                if sampled:
-                    q = target_probs(logp[p], params)
-                    probs_out[:, p] = q
-                    picks = torch.multinomial(q, k, replacement=True, generator=generator)
-                else:
-                    picks = logp[p].topk(k, dim=-1).indices
-                for c in kids:
-                    tokens[:, c] = picks[:, ranks[c]]
-                    scores[:, c] = scores[:, p] + logp[p].gather(1, tokens[:, c:c + 1]).squeeze(1)
-            grow = self.expanded[d] if d < self.max_depth else []
-            if grow:
-                idx = torch.tensor(grow, device=dev)
-                forest_parents = [forest.index(parents[n]) if parents[n] in forest else -1 for n in forest + grow]
-                f, lp = drafter.expand(tokens[:, idx], torch.stack([feat[parents[n]] for n in grow], 1),
-                                       depth=d, forest_parents=forest_parents, n_prev=len(forest))
-                for j, n in enumerate(grow):
-                    feat[n], logp[n] = f[:, j], lp[:, j]
-                forest += grow
+        logp = drafter.root_logp[:, None]  # [B, n_expanded, V]: children distributions of the last depth's expanded nodes
+        feat = drafter.root_feat[:, None]  # [B, n_expanded, H]: the feature those children read
+        parent_ids = torch.zeros(1, dtype=torch.long)  # tree ids of the last depth's expanded nodes
+        for st in self.steps:
+            nodes, slot, rank = st["nodes"].to(dev), st["slot"].to(dev), st["rank"].to(dev)
+            if sampled:
+                q = target_probs(logp, params)  # [B, n, V]
+                probs_out[:, parent_ids.to(dev)] = q
+                picks = torch.multinomial(q.flatten(0, 1), st["k"], replacement=True, generator=generator)
+                picks = picks.view(B, -1, st["k"])
+            else:
+                picks = logp.topk(st["k"], dim=-1).indices  # [B, n, k]
+            tok = picks[:, slot, rank]  # [B, n_nodes]
+            tokens[:, nodes] = tok
+            scores[:, nodes] = scores[:, st["parent"].to(dev)] + logp[:, slot].gather(2, tok[..., None]).squeeze(2).float()
+            if len(st["grow"]):
+                grow = st["grow"].to(dev)
+                feat, logp = drafter.expand(tokens[:, grow], feat[:, st["grow_parent_slot"].to(dev)], depth=int(shape.depth[st["grow"][0]]),
+                                            forest_parents=st["forest_parents"], n_prev=st["n_prev"])
+                parent_ids = st["grow"]
         rep = lambda t: t[None].expand(B, -1).to(dev)  # noqa: E731
         return DraftTree(rep(shape.parents), rep(shape.depth), rep(shape.rank), tokens, scores, probs_out)
 
