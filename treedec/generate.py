@@ -15,6 +15,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+import treedec.config_schema  # noqa: F401  (registers the structured schema before Hydra composes)
+
 log = logging.getLogger(__name__)
 
 
@@ -99,8 +101,10 @@ def run(cfg: DictConfig) -> dict:
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
-def main(cfg: DictConfig) -> None:
-    run(cfg)
+def main(cfg: DictConfig) -> float | None:
+    metrics = run(cfg)
+    key = cfg.get("optimized_metric")  # an Optuna sweep maximises this metrics.json key
+    return float(metrics[key]) if key else None
 
 
 if __name__ == "__main__":
