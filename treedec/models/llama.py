@@ -253,13 +253,14 @@ class Transformer(nn.Module):
             out = self.lm_head(h[:, logits] if logits.dim() == 1 else h.gather(1, logits[..., None].expand(-1, -1, h.shape[-1])))
         return ModelOutput(out, h, saved)
 
-    def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_train(self, input_ids: torch.Tensor, return_hidden: bool = False):
         """Logits [B, T, V] of a plain causal pass from position 0, without a KV cache (pretraining).
 
         The same function as :meth:`forward` on a fresh cache with the default chain (tested to
         fp32 precision), but with ``scaled_dot_product_attention(is_causal=True)``: no cache
         writes, no dense mask and no K/V kept, so autograd stores less. Used by
-        :class:`treedec.training.lm.CausalLMModule`; :meth:`forward` is unchanged.
+        :class:`treedec.training.lm.CausalLMModule`; :meth:`forward` is unchanged. With
+        ``return_hidden`` it also returns the final normed hidden state (EAGLE's feature).
         """
         B, T = input_ids.shape
         if T > self.config.max_position_embeddings:
@@ -270,4 +271,5 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(pos, self.inv_freq)
         for layer in self.model.layers:
             x = layer.forward_causal(x, cos, sin)
-        return self.lm_head(self.model.norm(x))
+        h = self.model.norm(x)
+        return (self.lm_head(h), h) if return_hidden else self.lm_head(h)
