@@ -33,68 +33,15 @@ def export_hf(module, tokenizer_path: str | Path, out_dir: str | Path, dtype: st
     return Path(out)
 
 
-def _progress_callback(every: int):
-    import lightning as L
-
-    class LogProgress(L.Callback):
-        """Log step, loss, lr and tokens/s every ``every`` steps to the job log (the progress bar is off)."""
-
-        def __init__(self):
-            self.t = time.time()
-            self.step0 = None
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            step = trainer.global_step
-            if self.step0 is None:
-                self.step0, self.t = step, time.time()
-            if step % every == 0 and step != self.step0:
-                dt = time.time() - self.t
-                tok_s = (step - self.step0) * batch.numel() * (batch.shape[1] - 1) / batch.shape[1] / max(dt, 1e-9)
-                lr = trainer.optimizers[0].param_groups[0]["lr"]
-                log.info("step %d/%d  loss %.4f  lr %.2e  %.0f tok/s", step, trainer.max_steps,
-                         float(outputs["loss"]), lr, tok_s)
-                self.step0, self.t = step, time.time()
-
-        def on_validation_epoch_end(self, trainer, pl_module):
-            if "val/loss" in trainer.callback_metrics and not trainer.sanity_checking:
-                log.info("step %d  val/loss %.4f", trainer.global_step, float(trainer.callback_metrics["val/loss"]))
-
-    return LogProgress()
-
-
-def _seconds(max_time) -> float:
-    """Lightning's max_time "DD:HH:MM:SS" (or a dict of timedelta kwargs) in seconds."""
-    if isinstance(max_time, str):
-        d, h, m, sec = (int(x) for x in max_time.split(":"))
-        return float(((d * 24 + h) * 60 + m) * 60 + sec)
-    import datetime
-
-    return datetime.timedelta(**dict(max_time)).total_seconds()
-
-
-def resolve_export_dir(export_dir: str | None) -> Path | None:
-    if not export_dir:
-        return None
-    if export_dir == "bundled":
-        from treedec.models.checkpoint import BUNDLED
-
-        return BUNDLED["tiny-code"]
-    return Path(export_dir)
-
-
 def run(cfg: DictConfig) -> dict:
-    import lightning as L
     import torch
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger
 
+    from treedec.models.checkpoint import BUNDLED
+    from treedec.training.callbacks import build_trainer, export_path, start_job, time_budget
     from treedec.training.lm import CausalLMModule
 
     t0 = time.time()
-    torch.set_num_threads(int(cfg.num_threads))
-    L.seed_everything(int(cfg.seed), workers=True)
-    run_dir = Path(cfg.paths.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = start_job(cfg)
 
     dm = hydra.utils.instantiate(cfg.data)
     dm.prepare_data()  # trains the tokenizer if missing, tokenises (cached) the corpus
@@ -108,25 +55,12 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError(f"model_arch.vocab_size {arch['vocab_size']} < tokenizer vocab {meta['vocab_size']}")
 
     max_steps = int(cfg.trainer.max_steps)
-    optim = OmegaConf.to_container(cfg.optim, resolve=True)
-    if optim.get("time_budget_s") == "auto":  # the LR reaches its floor just before trainer.max_time stops the run
-        optim["time_budget_s"] = max(60.0, _seconds(cfg.trainer.get("max_time")) - 60.0) if cfg.trainer.get("max_time") else None
+    optim = time_budget(OmegaConf.to_container(cfg.optim, resolve=True), cfg.trainer)
     module = CausalLMModule(arch, max_steps=max_steps, seed=int(cfg.seed), **optim)
     log.info("model: %.2fM parameters", module.n_params / 1e6)
 
-    ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step}", save_last=True,
-                           every_n_train_steps=int(cfg.ckpt_every_n_steps), save_top_k=1,
-                           auto_insert_metric_name=False)
-    trainer = hydra.utils.instantiate(cfg.trainer, default_root_dir=str(run_dir),
-                                      callbacks=[ckpt, _progress_callback(int(cfg.log_every))],
-                                      logger=CSVLogger(str(run_dir), name="csv", version="",
-                                                       flush_logs_every_n_steps=int(cfg.log_every)))
-    last = run_dir / "checkpoints" / "last.ckpt"
-    resume = str(last) if last.is_file() else None
-    start_step = 0
-    if resume:
-        log.info("resuming from %s", resume)
-        start_step = int(torch.load(resume, map_location="cpu", weights_only=True)["global_step"])
+    trainer, resume = build_trainer(cfg, run_dir)
+    start_step = int(torch.load(resume, map_location="cpu", weights_only=True)["global_step"]) if resume else 0
     trainer.fit(module, datamodule=dm, ckpt_path=resume)
     fit_end = time.time()
 
@@ -139,7 +73,7 @@ def run(cfg: DictConfig) -> dict:
     ckpt_path = run_dir / "checkpoints" / "final.ckpt"
     trainer.save_checkpoint(str(ckpt_path), weights_only=True)
 
-    export = resolve_export_dir(cfg.export_dir)
+    export = export_path(cfg.export_dir, BUNDLED["tiny-code"])
     if export is not None:
         module.model.config.bos_token_id = arch.get("bos_token_id", meta["eos_id"])
         module.model.config.eos_token_id = arch.get("eos_token_id", meta["eos_id"])

@@ -19,33 +19,18 @@ from omegaconf import DictConfig, OmegaConf
 log = logging.getLogger(__name__)
 
 
-def resolve_draft_export(export_dir: str | None) -> Path | None:
-    if not export_dir:
-        return None
-    if export_dir == "bundled":
-        from treedec.models.draft import BUNDLED_DRAFTS
-
-        return BUNDLED_DRAFTS["tiny-code-eagle"]
-    return Path(export_dir)
-
-
 def run(cfg: DictConfig) -> dict:
-    import lightning as L
     import torch
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger
 
     from treedec.models.checkpoint import resolve_path
+    from treedec.models.draft import BUNDLED_DRAFTS
     from treedec.models.tokenizer import load_tokenizer
-    from treedec.pretrain import _progress_callback, _seconds
+    from treedec.training.callbacks import build_trainer, export_path, start_job, time_budget
     from treedec.training.data import heldout_prompts
     from treedec.training.draft import DraftModule, SpeculativeEvalCallback
 
     t0 = time.time()
-    torch.set_num_threads(int(cfg.num_threads))
-    L.seed_everything(int(cfg.seed), workers=True)
-    run_dir = Path(cfg.paths.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = start_job(cfg)
     target_dir = resolve_path(cfg.target)
     tok_path = cfg.paths.tokenizer or str(target_dir / "tokenizer.json")
     if not Path(tok_path).is_file():
@@ -56,9 +41,7 @@ def run(cfg: DictConfig) -> dict:
     dm.prepare_data()
     dm.setup("fit")
 
-    optim = OmegaConf.to_container(cfg.optim, resolve=True)
-    if optim.get("time_budget_s") == "auto":
-        optim["time_budget_s"] = max(60.0, _seconds(cfg.trainer.max_time) - 60.0) if cfg.trainer.get("max_time") else None
+    optim = time_budget(OmegaConf.to_container(cfg.optim, resolve=True), cfg.trainer)
     module = DraftModule(str(target_dir), draft=OmegaConf.to_container(cfg.draft, resolve=True),
                          max_steps=int(cfg.trainer.max_steps), target_dtype=cfg.target_dtype, seed=int(cfg.seed),
                          init_from=cfg.init_from, **optim)
@@ -68,19 +51,11 @@ def run(cfg: DictConfig) -> dict:
     prompts = [tok.encode(p) for p in heldout_prompts(int(cfg.eval.n_prompts), int(cfg.eval.prompt_tokens), dm.root,
                                                       tokenizer=tok)]
     tau_cb = SpeculativeEvalCallback(prompts, int(cfg.eval.every_n_steps), int(cfg.eval.max_new_tokens))
-    ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step}", save_last=True,
-                           every_n_train_steps=int(cfg.ckpt_every_n_steps), save_top_k=1, auto_insert_metric_name=False)
-    trainer = hydra.utils.instantiate(
-        cfg.trainer, default_root_dir=str(run_dir), callbacks=[ckpt, tau_cb, _progress_callback(int(cfg.log_every))],
-        logger=CSVLogger(str(run_dir), name="csv", version="", flush_logs_every_n_steps=int(cfg.log_every)))
-    last = run_dir / "checkpoints" / "last.ckpt"
-    resume = str(last) if last.is_file() else None
-    if resume:
-        log.info("resuming from %s", resume)
+    trainer, resume = build_trainer(cfg, run_dir, tau_cb)
     tau0 = tau_cb.measure(module) if not resume else None
     trainer.fit(module, datamodule=dm, ckpt_path=resume)
     val = trainer.validate(module, datamodule=dm, verbose=False)
-    export = resolve_draft_export(cfg.export_dir)
+    export = export_path(cfg.export_dir, BUNDLED_DRAFTS["tiny-code-eagle"])
     if export is not None:
         head = module.head.to(getattr(torch, cfg.export_dtype))
         head.config.target = str(cfg.target)
