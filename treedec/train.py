@@ -1,7 +1,8 @@
 """Train an EAGLE draft head: ``python -m treedec.train [hydra overrides]``.
 
 The target is loaded frozen (``target=tiny-code`` or a local HF directory); the head trains on
-token windows of ``data`` with the EAGLE loss, checkpoints ``last.ckpt`` into the run dir and
+token windows of ``data`` (or, with ``data=jsonl`` on chat data, on the assistant turns of each
+conversation) with the EAGLE loss, checkpoints ``last.ckpt`` into the run dir and
 resumes from it when re-run with the same ``hydra.run.dir``; a callback runs the real
 speculative loop on held-out prompts and logs τ. The head is exported to ``export_dir`` and
 ``metrics.json`` is written into the run dir.
@@ -48,8 +49,14 @@ def run(cfg: DictConfig) -> dict:
     log.info("draft head: %.2fM trainable parameters", sum(p.numel() for p in module.head.parameters()) / 1e6)
 
     tok = load_tokenizer(str(target_dir))
-    prompts = [tok.encode(p) for p in heldout_prompts(int(cfg.eval.n_prompts), int(cfg.eval.prompt_tokens), dm.root,
-                                                      tokenizer=tok)]
+    n_prompts, prompt_tokens = int(cfg.eval.n_prompts), int(cfg.eval.prompt_tokens)
+    if hasattr(dm, "eval_prompts"):  # held-out prompts of the training data's own validation split
+        prompts = dm.eval_prompts(n_prompts, prompt_tokens, tok)
+    else:
+        prompts = [tok.encode(p) for p in heldout_prompts(n_prompts, prompt_tokens, getattr(dm, "root", None),
+                                                          tokenizer=tok)]
+    if not prompts:
+        raise ValueError("no evaluation prompts: the validation split is empty (raise data.val_fraction)")
     tau_cb = SpeculativeEvalCallback(prompts, int(cfg.eval.every_n_steps), int(cfg.eval.max_new_tokens))
     trainer, resume = build_trainer(cfg, run_dir, tau_cb)
     tau0 = tau_cb.measure(module) if not resume else None

@@ -5,6 +5,20 @@ next-token distribution p_t = softmax(lm_head(f_t)). The head reads (f_t + noise
 predicts f_{t+1}; loss = w_feat · SmoothL1(f̂_{t+1}, f_{t+1}) + w_ce · CE(p_{t+1}, softmax(lm_head(f̂_{t+1}))),
 as in EAGLE. The target is held outside the module's parameters, so it is never trained nor
 written into a checkpoint; hyperparameters are plain data (checkpoints load with weights_only=True).
+
+Batches are either a LongTensor ``[B, S]`` of token windows (every position is trained) or, for
+chat data, a dict ``{"input_ids", "loss_mask", "attention_mask"}`` (or a tuple in that order;
+the attention mask is optional) of ``[B, S]`` tensors, as :class:`treedec.training.data.JsonlDataModule`
+serves them. Alignment of the mask: output position ``j`` (0 <= j < S-1) reads ``(f_j, x_{j+1})``
+and predicts ``f_{j+1}``, the feature of token ``x_{j+1}``, whose LM-head distribution ``p_{j+1}``
+is the target's prediction of ``x_{j+2}``. Position ``j`` is trained iff ``loss_mask[j+1]`` (and
+``attention_mask[j+1]``): the mask is sliced ``[:, 1:]`` exactly like the targets. So in an
+assistant turn ``a_0 .. a_n`` the trained positions read ``a_0 .. a_n``, predicting the features
+of ``a_0 .. a_n`` and drafting ``a_1 .. a_n`` and what follows ``a_n`` (the template's
+end-of-turn marker, itself masked in); the prediction of ``a_0`` from the prompt is not trained,
+since at inference the target produces ``a_0`` itself (the bonus token after the prompt).
+Both loss terms and ``top1_acc`` are means over the trained positions only. Padding must be on
+the right (causal attention keeps it out of every real token's features).
 """
 from __future__ import annotations
 
@@ -17,6 +31,36 @@ import torch.nn.functional as F
 
 from treedec.models.draft import DraftConfig, DraftHead
 from treedec.training.lm import _plain, cosine_with_warmup
+
+
+def unpack_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(ids [B, S], keep [B, S] bool or None)`` from a LongTensor, a dict with ``input_ids`` (``ids``),
+    ``loss_mask`` and ``attention_mask``, or a tuple ``(ids, loss_mask[, attention_mask])``.
+
+    ``keep`` = loss_mask & attention_mask (either may be absent); None for a plain tensor (train
+    every position). Padding must be on the right: a real token after a padded one is an error.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    if isinstance(batch, dict):
+        ids = batch.get("input_ids", batch.get("ids"))
+        lm, att = batch.get("loss_mask"), batch.get("attention_mask")
+    elif isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 3:
+        ids, lm, att = (list(batch) + [None, None])[:3]
+    else:
+        raise TypeError(f"a draft-training batch is a LongTensor [B, S], a dict with input_ids/loss_mask/"
+                        f"attention_mask or a tuple (ids, loss_mask[, attention_mask]); got {type(batch).__name__}")
+    if ids is None:
+        raise KeyError(f"the batch has no 'input_ids' (keys: {sorted(batch)})")
+    keep = None
+    for m in (lm, att):
+        if m is not None:
+            if m.shape != ids.shape:
+                raise ValueError(f"mask shape {tuple(m.shape)} differs from the ids' {tuple(ids.shape)}")
+            keep = m.bool() if keep is None else keep & m.bool()
+    if att is not None and (att[:, 1:].bool() & ~att[:, :-1].bool()).any():
+        raise ValueError("attention_mask has a real token after padding: pad on the right")
+    return ids, keep
 
 
 class DraftModule(L.LightningModule):
@@ -56,17 +100,26 @@ class DraftModule(L.LightningModule):
         logits, hidden = self.target.forward_train(ids, return_hidden=True)
         return hidden.float(), logits.float()
 
-    def losses(self, ids: torch.Tensor, noise: float) -> dict:
+    def losses(self, batch, noise: float) -> dict:
+        """EAGLE's loss terms on a batch (a LongTensor, or ids with a loss mask: see the module docstring)."""
+        ids, keep = unpack_batch(batch)
         feats, logits = self.target_features(ids)
         inp = feats[:, :-1]
         if noise:
             inp = inp + (torch.rand_like(inp) * 2 - 1) * noise
         pred, draft_logits = self.head.forward_train(ids[:, 1:], inp)
         want_feat, want_p = feats[:, 1:], logits[:, 1:].softmax(-1)
-        feat_loss = F.smooth_l1_loss(pred.float(), want_feat)
         logq = draft_logits.float().log_softmax(-1)
-        ce = -(want_p * logq).sum(-1).mean()
-        acc = (draft_logits.argmax(-1) == logits[:, 1:].argmax(-1)).float().mean()
+        if keep is None:
+            feat_loss = F.smooth_l1_loss(pred.float(), want_feat)
+            ce = -(want_p * logq).sum(-1).mean()
+            acc = (draft_logits.argmax(-1) == logits[:, 1:].argmax(-1)).float().mean()
+        else:
+            w = keep[:, 1:].to(feats.dtype)  # position j trains iff token j+1 is kept (aligned like the targets)
+            n = w.sum().clamp_min(1.0)
+            feat_loss = (F.smooth_l1_loss(pred.float(), want_feat, reduction="none").mean(-1) * w).sum() / n
+            ce = (-(want_p * logq).sum(-1) * w).sum() / n
+            acc = ((draft_logits.argmax(-1) == logits[:, 1:].argmax(-1)).to(w.dtype) * w).sum() / n
         loss = self.hparams.w_feat * feat_loss + self.hparams.w_ce * ce
         return {"loss": loss, "feat_loss": feat_loss, "ce": ce, "top1_acc": acc}
 
@@ -78,8 +131,9 @@ class DraftModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         out = self.losses(batch, 0.0)
+        n = unpack_batch(batch)[0].shape[0]
         for k, v in out.items():
-            self.log(f"val/{k}", v, on_step=False, on_epoch=True, batch_size=batch.shape[0], prog_bar=k == "top1_acc")
+            self.log(f"val/{k}", v, on_step=False, on_epoch=True, batch_size=n, prog_bar=k == "top1_acc")
 
     # ------------------------------------------------------------ optimisation (wall-time aware cosine)
     def lr_multiplier(self, step: int | None = None) -> float:
@@ -146,4 +200,4 @@ class SpeculativeEvalCallback(L.Callback):
         self._log(trainer, module)
 
 
-__all__ = ["DraftModule", "SpeculativeEvalCallback"]
+__all__ = ["DraftModule", "SpeculativeEvalCallback", "unpack_batch"]

@@ -1,0 +1,24 @@
+"""A stand-in for a preemption in subprocess tests: block a fresh run at a given step until killed."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import lightning as L
+
+
+class PauseOnce(L.Callback):
+    """At ``global_step >= at`` write ``marker`` and sleep (the test then SIGKILLs the process).
+
+    Runs only while ``marker`` does not exist, so re-running the very same command (same callback)
+    trains through. Lightning calls checkpoint callbacks after this one, so the checkpoints of the
+    steps before ``at`` are on disk when the marker appears.
+    """
+
+    def __init__(self, at: int, marker: str, seconds: float = 300.0):
+        self.at, self.marker, self.seconds = int(at), Path(marker), float(seconds)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.at and not self.marker.exists():
+            self.marker.write_text(str(trainer.global_step))
+            time.sleep(self.seconds)

@@ -1,0 +1,153 @@
+"""Preemptible jobs: `kill -9` then re-running the same command resumes and ends at the same step;
+checkpoints are weights_only-loadable; a truncated last.ckpt falls back to the newest intact one."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from treedec.training.callbacks import find_resume_checkpoint
+from treedec.tree.shapes import SHAPE_DIR
+
+from .test_pretrain import TINY_ARCH, corpus, tokenizer  # noqa: F401  (fixtures)
+
+CONF = str(SHAPE_DIR.parents[1])
+REPO = SHAPE_DIR.parents[2]
+STEPS = 12
+
+
+def overrides(corpus, tok_path, cache, steps=STEPS):  # noqa: F811
+    arch = [f"model_arch.{k}={v}" for k, v in TINY_ARCH.items()] + ["model_arch.head_dim=8"]
+    return arch + [
+        "export_dir=null", "num_threads=1", "ckpt_every_n_steps=2", "log_every=2", f"data.root={corpus}",
+        "data.seq_len=32", "data.batch_size=8", "data.val_fraction=0.2", f"data.cache_dir={cache}",
+        "data.max_val_windows=2", f"paths.tokenizer={tok_path}", f"trainer.max_steps={steps}", "trainer.max_time=null",
+        "trainer.val_check_interval=6", "trainer.precision=32-true", "trainer.enable_model_summary=false",
+        "optim.time_budget_s=null", "optim.warmup_steps=2"]
+
+
+def compose_pretrain(ovr):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="pretrain", overrides=ovr)
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(corpus, tokenizer, tmp_path_factory):  # noqa: F811
+    """`python -m treedec.pretrain ...` SIGKILLed after its first checkpoints, then the same command again."""
+    tmp = tmp_path_factory.mktemp("resume")
+    run, marker = tmp / "run", tmp / "paused"
+    cmd = [sys.executable, "-m", "treedec.pretrain", f"hydra.run.dir={run}",
+           *overrides(corpus, tokenizer[0], tmp / "cache"),
+           f"+callbacks.pause={{_target_:tests.training._pause.PauseOnce,at:5,marker:'{marker}'}}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    with open(tmp / "first.log", "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 180
+        while not marker.exists():
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                tail = (tmp / "first.log").read_text()[-3000:]
+                pytest.fail(f"the first run never paused (rc {proc.poll()}):\n{tail}")
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    killed = {p.name: torch.load(p, weights_only=True)["global_step"] for p in (run / "checkpoints").glob("*.ckpt")}
+    assert not (run / "metrics.json").exists()
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    return run, killed, json.loads((run / "metrics.json").read_text())
+
+
+def test_kill9_then_rerun_resumes_to_the_same_step(killed_and_resumed, corpus, tokenizer, tmp_path):  # noqa: F811
+    from treedec.pretrain import run as pretrain
+
+    run, killed, metrics = killed_and_resumed
+    assert killed["last.ckpt"] == 4 and killed == {"last.ckpt": 4, "step4.ckpt": 4}  # the kill came at step 5
+    assert metrics["resumed_from"] == str(run / "checkpoints" / "last.ckpt")
+    # an uninterrupted run of the same config ends at the same global step
+    ovr = overrides(corpus, tokenizer[0], tmp_path / "cache") + [f"paths.run_dir={tmp_path / 'ref'}"]
+    ref = pretrain(compose_pretrain(ovr))
+    assert ref["resumed_from"] is None and metrics["steps"] == ref["steps"] == STEPS
+    for name in ("last.ckpt", f"step{STEPS}.ckpt", "final.ckpt"):  # plain data only: weights_only loads everything
+        state = torch.load(run / "checkpoints" / name, weights_only=True)
+        assert state["global_step"] == STEPS and state["hyper_parameters"]["arch"]["num_hidden_layers"] == 2
+    rows = (run / "csv" / "metrics.csv").read_text().splitlines()
+    assert len(rows) > 2  # the CSV log continues in the same file
+
+
+def test_truncated_last_ckpt_falls_back_to_an_intact_one(killed_and_resumed, corpus, tokenizer,  # noqa: F811
+                                                         tmp_path, caplog):
+    from treedec.pretrain import run as pretrain
+
+    src, _, _ = killed_and_resumed
+    run = tmp_path / "run"
+    shutil.copytree(src / "checkpoints", run / "checkpoints")
+    last = run / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # a copy cut short by a kill
+    with pytest.raises(Exception, match="central directory|zip|unexpected EOF"):
+        torch.load(last, weights_only=True)  # what Lightning would have choked on
+    with caplog.at_level(logging.WARNING, logger="treedec.training"):
+        got = find_resume_checkpoint(run)
+    assert got == str(run / "checkpoints" / f"step{STEPS}.ckpt")
+    assert "last.ckpt is unusable" in caplog.text and "newest intact" in caplog.text
+    # the weights-only final.ckpt is never a resume candidate; the job itself resumes and goes on
+    m = pretrain(compose_pretrain(overrides(corpus, tokenizer[0], tmp_path / "cache", steps=STEPS + 2)
+                                  + [f"paths.run_dir={run}"]))
+    assert m["resumed_from"] == got and m["steps"] == STEPS + 2
+    assert torch.load(find_resume_checkpoint(run), weights_only=True)["global_step"] == STEPS + 2
+
+
+def test_no_readable_checkpoint_is_a_clear_error(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    (ckpts / "last.ckpt").write_bytes(b"PK\x03\x04 truncated")
+    (ckpts / "step8.ckpt").write_bytes(b"")
+    with pytest.raises(RuntimeError, match="no checkpoint there is readable.*last.ckpt.*truncated or corrupt"):
+        find_resume_checkpoint(tmp_path)
+    assert find_resume_checkpoint(tmp_path / "fresh") is None
+
+
+def test_requeue_has_exactly_one_owner(monkeypatch):
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from omegaconf import OmegaConf
+
+    from treedec.training.callbacks import requeue_plugins
+
+    cfg = OmegaConf.create({"requeue": "auto"})
+    for var in ("SLURM_NTASKS", "SLURM_JOB_NAME", "SUBMITIT_EXECUTOR"):
+        monkeypatch.delenv(var, raising=False)
+    assert requeue_plugins(cfg) == []  # not on SLURM: nothing to own
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_JOB_NAME", "pretrain")
+    assert requeue_plugins(cfg) == []  # plain sbatch: Lightning's SIGUSR1 auto-requeue stays on
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")  # launched by hydra/launcher=slurm: submitit owns it
+    (env,) = requeue_plugins(cfg)
+    assert isinstance(env, SLURMEnvironment) and env.auto_requeue is False
+    assert requeue_plugins(cfg, [SLURMEnvironment()]) == []  # the user's own environment is left alone
+    assert requeue_plugins(OmegaConf.create({"requeue": "lightning"})) == []
+    with pytest.raises(ValueError, match="requeue must be"):
+        requeue_plugins(OmegaConf.create({"requeue": "slurm"}))
+
+
+def test_slurm_launcher_config_keys_run_dirs_by_job_name():
+    from omegaconf import OmegaConf
+
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    with initialize_config_dir(config_dir=CONF, version_base="1.3", job_name="train"):
+        cfg = compose(config_name="train", overrides=["hydra/launcher=slurm", "hydra.job.name=my-head", "trainer=ddp"],
+                      return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher") and launcher.max_num_timeout > 0 and launcher.timeout_min > 0
+    sweep = OmegaConf.to_container(cfg.hydra.sweep, resolve=False)
+    assert cfg.hydra.sweep.dir == "outputs/slurm/my-head" and sweep["subdir"] == "${hydra.job.num}"  # no timestamps
+    assert launcher.submitit_folder.startswith("outputs/slurm/my-head/") and launcher.name == "my-head"
+    assert cfg.trainer.strategy == "ddp" and cfg.trainer.precision == "bf16-mixed" and cfg.requeue == "auto"
