@@ -126,3 +126,19 @@ def test_jsonl_errors_and_first_difference(tmp_path):
     assert harness.first_difference([1, 2, 3], [1, 2, 3]) is None
     assert harness.first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert harness.first_difference([1, 2, 3], [1, 2]) == 2
+
+
+def test_numerical_ties_are_reported_but_only_real_mismatches_fail():
+    from treedec.bench.harness import classify_mismatches
+
+    def entry(gaps):
+        return {"lossless_check": True, "failure_message": "differs",
+                "mismatches": [{"logit_gap": g, "ulp": 0.0625} for g in gaps]}
+
+    table = {"tied": entry([0.0, 0.0625]), "real": entry([0.0, 0.5]), "unknown": entry([None]),
+             "peer": {"mismatches": [{"logit_gap": 3.0, "ulp": 0.0625}]}}
+    failures = classify_mismatches(table, tie_ulps=1.0)
+    assert failures == ["differs", "differs"]  # "real" and "unknown"; ties and peers do not fail
+    assert table["tied"]["tie_flips"] == 2 and table["real"]["tie_flips"] == 1
+    assert classify_mismatches({"tied": entry([0.0])}, tie_ulps=0.0) == []  # an exact tie is a tie even at 0
+    assert classify_mismatches({"tied": entry([0.01])}, tie_ulps=0.0) == ["differs"]
