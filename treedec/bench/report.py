@@ -19,6 +19,9 @@ def _identical(e: dict) -> str:
         return "n/a (sampled)" if not e.get("greedy", True) else "–"
     if v:
         return "yes"
+    n, ties = len(e.get("mismatches") or []), e.get("tie_flips", 0)
+    if n and ties == n:
+        return f"no: {n} prompt(s) part at a numerical tie (top-2 logits within rounding)"
     first = (e.get("mismatches") or [{}])[0]
     gap = first.get("logit_gap")
     gap = f", target logit gap {gap:.3g}" if gap is not None else ""
