@@ -6,6 +6,10 @@
 3. exports the weights in Hugging Face format (config.json, model.safetensors, tokenizer.json,
    generation_config.json) to ``export_dir``;
 4. writes ``metrics.json`` (losses, steps, tokens, wall time, params) into the run dir.
+
+Under DDP (``trainer=ddp``) every rank runs this script (Lightning re-launches it per rank with the
+same run dir); the final checkpoint is a collective write by rank 0, and only rank 0 exports and
+writes ``metrics.json``.
 """
 from __future__ import annotations
 
@@ -69,11 +73,14 @@ def run(cfg: DictConfig) -> dict:
     val = trainer.validate(module, datamodule=dm, verbose=False)
     val_loss = float(val[0]["val/loss"]) if val else None
     steps = int(trainer.global_step)
-    tokens = steps * dm.batch_size * dm.seq_len
+    world = int(trainer.world_size)  # under DDP data.batch_size is per process
+    tokens = steps * dm.batch_size * dm.seq_len * world
     ckpt_path = run_dir / "checkpoints" / "final.ckpt"
-    trainer.save_checkpoint(str(ckpt_path), weights_only=True)
+    trainer.save_checkpoint(str(ckpt_path), weights_only=True)  # collective; rank 0 writes
 
     export = export_path(cfg.export_dir, BUNDLED["tiny-code"])
+    if not trainer.is_global_zero:  # DDP: the other ranks leave the export and metrics.json to rank 0
+        return {"steps": steps, "global_rank": int(trainer.global_rank)}
     if export is not None:
         module.model.config.bos_token_id = arch.get("bos_token_id", meta["eos_id"])
         module.model.config.eos_token_id = arch.get("eos_token_id", meta["eos_id"])
@@ -84,8 +91,8 @@ def run(cfg: DictConfig) -> dict:
         "epochs": tokens / max(1, dm.n_train_tokens), "train_tokens_corpus": dm.n_train_tokens,
         "val_tokens_corpus": meta["splits"]["validation"]["tokens"], "params": module.n_params,
         "wall_time_s": time.time() - t0, "fit_time_s": fit_end - t0,
-        "tokens_per_s": (steps - start_step) * dm.batch_size * dm.seq_len / max(1e-9, fit_end - t0),
-        "resumed_from": resume,
+        "tokens_per_s": (steps - start_step) * dm.batch_size * dm.seq_len * world / max(1e-9, fit_end - t0),
+        "world_size": world, "resumed_from": resume,
         "export_dir": str(export) if export else None, "final_ckpt": str(ckpt_path),
         "arch": arch, "seq_len": dm.seq_len, "batch_size": dm.batch_size,
     }

@@ -6,6 +6,9 @@ conversation) with the EAGLE loss, checkpoints ``last.ckpt`` into the run dir an
 resumes from it when re-run with the same ``hydra.run.dir``; a callback runs the real
 speculative loop on held-out prompts and logs τ. The head is exported to ``export_dir`` and
 ``metrics.json`` is written into the run dir.
+
+Under DDP (``trainer=ddp``) every rank runs this script with its own copy of the frozen target;
+τ is measured, and the head exported and ``metrics.json`` written, on rank 0 only.
 """
 from __future__ import annotations
 
@@ -59,10 +62,12 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError("no evaluation prompts: the validation split is empty (raise data.val_fraction)")
     tau_cb = SpeculativeEvalCallback(prompts, int(cfg.eval.every_n_steps), int(cfg.eval.max_new_tokens))
     trainer, resume = build_trainer(cfg, run_dir, tau_cb)
-    tau0 = tau_cb.measure(module) if not resume else None
+    tau0 = tau_cb.measure(module) if not resume and trainer.is_global_zero else None
     trainer.fit(module, datamodule=dm, ckpt_path=resume)
     val = trainer.validate(module, datamodule=dm, verbose=False)
     export = export_path(cfg.export_dir, BUNDLED_DRAFTS["tiny-code-eagle"])
+    if not trainer.is_global_zero:  # DDP: τ, the export and metrics.json are rank 0's
+        return {"steps": int(trainer.global_step), "global_rank": int(trainer.global_rank)}
     if export is not None:
         head = module.head.to(getattr(torch, cfg.export_dtype))
         head.config.target = str(cfg.target)
@@ -72,7 +77,8 @@ def run(cfg: DictConfig) -> dict:
         "steps": int(trainer.global_step), "tau_before": tau0, "tau_history": tau_cb.history,
         "tau": tau_cb.history[-1][1] if tau_cb.history else None,
         "val": {k: float(v) for k, v in (val[0] if val else {}).items()},
-        "wall_time_s": time.time() - t0, "resumed_from": resume, "export_dir": str(export) if export else None,
+        "wall_time_s": time.time() - t0, "world_size": int(trainer.world_size), "resumed_from": resume,
+        "export_dir": str(export) if export else None,
     }
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     log.info("metrics: %s", json.dumps(metrics))

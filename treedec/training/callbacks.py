@@ -43,12 +43,17 @@ def batch_ids(batch):
 
 
 class LogProgress(L.Callback):
-    """Log step, loss, lr and tokens/s every ``every`` steps to the job log (the progress bar is off)."""
+    """Log step, loss, lr and tokens/s every ``every`` steps to the job log (the progress bar is off).
+
+    Under DDP only rank 0 logs: its loss, and the tokens/s of all ranks together.
+    """
 
     def __init__(self, every: int):
         self.every, self.t, self.step0 = every, time.time(), None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if not trainer.is_global_zero:  # DDP: one progress line per step, from rank 0
+            return
         step = trainer.global_step
         if self.step0 is None:
             self.step0, self.t = step, time.time()
@@ -56,13 +61,14 @@ class LogProgress(L.Callback):
             dt = time.time() - self.t
             ids = batch_ids(batch)
             tok_s = (step - self.step0) * ids.numel() * (ids.shape[1] - 1) / ids.shape[1] / max(dt, 1e-9)
+            tok_s *= trainer.world_size  # every rank trains on a batch like this one
             lr = trainer.optimizers[0].param_groups[0]["lr"]
             log.info("step %d/%d  loss %.4f  lr %.2e  %.0f tok/s", step, trainer.max_steps,
                      float(outputs["loss"]), lr, tok_s)
             self.step0, self.t = step, time.time()
 
     def on_validation_epoch_end(self, trainer, pl_module):
-        if "val/loss" in trainer.callback_metrics and not trainer.sanity_checking:
+        if "val/loss" in trainer.callback_metrics and not trainer.sanity_checking and trainer.is_global_zero:
             log.info("step %d  val/loss %.4f", trainer.global_step, float(trainer.callback_metrics["val/loss"]))
 
 

@@ -110,8 +110,36 @@ def train_bpe(texts, vocab_size: int = 8192, out: str | os.PathLike | None = Non
                                                        special_tokens=[(EOS, eos_id)])
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        tok.save(str(out))
+        tmp = Path(f"{out}.tmp{os.getpid()}")
+        tok.save(str(tmp))
+        os.replace(tmp, out)  # atomic: a reader (another rank) never sees half a file
     return tok
+
+
+def _process_rank() -> int:
+    """The global rank from the launcher's environment (RANK, LOCAL_RANK, SLURM_PROCID), 0 outside DDP."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    return int(getattr(rank_zero_only, "rank", 0) or 0)
+
+
+def wait_for_rank_zero(path: str | os.PathLike, what: str, timeout_s: float = 3600.0) -> None:
+    """On ranks > 0 of a multi-process job, wait for rank 0 to write ``path`` instead of building it too.
+
+    ``treedec.pretrain`` prepares the data before the Trainer (and its process group) exists. Under
+    Lightning's own DDP launcher the other ranks start after that, so the file is there; when srun or
+    torchrun starts every rank at once, each would train its own tokenizer (BPE ties may break
+    differently) into the same path: ranks > 0 wait for rank 0's instead.
+    """
+    import time
+
+    path = Path(path)
+    t0 = time.time()
+    while not path.is_file():
+        if time.time() - t0 > timeout_s:
+            raise TimeoutError(f"rank {_process_rank()}: waited {timeout_s:.0f} s for rank 0 to write the {what} "
+                               f"{path} (is it on a file system all ranks share?)")
+        time.sleep(0.25)
 
 
 def load_hf_tokenizer(path: str | os.PathLike):
@@ -142,6 +170,7 @@ def tokenize_corpus(tok, root=None, val_fraction: float = 0.03, cache_dir: str |
     dtype = np.uint16 if vocab <= 2**16 else np.uint32
     meta = {"root": str(root), "val_fraction": val_fraction, "dtype": np.dtype(dtype).name, "eos_id": eos,
             "vocab_size": vocab, "splits": {}}
+    tag = f".tmp{os.getpid()}"  # concurrent builders (DDP ranks) write their own temporaries
     for split in ("train", "validation"):
         files = split_files(root, split, val_fraction)
         parts = []
@@ -151,11 +180,13 @@ def tokenize_corpus(tok, root=None, val_fraction: float = 0.03, cache_dir: str |
             for e in encs:
                 parts.append(np.array([eos] + e.ids, dtype=dtype))
         arr = np.concatenate(parts + [np.array([eos], dtype=dtype)]) if parts else np.array([eos], dtype=dtype)
-        tmp = d / f"{split}.bin.tmp"
+        tmp = d / f"{split}.bin{tag}"
         arr.tofile(tmp)
         os.replace(tmp, d / f"{split}.bin")
         meta["splits"][split] = {"files": len(files), "tokens": int(arr.size)}
-    (d / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    tmp = d / f"meta.json{tag}"
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp, d / "meta.json")  # last: its presence marks a complete cache
     return d
 
 
@@ -223,7 +254,10 @@ class StdlibCodeDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         if not Path(self.tokenizer_path).is_file():
-            train_tokenizer(self.root, self.vocab_size, self.val_fraction, out=self.tokenizer_path)
+            if _process_rank() > 0:
+                wait_for_rank_zero(self.tokenizer_path, "tokenizer")
+            else:
+                train_tokenizer(self.root, self.vocab_size, self.val_fraction, out=self.tokenizer_path)
         self.token_dir = tokenize_corpus(load_hf_tokenizer(self.tokenizer_path), self.root, self.val_fraction,
                                          self.cache_dir)
 
@@ -742,7 +776,10 @@ class JsonlDataModule(L.LightningDataModule):
         if not Path(self.tokenizer_path).is_file():
             if not Path(self.path).is_file():
                 raise FileNotFoundError(f"jsonl corpus {self.path} does not exist (data.path)")
-            self._train_tokenizer()
+            if self.vocab_size and _process_rank() > 0:
+                wait_for_rank_zero(self.tokenizer_path, "tokenizer")
+            else:
+                self._train_tokenizer()
         self.tokenizer = _as_treedec_tokenizer(self.tokenizer_path)
         self.token_dir = tokenize_jsonl(self.tokenizer, self.path, self.val_path, self.val_fraction, self.format,
                                         self.chat_template, self.cache_dir)

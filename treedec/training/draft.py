@@ -92,8 +92,16 @@ class DraftModule(L.LightningModule):
     def target(self):
         return self._target[0]
 
+    def _target_to_device(self) -> None:
+        """The frozen target is no submodule, so Lightning does not move it: follow the head (per rank)."""
+        if self.target.device != self.device:
+            self.target.to(self.device)
+
     def on_fit_start(self) -> None:
-        self.target.to(self.device)
+        self._target_to_device()
+
+    def on_validation_start(self) -> None:
+        self._target_to_device()
 
     @torch.no_grad()
     def target_features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +141,8 @@ class DraftModule(L.LightningModule):
         out = self.losses(batch, 0.0)
         n = unpack_batch(batch)[0].shape[0]
         for k, v in out.items():
-            self.log(f"val/{k}", v, on_step=False, on_epoch=True, batch_size=n, prog_bar=k == "top1_acc")
+            self.log(f"val/{k}", v, on_step=False, on_epoch=True, batch_size=n, prog_bar=k == "top1_acc",
+                     sync_dist=True)  # DDP: the mean over all ranks' batches
 
     # ------------------------------------------------------------ optimisation (wall-time aware cosine)
     def lr_multiplier(self, step: int | None = None) -> float:
@@ -163,7 +172,11 @@ class DraftModule(L.LightningModule):
 
 
 class SpeculativeEvalCallback(L.Callback):
-    """Every ``every_n_steps`` (and at the end), run the real speculative loop on held-out prompts and log τ."""
+    """Every ``every_n_steps`` (and at the end), run the real speculative loop on held-out prompts and log τ.
+
+    Under DDP only global rank 0 measures (the others go on to the next step and wait for it at
+    the gradient all-reduce), so ``history`` is filled on rank 0 only.
+    """
 
     def __init__(self, prompts: list[list[int]], every_n_steps: int = 250, max_new_tokens: int = 64, policy=None):
         self.prompts, self.every, self.max_new = prompts, every_n_steps, max_new_tokens
@@ -184,6 +197,8 @@ class SpeculativeEvalCallback(L.Callback):
         return tau
 
     def _log(self, trainer, module) -> None:
+        if not trainer.is_global_zero:
+            return
         tau = self.measure(module)
         self.history.append((trainer.global_step, tau))
         for lg in trainer.loggers:
@@ -197,7 +212,8 @@ class SpeculativeEvalCallback(L.Callback):
             self._log(trainer, module)
 
     def on_train_end(self, trainer, module) -> None:
-        self._log(trainer, module)
+        if not (self.history and self.history[-1][0] == trainer.global_step):  # not measured at this step yet
+            self._log(trainer, module)
 
 
 __all__ = ["DraftModule", "SpeculativeEvalCallback", "unpack_batch"]

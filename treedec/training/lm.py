@@ -110,13 +110,15 @@ class CausalLMModule(L.LightningModule):
         self._last_step_time = now
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         self.log("train/lr", self.hparams.lr * self.lr_multiplier(), on_step=True, on_epoch=False)
-        self.log("train/tokens", float((self.global_step + 1) * batch.shape[0] * (batch.shape[1] - 1)),
+        world = self.trainer.world_size if self._trainer is not None else 1  # batches are per process
+        self.log("train/tokens", float((self.global_step + 1) * batch.shape[0] * (batch.shape[1] - 1) * world),
                  on_step=True, on_epoch=False)
         return loss
 
     def validation_step(self, batch, batch_idx):
         loss = self._loss(batch)
-        self.log("val/loss", loss, prog_bar=True, on_step=False, on_epoch=True, batch_size=batch.shape[0])
+        self.log("val/loss", loss, prog_bar=True, on_step=False, on_epoch=True, batch_size=batch.shape[0],
+                 sync_dist=True)  # DDP: the mean over all ranks' batches
         return loss
 
     # ------------------------------------------------------------ LR schedule (wall-time aware)
