@@ -235,6 +235,15 @@ class RandomWindowSampler(Sampler[int]):
         return iter(rng.integers(0, self.n_starts, size=self.num_samples).tolist())
 
 
+def window_loader(windows: "TokenWindows", n_tokens: int, seq_len: int, batch_size: int, seed: int,
+                  num_workers: int) -> DataLoader:
+    """Random token windows; an "epoch" is n_tokens / seq_len windows, rounded down to whole batches."""
+    per_epoch = max(batch_size, n_tokens // seq_len)
+    per_epoch -= per_epoch % batch_size
+    sampler = RandomWindowSampler(len(windows), per_epoch, seed)
+    return DataLoader(windows, batch_size=batch_size, sampler=sampler, drop_last=True, num_workers=num_workers)
+
+
 class StdlibCodeDataModule(L.LightningDataModule):
     """Token windows of the stdlib corpus (or any ``root`` of ``*.py`` files).
 
@@ -274,11 +283,8 @@ class StdlibCodeDataModule(L.LightningDataModule):
         return self.train_set.n_tokens
 
     def train_dataloader(self) -> DataLoader:
-        per_epoch = max(self.batch_size, self.n_train_tokens // self.seq_len)
-        per_epoch -= per_epoch % self.batch_size
-        sampler = RandomWindowSampler(len(self.train_set), per_epoch, self.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
-                          num_workers=self.num_workers)
+        return window_loader(self.train_set, self.n_train_tokens, self.seq_len, self.batch_size, self.seed,
+                             self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         starts = list(range(0, len(self.val_set), self.seq_len))
@@ -823,11 +829,8 @@ class JsonlDataModule(L.LightningDataModule):
         if isinstance(self.train_set, ChatSequences):
             return DataLoader(self.train_set, batch_size=self.batch_size, drop_last=True,
                               sampler=ShuffleSampler(len(self.train_set), self.seed), num_workers=self.num_workers)
-        per_epoch = max(self.batch_size, self.n_train_tokens // self.seq_len)
-        per_epoch -= per_epoch % self.batch_size
-        sampler = RandomWindowSampler(len(self.train_set), per_epoch, self.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
-                          num_workers=self.num_workers)
+        return window_loader(self.train_set, self.n_train_tokens, self.seq_len, self.batch_size, self.seed,
+                             self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         if isinstance(self.val_set, ChatSequences):

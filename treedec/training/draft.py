@@ -22,7 +22,6 @@ the right (causal attention keeps it out of every real token's features).
 """
 from __future__ import annotations
 
-import math
 import time
 
 import lightning as L
