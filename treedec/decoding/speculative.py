@@ -16,6 +16,7 @@ import torch
 
 from treedec.decoding.drafter import Drafter
 from treedec.decoding.sampling import SamplingParams, next_token
+from treedec.decoding.vanilla import check_context, normalize_prompts
 from treedec.decoding.verify import Verdict, verify_greedy, verify_sampling
 from treedec.models.draft import DraftHead
 from treedec.models.llama import Transformer
@@ -70,16 +71,9 @@ class GenerateResult:
     stats: SpecStats
 
 
-def pad_prompts(prompts, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A list of token lists (or a [B, L] tensor) -> right-padded ids [B, L] and lengths [B]."""
-    if torch.is_tensor(prompts):
-        ids = prompts if prompts.dim() == 2 else prompts[None]
-        return ids.to(device), torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long, device=device)
-    rows = [list(prompts)] if prompts and isinstance(prompts[0], int) else [list(p) for p in prompts]
-    if not rows or any(len(r) == 0 for r in rows):
-        raise ValueError("every prompt needs at least one token")
-    L = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), L, dtype=torch.long)
+def pad_prompts(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated prompt rows -> right-padded ids [B, L] and lengths [B]."""
+    ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
     for b, r in enumerate(rows):
         ids[b, : len(r)] = torch.tensor(r)
     return ids.to(device), torch.tensor([len(r) for r in rows], device=device)
@@ -108,7 +102,9 @@ class SpeculativeDecoder:
                  stream: Callable[[int, list[int]], None] | None = None) -> GenerateResult:
         """Generate up to ``max_new_tokens`` per row (stopping at EOS); ``stream(row, tokens)`` sees each new batch."""
         tgt, dev, params = self.target, self.target.device, self.sampling
-        ids, lens = pad_prompts(prompts, dev)
+        rows = normalize_prompts(prompts)  # the same input checks as vanilla decoding
+        check_context(tgt, rows, max_new_tokens)
+        ids, lens = pad_prompts(rows, dev)
         B, Lmax = ids.shape
         ctx = tgt.config.context_length
         need = Lmax + max_new_tokens + self.policy.max_depth + 1
