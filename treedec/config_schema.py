@@ -75,9 +75,9 @@ class StaticTreeSchema:
 @dataclass
 class DynamicTreeSchema:
     _target_: str = "treedec.tree.policies.DynamicPolicy"
-    total_tokens: int = 60
-    depth: int = 6
-    top_k: int = 10
+    total_tokens: int = 16  # as conf/tree/dynamic.yaml
+    depth: int = 5
+    top_k: int = 4
 
 
 @dataclass
