@@ -27,9 +27,11 @@ def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.08) -> torc
     return model
 
 
-def tiny_model(seed: int = 0, backend: str = "sdpa", **kw) -> Transformer:
+def tiny_model(seed: int = 0, backend: str = "sdpa", fuse: bool = True, **kw) -> Transformer:
+    """Random weights (drawn unfused, so a seed gives the same model either way), fused like ``load_model``'s."""
     torch.manual_seed(seed)
-    return randomize_(Transformer(tiny_config(**kw), attn_backend=backend), seed).eval()
+    model = randomize_(Transformer(tiny_config(**kw), attn_backend=backend), seed).eval()
+    return model.fuse() if fuse else model
 
 
 @torch.inference_mode()

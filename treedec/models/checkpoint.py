@@ -166,6 +166,7 @@ def load_model(
     device: torch.device | str = "cpu",
     attn_backend: str = "auto",
     trainable: bool = False,
+    fuse: bool = True,
 ) -> Transformer:
     """Load ``"tiny-code"`` or a local HF directory as a :class:`Transformer` in eval mode.
 
@@ -231,6 +232,7 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)
+    model = model.fuse() if fuse else model  # one q/k/v and one gate/up matmul per layer; state-dict names stay HF's
     model.requires_grad_(trainable)
     return model.eval()
 

@@ -89,7 +89,72 @@ def _sdpa_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-class Attention(nn.Module):
+def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the concatenation of ``parts``' outputs (weights and biases stacked)."""
+    w = torch.cat([p.weight.detach() for p in parts])
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device="meta")
+    lin.weight = nn.Parameter(w, requires_grad=parts[0].weight.requires_grad)
+    if lin.bias is not None:
+        lin.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=parts[0].bias.requires_grad)
+    return lin
+
+
+class _Fusable(nn.Module):
+    """A module whose projections ``_parts`` (name, width) may be fused into one Linear ``_fused``.
+
+    One matmul instead of three (q/k/v) or two (gate/up) saves launches and re-reads of x. The
+    state dict keeps the Hugging Face names either way: a post-hook splits the fused tensors on
+    save and a load pre-hook concatenates HF tensors on load, so checkpoints never change.
+    """
+
+    _fused: str
+    _parts: tuple[str, ...]
+
+    def _init_hooks(self) -> None:
+        self.register_state_dict_post_hook(_split_fused_state)
+        self.register_load_state_dict_pre_hook(_cat_fused_state)
+
+    @property
+    def fused(self) -> bool:
+        return self._fused in self._modules
+
+    def fuse(self) -> "_Fusable":
+        if not self.fused:
+            parts = [getattr(self, n) for n in self._parts]
+            self._fused_widths = [p.out_features for p in parts]
+            setattr(self, self._fused, _fused_linear(parts))
+            for n in self._parts:
+                delattr(self, n)
+        return self
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.fused:
+            return getattr(self, self._fused)(x).split(self._fused_widths, dim=-1)
+        return tuple(getattr(self, n)(x) for n in self._parts)
+
+
+def _split_fused_state(module: _Fusable, state: dict, prefix: str, local_metadata) -> None:
+    if not module.fused:
+        return
+    for suffix in ("weight", "bias"):
+        t = state.pop(f"{prefix}{module._fused}.{suffix}", None)
+        if t is not None:  # clones: safetensors refuses tensors that share storage
+            for name, piece in zip(module._parts, t.split(module._fused_widths)):
+                state[f"{prefix}{name}.{suffix}"] = piece.clone()
+
+
+def _cat_fused_state(module: _Fusable, state: dict, prefix: str, *args) -> None:
+    if not module.fused:
+        return
+    for suffix in ("weight", "bias"):
+        keys = [f"{prefix}{name}.{suffix}" for name in module._parts]
+        if all(k in state for k in keys):
+            state[f"{prefix}{module._fused}.{suffix}"] = torch.cat([state.pop(k) for k in keys])
+
+
+class Attention(_Fusable):
+    _fused, _parts = "qkv_proj", ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -97,13 +162,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
+        self._init_hooks()
+
+    def _qkv(self, x, cos, sin):
+        B, T, _ = x.shape
+        q, k, v = self._project(x)
+        q = q.view(B, T, self.nh, self.hd).transpose(1, 2)
+        k = k.view(B, T, self.nkv, self.hd).transpose(1, 2)
+        v = v.view(B, T, self.nkv, self.hd).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, bits, mask, backend: str):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self._qkv(x, cos, sin)
         keys, values = cache.write(layer, k, v)
         if isinstance(mask, str):  # a plain chain over rows of equal length: SDPA needs no mask ("full" | "causal")
             out = _sdpa_plain(q, keys, values, causal=mask == "causal")
@@ -114,10 +185,7 @@ class Attention(nn.Module):
     def forward_causal(self, x, cos, sin):
         """Plain causal self-attention over ``x`` alone (no cache): the training path."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self._qkv(x, cos, sin)
         if self.nkv != self.nh:
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
@@ -125,14 +193,18 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
-class MLP(nn.Module):
+class MLP(_Fusable):
+    _fused, _parts = "gate_up_proj", ("gate_proj", "up_proj")
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
         self.gate_proj, self.up_proj, self.down_proj = nn.Linear(h, i, bias=b), nn.Linear(h, i, bias=b), nn.Linear(i, h, bias=b)
+        self._init_hooks()
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self._project(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -149,6 +221,12 @@ class DecoderLayer(nn.Module):
     def forward_causal(self, x, cos, sin):
         x = x + self.self_attn.forward_causal(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def fuse(self) -> "DecoderLayer":
+        """Fuse q/k/v and gate/up into single matmuls (in place; state-dict names unchanged)."""
+        self.self_attn.fuse()
+        self.mlp.fuse()
+        return self
 
 
 @dataclass
@@ -188,6 +266,12 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    def fuse(self) -> "Transformer":
+        """Fuse every layer's q/k/v and gate/up projections (``load_model`` does it by default)."""
+        for layer in self.model.layers:
+            layer.fuse()
+        return self
 
     def backend(self) -> str:
         return default_backend(self.device) if self.attn_backend == "auto" else self.attn_backend
