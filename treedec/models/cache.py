@@ -4,8 +4,17 @@ Every forward writes its T new keys/values at ``[lengths[b], lengths[b] + T)`` o
 row without moving ``lengths``; the caller then either ``advance``s (prefill, plain decoding)
 or ``commit``s an accepted tree path, which copies that path's K/V to contiguous slots, the
 way EAGLE and Medusa do it. Rows may hold different lengths.
+
+``lengths`` lives on the device (index ops read it there); ``host_lengths`` mirrors it on the
+host, so that sizing a forward (how many keys, is the batch ragged, is there room) never
+waits for the device. Every method keeps both in step without a device read when it is given
+host-side counts; given only a tensor it reads it once (documented per method). Code that
+mutates ``lengths`` in place behind the cache's back is detected through the tensor's version
+counter and the mirror is re-read then (one host read): correct, but slower; use the methods.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -16,71 +25,160 @@ class KVCache:
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        with torch.inference_mode(False):  # a normal tensor keeps a version counter (see _host)
+            self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.host_lengths: list[int] = [0] * batch
         self.max_len = max_len
+        self._seen = (self.lengths, self.lengths._version)
+        self._widx: tuple | None = None  # (key, write index [B, T]) memo: one per forward, not per layer
 
     @property
     def batch(self) -> int:
         return self.k.shape[1]
 
+    # ------------------------------------------------------------------ host mirror
+    def _host(self) -> list[int]:
+        """The host lengths, re-read from the device only if ``lengths`` was mutated outside this class."""
+        if self._seen[0] is not self.lengths or self._seen[1] != self.lengths._version:
+            self.host_lengths = self.lengths.tolist()  # host read: someone wrote lengths directly
+            self._synced()
+        return self.host_lengths
+
+    def _synced(self) -> None:
+        self._seen = (self.lengths, self.lengths._version)
+        self._widx = None
+
+    def _as_list(self, n: int | Sequence[int] | torch.Tensor) -> list[int]:
+        if isinstance(n, int):
+            return [n] * self.batch
+        n = n.reshape(-1).tolist() if torch.is_tensor(n) else [int(x) for x in n]  # a tensor costs one host read
+        return n * self.batch if len(n) == 1 else n
+
+    def _on_device(self, n: list[int]) -> torch.Tensor:
+        return torch.tensor(n, dtype=torch.long).to(self.lengths.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ forward side
     def check_room(self, T: int) -> None:
-        need = int(self.lengths.max()) + T
+        need = max(self._host()) + T
         if need > self.max_len:
             raise ValueError(
                 f"KV cache overflow: {need} tokens needed, room for {self.max_len}; "
                 "shorten the prompt or max_new_tokens, or raise the cache length / context size"
             )
 
+    def write_index(self, T: int) -> torch.Tensor:
+        """Slots [B, T] the next T tokens of each row go to (``lengths + arange(T)``), memoised per length state."""
+        key = (T, self.lengths._version, id(self.lengths))
+        if self._widx is None or self._widx[0] != key:
+            self._widx = (key, self.lengths[:, None] + torch.arange(T, device=self.lengths.device))
+        return self._widx[1]
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, T, D] after each row's length; return the layer's keys up to the furthest new slot."""
+        """Store k, v [B, Hkv, T, D] after each row's length; return the layer's keys/values up to the furthest new slot.
+
+        Sized from the host mirror: a slice write when every row holds the same length, else one
+        scatter per buffer (at device-side slots); never a device read.
+        """
         T = k.shape[2]
-        end = int(self.lengths.max()) + T
-        if self.batch == 1 or bool((self.lengths == self.lengths[0]).all()):
-            start = int(self.lengths[0])
-            self.k[layer, :, :, start:start + T] = k
-            self.v[layer, :, :, start:start + T] = v
+        h = self._host()
+        lo, hi = min(h), max(h)
+        if lo == hi:
+            self.k[layer, :, :, lo:lo + T] = k
+            self.v[layer, :, :, lo:lo + T] = v
         else:
-            idx = (self.lengths[:, None] + torch.arange(T, device=k.device))[:, None, :, None].expand_as(k)
+            idx = self.write_index(T)[:, None, :, None].expand_as(k)
             self.k[layer].scatter_(2, idx, k)
             self.v[layer].scatter_(2, idx, v)
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        return self.k[layer, :, :, :hi + T], self.v[layer, :, :, :hi + T]
 
-    def advance(self, n: int | torch.Tensor) -> None:
-        """Accept the last-written n tokens as they are (prefill, plain decoding)."""
-        self.lengths += n
+    def static(self) -> "StaticKV":
+        """A view for a static-shape forward (torch.compile): device-side writes, the whole buffer as keys."""
+        return StaticKV(self)
 
-    def commit(self, path: torch.Tensor, n_accept: torch.Tensor | int | None = None) -> None:
-        """Keep a root-to-node path of the last tree: ``path`` [B, n] (tree-relative indices).
+    # ------------------------------------------------------------------ length updates
+    def advance(self, n: int | Sequence[int] | torch.Tensor) -> None:
+        """Accept the last-written n tokens (per row or for all) as they are (prefill, plain decoding).
+
+        An int or a list of ints costs no device read; a tensor is read once to update the mirror.
+        """
+        host = self._as_list(n)
+        self._host()
+        if isinstance(n, int):
+            self.lengths += n
+        else:
+            self.lengths += n.to(self.lengths) if torch.is_tensor(n) else self._on_device(host)
+        self.host_lengths = [a + b for a, b in zip(self.host_lengths, host)]
+        self._synced()
+
+    def commit(self, path: torch.Tensor, n_accept: torch.Tensor | int | None = None,
+               n_host: Sequence[int] | None = None) -> None:
+        """Keep a root-to-node path of the last tree: ``path`` [B, n] or [n] (tree-relative; ``path[b, 0]`` is the root 0).
 
         Row b keeps ``path[b, :n_accept[b]]``; its K/V move to ``[len_b, len_b + n_accept[b])``
-        in every layer and the length advances by ``n_accept[b]``.
+        in every layer at once (one gather and one scatter per buffer) and the length advances
+        by ``n_accept[b]``. ``n_host`` is ``n_accept`` on the host: with it no device read
+        happens; without it a tensor ``n_accept`` is read once. Nothing moves when no row keeps
+        more than its root, which is already in place.
         """
+        B, dev = self.batch, self.lengths.device
         if path.dim() == 1:
-            path = path[None].expand(self.batch, -1)
+            path = path[None].expand(B, -1)
         n = path.shape[1]
-        if n_accept is None:
-            n_accept = torch.full((self.batch,), n, dtype=torch.long, device=path.device)
-        elif isinstance(n_accept, int):
-            n_accept = torch.full((self.batch,), n_accept, dtype=torch.long, device=path.device)
-        n_accept = n_accept.to(self.lengths.device)
-        src = self.lengths[:, None] + path.clamp(min=0).to(self.lengths.device)  # [B, n]
-        dst = self.lengths[:, None] + torch.arange(n, device=self.lengths.device)
-        keep = torch.arange(n, device=src.device)[None] < n_accept[:, None]
-        src = torch.where(keep, src, dst)  # rows that keep fewer tokens copy their own slots: a no-op
-        if not bool((src == dst).all()):
-            L, B, H, _, D = self.k.shape
-            gi = src[None, :, None, :, None].expand(L, B, H, n, D)
-            si = dst[None, :, None, :, None].expand(L, B, H, n, D)
+        n_accept = n if n_accept is None else n_accept
+        n_host = self._as_list(n_accept) if n_host is None else [int(x) for x in n_host]  # tensor n_accept: one read
+        if not isinstance(n_accept, int):
+            n_accept = n_accept.to(dev) if torch.is_tensor(n_accept) else self._on_device(n_host)
+        self._host()
+        w = max(n_host, default=0)
+        if w > 1:
+            path, cols = path[:, :w].to(dev), torch.arange(w, device=dev)
+            dst = self.lengths[:, None] + cols  # [B, w]
+            keep = cols < (n_accept if isinstance(n_accept, int) else n_accept[:, None])
+            src = torch.where(keep, self.lengths[:, None] + path, dst)  # slots a row does not keep copy onto themselves
+            L, _, H, _, D = self.k.shape
+            gi = src[None, :, None, :, None].expand(L, B, H, w, D)
+            si = dst[None, :, None, :, None].expand(L, B, H, w, D)
             for buf in (self.k, self.v):
-                buf.scatter_(3, si, torch.gather(buf, 3, gi))
+                buf.scatter_(3, si, buf.gather(3, gi))
         self.lengths += n_accept
+        self.host_lengths = [a + b for a, b in zip(self.host_lengths, n_host)]
+        self._synced()
 
-    def rollback(self, length: int | torch.Tensor) -> None:
-        """Forget everything past ``length`` (per row or for all rows)."""
-        if torch.is_tensor(length):
-            self.lengths.copy_(length.to(self.lengths))
-        else:
+    def rollback(self, length: int | Sequence[int] | torch.Tensor) -> None:
+        """Forget everything past ``length`` (per row or for all rows); a tensor is read once for the mirror."""
+        host = self._as_list(length)
+        if isinstance(length, int):
             self.lengths.fill_(length)
+        else:
+            self.lengths.copy_(length.to(self.lengths).reshape(-1).expand(self.batch) if torch.is_tensor(length)
+                               else self._on_device(host))
+        self.host_lengths = host
+        self._synced()
 
     def reset(self) -> None:
         self.lengths.zero_()
+        self.host_lengths = [0] * self.batch
+        self._synced()
+
+
+class StaticKV:
+    """``KVCache`` as a static-shape forward sees it: no host mirror, no Python branching on lengths.
+
+    New K/V go to ``lengths + arange(T)`` with one index_put per buffer, and attention reads the
+    whole ``max_len`` buffer (a mask hides keys past each row's tree), so shapes never change and
+    ``torch.compile(fullgraph=True, dynamic=False)`` traces one graph per T. The caller must
+    leave room: slots past ``max_len`` are an indexing error, not a clear message.
+    """
+
+    def __init__(self, cache: KVCache):
+        self.cache, self.lengths = cache, cache.lengths
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, _, T, _ = k.shape
+        c = self.cache
+        rows = torch.arange(B, device=k.device)[:, None]
+        pos = self.lengths[:, None] + torch.arange(T, device=k.device)  # [B, T]
+        kl, vl = c.k[layer], c.v[layer]
+        kl[rows, :, pos] = k.transpose(1, 2)  # advanced indices around a slice: values are [B, T, Hkv, D]
+        vl[rows, :, pos] = v.transpose(1, 2)
+        return kl, vl

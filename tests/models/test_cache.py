@@ -1,0 +1,113 @@
+"""KVCache: the host mirror of the lengths stays exact without device reads; commit moves every layer at once."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treedec.models.cache import KVCache
+from treedec.profiling import count_ops
+
+
+def filled_cache(B=3, L=2, H=2, S=24, D=4, seed=0) -> KVCache:
+    c = KVCache(L, B, H, S, D)
+    g = torch.Generator().manual_seed(seed)
+    c.k.copy_(torch.randn(c.k.shape, generator=g))
+    c.v.copy_(torch.randn(c.v.shape, generator=g))
+    return c
+
+
+def assert_mirror(c: KVCache) -> None:
+    assert c.host_lengths == c.lengths.tolist()
+
+
+def test_host_forms_cost_no_device_read():
+    c = filled_cache()
+    with count_ops() as ops:
+        c.advance(5)
+        c.advance([1, 2, 3])
+        c.rollback([4, 7, 6])
+        c.commit(torch.tensor([[0, 1, 3], [0, 2, 0], [0, 0, 0]]), torch.tensor([3, 2, 1]), n_host=[3, 2, 1])
+        c.check_room(4)
+        c.write(0, torch.zeros(3, 2, 4, 4), torch.zeros(3, 2, 4, 4))
+        c.rollback(2)
+        c.commit(torch.tensor([0, 1]), 2)  # an int count is known on the host too
+        c.reset()
+        c.advance(torch.tensor([1, 2, 3]).tolist())  # (the read is the caller's)
+    assert ops.host_reads == 1 and ops.reads["tolist"] == 1
+    assert_mirror(c)
+    assert c.host_lengths == [1, 2, 3]
+
+
+def test_tensor_forms_read_once_and_stay_exact():
+    c = filled_cache()
+    for call in (lambda: c.advance(torch.tensor([2, 0, 1])), lambda: c.rollback(torch.tensor([5, 6, 7])),
+                 lambda: c.commit(torch.tensor([[0, 2], [0, 1], [0, 1]]), torch.tensor([2, 1, 2]))):
+        with count_ops() as ops:
+            call()
+        assert ops.host_reads == 1
+        assert_mirror(c)
+    assert c.host_lengths == [7, 7, 9]
+
+
+def test_outside_mutation_of_lengths_is_detected():
+    c = filled_cache()
+    c.advance(2)
+    c.lengths.fill_(5)  # behind the cache's back: the next use re-reads (once), then it is free again
+    with count_ops() as ops:
+        keys, _ = c.write(1, torch.ones(3, 2, 2, 4), torch.ones(3, 2, 2, 4))
+    assert ops.host_reads == 1 and keys.shape[2] == 7 and c.host_lengths == [5, 5, 5]
+    assert (c.k[1, :, :, 5:7] == 1).all()
+    with count_ops() as ops:
+        c.check_room(10)
+    assert ops.host_reads == 0
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        c.check_room(20)
+
+
+def test_write_slice_or_scatter_and_key_range():
+    c = filled_cache()
+    k = torch.randn(3, 2, 4, 4)
+    with count_ops() as ops:
+        keys, vals = c.write(0, k, -k)  # equal lengths: a slice write
+    assert ops.host_reads == 0 and "aten::scatter_" not in [n.replace(".src", "") for n in ops.ops]
+    assert keys.shape[2] == 4 and torch.equal(c.k[0, :, :, :4], k) and torch.equal(vals, -k)
+    c.rollback([0, 3, 9])
+    with count_ops() as ops:
+        keys, _ = c.write(1, k, -k)
+    assert ops.host_reads == 0 and keys.shape[2] == 13
+    for b, L in enumerate([0, 3, 9]):
+        assert torch.equal(c.k[1, b, :, L:L + 4], k[b]) and torch.equal(c.v[1, b, :, L:L + 4], -k[b])
+
+
+@pytest.mark.parametrize("with_host", [False, True])
+def test_commit_moves_the_path_in_every_layer(with_host):
+    c = filled_cache(B=3, L=3)
+    c.rollback([2, 5, 0])
+    k0, v0 = c.k.clone(), c.v.clone()
+    path = torch.tensor([[0, 2, 5, 6], [0, 1, 0, 0], [0, 3, 4, 0]])
+    n = torch.tensor([4, 2, 3])
+    c.commit(path, n, n_host=[4, 2, 3] if with_host else None)
+    assert c.host_lengths == [6, 7, 3] and c.lengths.tolist() == [6, 7, 3]
+    for b, (L, m) in enumerate([(2, 4), (5, 2), (0, 3)]):
+        src = [L + int(j) for j in path[b, :m]]
+        torch.testing.assert_close(c.k[:, b, :, L:L + m], k0[:, b, :, src], atol=0, rtol=0)
+        torch.testing.assert_close(c.v[:, b, :, L:L + m], v0[:, b, :, src], atol=0, rtol=0)
+        torch.testing.assert_close(c.k[:, b, :, :L], k0[:, b, :, :L], atol=0, rtol=0)  # the prefix is untouched
+
+
+def test_commit_of_roots_only_moves_nothing():
+    c = filled_cache()
+    c.advance([1, 4, 2])
+    k0 = c.k.clone()
+    with count_ops() as ops:
+        c.commit(torch.zeros(3, 1, dtype=torch.long), torch.tensor([1, 0, 1]), n_host=[1, 0, 1])
+    assert ops.host_reads == 0 and not any("gather" in n or "scatter" in n for n in ops.ops)
+    assert torch.equal(c.k, k0) and c.host_lengths == [2, 4, 3]
+    assert_mirror(c)
+
+
+def test_commit_is_one_gather_and_one_scatter_per_buffer():
+    c = filled_cache(L=6)
+    with count_ops() as ops:
+        c.commit(torch.tensor([[0, 1, 2]] * 3), torch.tensor([3, 3, 2]), n_host=[3, 3, 2])
+    assert ops.ops["aten::gather"] == 2 and ops.ops["aten::scatter_.src"] == 2 and ops.host_reads == 0
