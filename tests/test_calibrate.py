@@ -108,3 +108,46 @@ def test_calibrate_config_errors(stack, tmp_path):  # noqa: F811
     with pytest.raises(FileNotFoundError, match="prompts.file"):
         run(compose_calibrate(calib_overrides(stack, tmp_path, "prompts.source=file",
                                               f"prompts.file={tmp_path / 'none.jsonl'}")))
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("dp.max_budget=1", r"dp\.max_budget=1: must be >= 2 \(T counts the root"),
+    ("prompts.n=0", r"prompts\.n=0: must be >= 1"),
+    ("dp.budget=40", r"dp\.budget=40 must be in \[2, dp\.max_budget=12\]"),
+    ("dp.depth=9", r"dp\.depth=9 must be in \[1, dp\.max_depth=3\]"),
+    ("timing.budgets=[2,99]", r"timing\.budgets has 99: every budget must be in \[2, dp\.max_budget=12\]"),
+    ("num_threads=-1", r"num_threads=-1: must be >= 1"),
+    ("prompts.source=pypi", r"prompts\.source='pypi'; choose one of heldout, third_party, file"),
+    ("prompts.source=file", r"prompts\.source=file needs prompts\.file="),
+    ("+dp.max_budgte=3", r"dp\.max_budgte.*Did you mean dp\.max_budget\? Keys of dp: max_budget, max_depth"),
+    ("model.dtype=bf17", r"invalid model\.dtype: unknown dtype 'bf17'"),
+])
+def test_calibrate_rejects_bad_options_before_loading(stack, tmp_path, override, needle):  # noqa: F811
+    from treedec.calibrate import run
+    from treedec.config_schema import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):  # the model path does not exist: nothing loaded
+        run(compose_calibrate(calib_overrides(stack, tmp_path, "model.path=/nonexistent/model", override)))
+
+
+def test_malformed_prompts_file_names_path_and_line(stack, tmp_path):  # noqa: F811
+    from treedec.calibrate import run
+    from treedec.config_schema import ConfigError
+
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('"def f(x):\\n"\n{"prompt": "def g(\n')
+    with pytest.raises(ConfigError, match=r"prompts\.jsonl:2: not valid JSON \(.* at column \d+\)"):
+        run(compose_calibrate(calib_overrides(stack, tmp_path, "model.path=/nonexistent/model",
+                                              "prompts.source=file", f"prompts.file={f}")))
+
+
+def test_calibrate_on_third_party_prompts(stack, tmp_path):  # noqa: F811
+    """prompts.source=third_party: code the bundled model never saw; each prompt's file is recorded."""
+    from treedec.calibrate import run
+
+    m = run(compose_calibrate(calib_overrides(stack, tmp_path, "prompts.source=third_party", "timing.enabled=false",
+                                              "dp.budget=5", "max_new_tokens=6")))
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["prompts"] == 2 and len(saved["prompt_sources"]) == 2
+    assert all("site-packages" in s["file"] for s in saved["prompt_sources"].values())
+    assert yaml.safe_load((tmp_path / "learned_tree.yaml").read_text())["budget"] == 5

@@ -57,3 +57,59 @@ def test_cli_subprocess_and_typo(stack, tmp_path):
     assert (tmp_path / "metrics.json").is_file() and "tok/s" in done.stdout
     bad = subprocess.run(cmd + ["tree.totl_tokens=8"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "totl_tokens" in bad.stderr
+
+
+def test_zero_new_tokens_with_compare_writes_metrics(stack, tmp_path, capsys):
+    """max_new_tokens=0 compare=true: nothing to time, so no speedup; the summary says so and metrics.json exists."""
+    from treedec.generate import run
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="generate", overrides=overrides(stack, tmp_path, "max_new_tokens=0", "compare=true"))
+    m = run(cfg)
+    assert m["new_tokens"] == 0 and m["speedup"] is None and m["identical_to_vanilla"] is True
+    assert json.loads((tmp_path / "metrics.json").read_text())["speedup"] is None
+    assert "0 tokens," in capsys.readouterr().out.splitlines()[-1]
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("prompt_file={missing}", r"prompt_file='.*missing\.py': no such file"),
+    ("prompt_file={dir}", r"prompt_file='.*' is a directory; pass the path of a text file"),
+    ("prompt_file={binary}", r"prompt_file='.*blob\.bin' is not UTF-8 text"),
+    ("num_threads=-1", r"num_threads=-1: must be >= 1"),
+    ("max_new_tokens=-1", r"max_new_tokens=-1: must be >= 0"),
+    ("+optimized_metric=tokens_per_sec", r"optimized_metric='tokens_per_sec' is not a numeric metric of generate; "
+                                         r"choose one of tau, tokens_per_s"),
+    ("+optimized_metric=speedup", r"optimized_metric='speedup' .*\(speedup needs compare=true\)"),
+    ("+model.devcie=cpu", r"model\.devcie.*Did you mean model\.device\? Keys of model: path, dtype, device"),
+    ("model.device=tpu", r"invalid model\.device: unknown device 'tpu'"),
+    ("tree.total_tokens=1", r"invalid tree config: total_tokens=1"),
+])
+def test_bad_options_fail_before_the_model_loads(tmp_path, override, needle):
+    from treedec.config_schema import ConfigError
+    from treedec.generate import run
+
+    (tmp_path / "blob.bin").write_bytes(bytes(range(256)))
+    override = override.format(missing=tmp_path / "missing.py", dir=tmp_path, binary=tmp_path / "blob.bin")
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="generate", overrides=["model.path=/nonexistent/model", f"paths.run_dir={tmp_path}",
+                                                         override])
+    with pytest.raises((ConfigError, OSError), match=needle):  # not the model's FileNotFoundError: checked first
+        run(cfg)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only default")
+def test_hf_model_defaults_to_auto_device(stack, tmp_path):
+    """model=hf used to default to device cuda and fail on a CPU machine; auto resolves to the CPU here."""
+    from treedec.generate import run
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="generate", overrides=["model=hf", *overrides(stack, tmp_path, "max_new_tokens=2")])
+    assert cfg.model.device == "auto"
+    assert run(cfg)["new_tokens"] == 2
+
+
+def test_objective_for_optuna():
+    from treedec.generate import objective
+
+    assert objective({"tau": 2}, "tau") == 2.0 and objective({"tau": 2}, None) is None
+    assert objective({"speedup": None}, "speedup") != objective({"speedup": None}, "speedup")  # NaN: a failed trial

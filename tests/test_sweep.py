@@ -38,3 +38,18 @@ def test_multirun_2x2_writes_summary_and_plots(stack, tmp_path):  # noqa: F811
     assert main([str(sweep)]) == 0
     with open(sweep / "summary.csv") as f:
         assert len(list(csv.DictReader(f))) == 4
+
+
+def test_sweep_with_zero_new_tokens_completes(stack, tmp_path):  # noqa: F811
+    """A sweep containing max_new_tokens=0 (compare=true) used to abort in the summary line: every job now writes
+    metrics.json and the summary has both rows (no speedup where nothing was generated)."""
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "treedec.generate", "-m", "max_new_tokens=0,3", "compare=true", "stream=false",
+           f"model.path={stack / 'target'}", "model.dtype=float32", f"draft.path={stack / 'draft'}", "num_threads=1",
+           "prompt='def f(x):'", f"hydra.sweep.dir={sweep}", "+hydra.callbacks.sweep_summary.plots=false"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(sweep / "summary.csv") as f:
+        rows = {r["max_new_tokens"]: r for r in csv.DictReader(f)}
+    assert rows["0"]["new_tokens"] == "0" and rows["0"]["speedup"] == "" and rows["3"]["new_tokens"] == "3"
+    assert "0 tokens, " in done.stdout

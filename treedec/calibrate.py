@@ -27,50 +27,29 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import treedec.config_schema  # noqa: F401  (registers schema/calibrate before Hydra composes)
+from treedec.cli import entry, load_stack, write_text_atomic
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMING_GRID = (2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
-PROMPT_KEYS = ("prompt", "text", "content", "input")
 
 
 # ------------------------------------------------------------------------------------------ prompts
-def prompt_texts(cfg: DictConfig, tok) -> list[str]:
-    p = cfg.prompts
-    if p.source == "heldout":
-        from treedec.training.data import heldout_prompts
+def prompt_set(cfg: DictConfig, tok) -> list:
+    """The calibration prompts (:class:`treedec.bench.prompts.PromptText`) of ``prompts.source``."""
+    from treedec.bench.prompts import load_prompt_set, read_prompt_file
 
-        texts = heldout_prompts(int(p.n), int(p.prompt_tokens), root=p.root, val_fraction=float(p.val_fraction),
-                                tokenizer=tok)
-        if not texts:
-            raise ValueError(f"no held-out prompts found (corpus root {p.root or 'stdlib'}, val_fraction "
-                             f"{p.val_fraction}); pass prompts.source=file prompts.file=prompts.jsonl")
-        return texts
-    if p.source != "file":
-        raise ValueError(f"prompts.source must be 'heldout' or 'file', got {p.source!r}")
-    if not p.file:
-        raise ValueError("prompts.source=file needs prompts.file=<a .jsonl with one prompt per line, or a text file>")
-    path = Path(p.file).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"prompts.file {str(path)!r} does not exist")
-    if path.suffix != ".jsonl":
-        return [path.read_text()]
-    texts = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        item = json.loads(line)
-        if isinstance(item, dict):
-            key = next((k for k in PROMPT_KEYS if isinstance(item.get(k), str)), None)
-            if key is None:
-                raise ValueError(f"{path}:{i}: a jsonl prompt needs one of the keys {', '.join(PROMPT_KEYS)}")
-            item = item[key]
-        if not isinstance(item, str):
-            raise ValueError(f"{path}:{i}: expected a string or an object with a prompt, got {type(item).__name__}")
-        texts.append(item)
-    if not texts:
-        raise ValueError(f"{path} holds no prompts")
-    return texts[: int(p.n)]
+    p = cfg.prompts
+    if p.source == "file":
+        return read_prompt_file(p.file, "prompts.file")[: int(p.n)]
+    source = "stdlib" if p.source == "heldout" else p.source
+    return load_prompt_set(source, int(p.n), int(p.prompt_tokens), tok, seed=int(cfg.seed), root=p.root,
+                           val_fraction=float(p.val_fraction), packages=p.packages,
+                           hint="pass prompts.source=file prompts.file=<prompts.jsonl>")
+
+
+def prompt_texts(cfg: DictConfig, tok) -> list[str]:
+    return [p.text for p in prompt_set(cfg, tok)]
 
 
 def encode_prompts(cfg: DictConfig, tok, texts: list[str]) -> list[list[int]]:
@@ -171,22 +150,13 @@ def time_hardware(target, draft, table, budgets, depth_limit: int, prefix_len: i
 
 
 # ---------------------------------------------------------------------------------------------- run
-def load_target_and_draft(cfg: DictConfig):
-    from treedec.models import load_model
-    from treedec.models.draft import DraftHead
-    from treedec.models.tokenizer import load_tokenizer
-
-    target = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
-                        attn_backend=cfg.kernel.backend).eval()
-    tok = load_tokenizer(cfg.model.path)
-    draft = DraftHead.load(cfg.draft.path, target=target, dtype=target.dtype, device=target.device).eval()
-    return target, tok, draft
-
-
 def run(cfg: DictConfig) -> dict:
-    from treedec.config_schema import validate
+    """Probe, time, solve and write the learned tree; every option is checked before the model loads."""
+    from treedec.config_schema import instantiate_checked, validate
 
     validate(cfg, "calibrate")  # also the probe node by its _target_, before anything loads
+    probe = instantiate_checked(cfg.probe, "probe")
+    sampling = instantiate_checked(cfg.sampling, "sampling")
     import numpy as np
     import torch
 
@@ -197,10 +167,9 @@ def run(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.num_threads))
     torch.manual_seed(int(cfg.seed))
     t_start = time.perf_counter()
-    probe = hydra.utils.instantiate(cfg.probe)
-    sampling = hydra.utils.instantiate(cfg.sampling)
-    target, tok, draft = load_target_and_draft(cfg)
-    prompts = encode_prompts(cfg, tok, prompt_texts(cfg, tok))
+    target, tok, draft = load_stack(cfg)
+    pset = prompt_set(cfg, tok)
+    prompts = encode_prompts(cfg, tok, [p.text for p in pset])
     log.info("probing acceptance: %d prompts x %d new tokens, probe tree of %d nodes (depth %d)",
              len(prompts), cfg.max_new_tokens, probe.max_size, probe.max_depth)
     counts, probe_stats = probe_acceptance(target, draft, probe, sampling, prompts, int(cfg.max_new_tokens),
@@ -216,12 +185,8 @@ def run(cfg: DictConfig) -> dict:
     width = int(dp.max_width) if dp.max_width else counts.width
     table = sequoia.solve(rates, int(dp.max_budget), int(dp.max_depth), width)
 
-    budgets = [int(dp.budget)] if dp.budget else None
+    budgets = [int(dp.budget)] if dp.budget else None  # in range: checked by validate()
     depths = [int(dp.depth)] if dp.depth else None
-    if budgets and not 2 <= budgets[0] <= table.max_budget:
-        raise ValueError(f"dp.budget={dp.budget} must be in [2, dp.max_budget={dp.max_budget}]")
-    if depths and not 1 <= depths[0] <= table.max_depth:
-        raise ValueError(f"dp.depth={dp.depth} must be in [1, dp.max_depth={dp.max_depth}]")
     timing = None
     if cfg.timing.enabled:
         tb = cfg.timing.budgets or [n for n in DEFAULT_TIMING_GRID if n < table.max_budget] + [table.max_budget]
@@ -261,7 +226,7 @@ def run(cfg: DictConfig) -> dict:
     acc = {**counts.as_dict(), "rates_used": np.round(rates, 6).tolist(), "per_depth": bool(dp.per_depth),
            "prior_strength": float(dp.prior_strength), "spec_stats": {
                k: probe_stats[k] for k in ("steps", "new_tokens", "tau", "accept_by_depth", "accept_by_rank")}}
-    (run_dir / "acceptance.json").write_text(json.dumps(acc, indent=2) + "\n")
+    write_text_atomic(run_dir / "acceptance.json", json.dumps(acc, indent=2) + "\n")
 
     trees = {n: c.choices for n, c in per_budget.items()}
     meta = {
@@ -295,8 +260,9 @@ def run(cfg: DictConfig) -> dict:
         "accept_by_rank": probe_stats["accept_by_rank"], "accept_by_depth": probe_stats["accept_by_depth"],
         "time_s": time.perf_counter() - t_start,
     }
-    (run_dir / "metrics.json").write_text(
-        json.dumps({**metrics, "config": OmegaConf.to_container(cfg, resolve=True)}, indent=2) + "\n")
+    record = {**metrics, "prompt_sources": {p.id: p.source for p in pset},
+              "config": OmegaConf.to_container(cfg, resolve=True)}
+    write_text_atomic(run_dir / "metrics.json", json.dumps(record, indent=2) + "\n")
     tps = f", est. {pick.tokens_per_s:.1f} tok/s" if timing else ""
     print(f"learned tree: T={pick.n} depth {pick.depth}, expected tau {pick.expected_tau:.2f}{tps} "
           f"(probe tau {probe_stats['tau']:.2f} over {counts.steps} steps) -> {out}\n"
@@ -305,6 +271,7 @@ def run(cfg: DictConfig) -> dict:
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="calibrate")
+@entry
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

@@ -1,4 +1,4 @@
-"""Hydra callbacks (``hydra.callbacks`` in conf/generate.yaml).
+"""Hydra callbacks (``hydra.callbacks`` in conf/generate.yaml, conf/calibrate.yaml, conf/bench.yaml).
 
 * :class:`ValidateConfig` checks each job's composed config against its schema
   (treedec/config_schema.py) before the job runs, so a typo or a wrong type fails before any
@@ -35,20 +35,21 @@ SIZE_KEYS = ("tree.total_tokens", "tree/shape", "tree.shape", "tree.path", "tree
 
 
 class ValidateConfig(Callback):
-    """Validate the job's config against ``treedec.config_schema`` (``schema``: generate | calibrate)."""
+    """Validate the job's config against ``treedec.config_schema`` (``schema``: generate | calibrate | bench)."""
 
     def __init__(self, schema: str = "generate"):
         self.schema = schema
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from treedec.config_schema import ConfigError, validate
+        from treedec.cli import USER_ERRORS, fail
+        from treedec.config_schema import validate
 
         try:
             validate(config, self.schema)
-        except ConfigError as e:
+        except USER_ERRORS as e:
             # Hydra turns an exception raised by a callback into a warning and runs the job anyway;
             # SystemExit is not an Exception, so it stops the run here with the message on stderr.
-            raise SystemExit(f"Error: {e}") from None
+            fail(e)
 
 
 class SweepSummary(Callback):

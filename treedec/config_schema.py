@@ -18,12 +18,16 @@ module before composition.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import typing
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 KERNEL_BACKENDS = ("auto", "eager", "sdpa", "triton")
 
@@ -37,7 +41,7 @@ class ConfigError(ValueError):
 class ModelSchema:
     path: str = MISSING  # "tiny-code" or a local Hugging Face directory
     dtype: str = "bfloat16"
-    device: str = "cpu"
+    device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
 
 
 @dataclass
@@ -143,12 +147,13 @@ class GenerateSchema:
 
 @dataclass
 class PromptsSchema:
-    source: str = "heldout"  # heldout (validation files of the stdlib corpus) | file (jsonl or text)
+    source: str = "heldout"  # heldout (stdlib validation files) | third_party (site-packages) | file (jsonl or text)
     file: Optional[str] = None
     n: int = 8
     prompt_tokens: int = 128
     root: Optional[str] = None  # corpus root for heldout prompts (null: this Python's stdlib)
     val_fraction: float = 0.03
+    packages: Optional[List[str]] = None  # third_party: only these top-level packages (null: every installed one)
 
 
 @dataclass
@@ -190,7 +195,43 @@ class CalibrateSchema:
     paths: PathsSchema = field(default_factory=PathsSchema)
 
 
-SCHEMAS: dict[str, type] = {"generate": GenerateSchema, "calibrate": CalibrateSchema}
+@dataclass
+class BenchOptionsSchema:
+    prompts: Optional[str] = None  # a .jsonl (or text) prompt file; null: generated prompts of prompt_source
+    prompt_source: str = "stdlib"  # stdlib (held-out stdlib files) | third_party (installed packages)
+    third_party_packages: Optional[List[str]] = None  # third_party: only these packages (null: every installed one)
+    n_prompts: int = 8
+    prompt_tokens: int = 128
+    chat: bool = False
+    max_new_tokens: int = 128
+    repeats: int = 3
+    warmup: int = 1
+    num_threads: Optional[int] = None
+    seed: int = 0
+    methods: List[str] = field(default_factory=lambda: ["vanilla", "chain", "static", "dynamic", "learned"])
+    sampling: bool = False
+    learned_path: Optional[str] = None
+    trees: Dict[str, Any] = field(default_factory=dict)  # method name -> tree policy config (checked by _target_)
+    peers: List[str] = field(default_factory=lambda: ["hf_greedy", "hf_prompt_lookup", "hf_assisted"])
+    prompt_lookup_num_tokens: int = 10
+    assistant_path: Optional[str] = None
+    tie_ulps: float = 1.0
+    strict_peers: bool = False
+    plots: bool = True
+
+
+@dataclass
+class BenchSchema:
+    model: ModelSchema = field(default_factory=ModelSchema)
+    draft: DraftSchema = field(default_factory=DraftSchema)
+    kernel: KernelSchema = field(default_factory=KernelSchema)
+    sampling: SamplingSchema = field(default_factory=SamplingSchema)
+    bench: BenchOptionsSchema = field(default_factory=BenchOptionsSchema)
+    paths: PathsSchema = field(default_factory=PathsSchema)
+
+
+SCHEMAS: dict[str, type] = {"generate": GenerateSchema, "calibrate": CalibrateSchema, "bench": BenchSchema}
+
 
 
 def register_configs() -> None:
@@ -210,10 +251,38 @@ register_configs()
 
 
 # ------------------------------------------------------------------------------------------ checks
-def _fail(where: str, e: OmegaConfBaseException, hint: str) -> ConfigError:
+def _fields(schema: type) -> list[str]:
+    return [k for k in schema.__dataclass_fields__ if k != "_target_"]
+
+
+def _schema_at(schema: type, path: Sequence[str]) -> type | None:
+    """The dataclass at ``path`` below ``schema`` (None where the path leaves the schemas)."""
+    for part in path:
+        t = typing.get_type_hints(schema).get(part)
+        if t is None or not dataclasses.is_dataclass(t):
+            return None
+        schema = t
+    return schema
+
+
+def unknown_key_hint(key: str, known: Sequence[str], group: str = "", label: str | None = None) -> str:
+    """``Did you mean <group>.<closest>? Keys of <group>: ...`` for a mistyped ``key`` (``label``: another noun)."""
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    did = f"Did you mean {group + '.' if group and label is None else ''}{close[0]}? " if close else ""
+    label = label or (f"Keys of {group}" if group else "Top-level keys")
+    return f"{did}{label}: {', '.join(known)}"
+
+
+def _fail(where: str, e: OmegaConfBaseException, schema: type, hint: str) -> ConfigError:
     msg = str(getattr(e, "msg", None) or e).strip().splitlines()[0]
     key = getattr(e, "full_key", None)
     at = f"{where}.{key}" if key and where not in SCHEMAS else (key or where)
+    if isinstance(e, ConfigKeyError) and key:
+        *parents, leaf = str(key).split(".")
+        sub = _schema_at(schema, parents)
+        if sub is not None:
+            group = ".".join(([] if where in SCHEMAS else [where]) + parents)
+            hint = unknown_key_hint(leaf, _fields(sub), group)
     return ConfigError(f"invalid {where} config at {at}: {msg}. {hint}")
 
 
@@ -221,7 +290,7 @@ def _merge(schema: type, node, where: str, hint: str) -> None:
     try:
         OmegaConf.merge(OmegaConf.structured(schema), node)
     except OmegaConfBaseException as e:
-        raise _fail(where, e, hint) from None
+        raise _fail(where, e, schema, hint) from None
 
 
 def validate_tree(node, where: str = "tree") -> None:
@@ -232,23 +301,153 @@ def validate_tree(node, where: str = "tree") -> None:
     schema = TREE_SCHEMAS.get(str(target))
     if schema is None:
         return
-    keys = ", ".join(k for k in schema.__dataclass_fields__ if k != "_target_")
-    _merge(schema, node, where, f"{target.rsplit('.', 1)[-1]} takes: {keys}")
+    _merge(schema, node, where, f"{target.rsplit('.', 1)[-1]} takes: {', '.join(_fields(schema))}")
     shape = node.get("shape")
     if isinstance(shape, (DictConfig, dict)):
         _merge(ShapeSchema, shape, f"{where}.shape", "a tree shape has `name` and `choices` (a list of paths)")
 
 
+def instantiate_checked(node, where: str):
+    """``hydra.utils.instantiate(node)``; a constructor's ValueError becomes a ConfigError naming ``where``."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node)
+    except InstantiationException as e:
+        cause = e.__cause__
+        if isinstance(cause, ValueError):
+            raise ConfigError(f"invalid {where} config: {cause}") from None
+        raise
+
+
+# Value rules: (key, test, what the value must be). None values pass (the schema decides where null is allowed).
+def _ge(n: float):
+    return lambda v: v >= n
+
+
+_RULES: dict[str, list[tuple[str, Any, str]]] = {
+    "generate": [("max_new_tokens", _ge(0), ">= 0"), ("num_threads", _ge(1), ">= 1 (or null: torch's default)")],
+    "calibrate": [
+        ("max_new_tokens", _ge(1), ">= 1 (the probe needs decoding steps)"),
+        ("num_threads", _ge(1), ">= 1 (or null: torch's default)"),
+        ("prompts.n", _ge(1), ">= 1 (how many calibration prompts)"), ("prompts.prompt_tokens", _ge(1), ">= 1"),
+        ("prompts.val_fraction", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("dp.max_budget", _ge(2), ">= 2 (T counts the root: a tree needs the root and one draft node)"),
+        ("dp.max_depth", _ge(1), ">= 1"), ("dp.max_width", _ge(1), ">= 1 (or null: the probe's ranks)"),
+        ("dp.prior_strength", _ge(0), ">= 0"),
+        ("timing.repeats", _ge(1), ">= 1"), ("timing.warmup", _ge(0), ">= 0"), ("timing.prefix_len", _ge(1), ">= 1"),
+    ],
+    "bench": [
+        ("bench.n_prompts", _ge(1), ">= 1"), ("bench.prompt_tokens", _ge(1), ">= 1"),
+        ("bench.max_new_tokens", _ge(1), ">= 1"),
+        ("bench.repeats", _ge(1), ">= 1 (timed passes; the median is reported)"),
+        ("bench.warmup", _ge(0), ">= 0"), ("bench.num_threads", _ge(1), ">= 1 (or null: torch's current count)"),
+        ("bench.tie_ulps", _ge(0), ">= 0"), ("bench.prompt_lookup_num_tokens", _ge(1), ">= 1"),
+    ],
+}
+OPTIMIZABLE = ("tau", "tokens_per_s", "new_tokens", "steps", "prompt_tokens")  # numeric metrics.json keys of generate
+CALIBRATE_SOURCES = ("heldout", "third_party", "file")
+
+
+def _get(cfg, key: str):
+    return OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
+
+
+def _check_model(cfg) -> None:
+    from treedec.models.checkpoint import resolve_device, resolve_dtype
+
+    for key, fn in (("model.device", resolve_device), ("model.dtype", resolve_dtype)):
+        value = _get(cfg, key)
+        try:
+            fn(value)
+        except ValueError as e:
+            raise ConfigError(f"invalid {key}: {e}") from None
+
+
+def _check_generate(cfg) -> None:
+    from treedec.bench.prompts import read_text
+
+    if _get(cfg, "prompt_file") not in (None, "-"):
+        read_text(_get(cfg, "prompt_file"), "prompt_file")
+    metric = _get(cfg, "optimized_metric")
+    known = OPTIMIZABLE + (("speedup",) if _get(cfg, "compare") else ())
+    if metric is not None and metric not in known:
+        hint = " (speedup needs compare=true)" if metric == "speedup" else ""
+        raise ConfigError(f"optimized_metric={metric!r} is not a numeric metric of generate{hint}; "
+                          f"choose one of {', '.join(known)}")
+
+
+def _check_calibrate(cfg) -> None:
+    from treedec.bench.prompts import read_prompt_file
+
+    source = _get(cfg, "prompts.source")
+    if source not in CALIBRATE_SOURCES:
+        raise ConfigError(f"prompts.source={source!r}; choose one of {', '.join(CALIBRATE_SOURCES)}")
+    if source == "file":
+        if not _get(cfg, "prompts.file"):
+            raise ConfigError("prompts.source=file needs prompts.file=<a .jsonl with one prompt per line, "
+                              "or a text file>")
+        read_prompt_file(_get(cfg, "prompts.file"), "prompts.file")
+    root = _get(cfg, "prompts.root")
+    if source == "heldout" and root is not None and not Path(root).expanduser().is_dir():
+        raise ConfigError(f"prompts.root={root!r} is not a directory; pass a folder of .py files (null: the stdlib)")
+    top, depth = _get(cfg, "dp.max_budget"), _get(cfg, "dp.max_depth")
+    budget, fixed_depth = _get(cfg, "dp.budget"), _get(cfg, "dp.depth")
+    if budget is not None and not 2 <= budget <= top:
+        raise ConfigError(f"dp.budget={budget} must be in [2, dp.max_budget={top}] (or null: chosen by timing)")
+    if fixed_depth is not None and not 1 <= fixed_depth <= depth:
+        raise ConfigError(f"dp.depth={fixed_depth} must be in [1, dp.max_depth={depth}] (or null: the best)")
+    bad = [b for b in (_get(cfg, "timing.budgets") or []) if not 2 <= b <= top]
+    if bad:
+        raise ConfigError(f"timing.budgets has {bad[0]}: every budget must be in [2, dp.max_budget={top}]")
+
+
+def _check_bench(cfg) -> None:
+    from treedec.bench.prompts import SOURCES, read_prompt_file
+
+    b = "bench."
+    source = _get(cfg, b + "prompt_source")
+    if source not in SOURCES:
+        raise ConfigError(f"bench.prompt_source={source!r}; choose one of {', '.join(SOURCES)} "
+                          f"(or bench.prompts=<file.jsonl>)")
+    if _get(cfg, b + "prompts"):
+        read_prompt_file(_get(cfg, b + "prompts"), "bench.prompts")
+    learned = _get(cfg, b + "learned_path")
+    if learned is not None and not Path(learned).expanduser().is_file():
+        raise ConfigError(f"bench.learned_path={learned!r}: no such file; pass the learned_tree.yaml that "
+                          f"`python -m treedec.calibrate` wrote (or null: skip the `learned` method)")
+    assistant = _get(cfg, b + "assistant_path")
+    if assistant is not None and not Path(assistant).expanduser().is_dir():
+        raise ConfigError(f"bench.assistant_path={assistant!r} is not a model directory")
+    trees = _get(cfg, b + "trees") or {}
+    for name in trees:
+        validate_tree(trees[name], f"bench.trees.{name}")
+    for name in _get(cfg, b + "methods") or []:
+        if name != "vanilla" and name not in trees:
+            raise ConfigError(f"bench.methods names {name!r}, which has no tree config under bench.trees (add "
+                              f"bench.trees.{name} with a _target_). "
+                              f"{unknown_key_hint(name, ['vanilla', *trees], label='Methods')}")
+    from treedec.bench.peers import PEERS
+
+    for name in _get(cfg, b + "peers") or []:
+        if name not in PEERS:
+            raise ConfigError(f"bench.peers names {name!r}. {unknown_key_hint(name, PEERS, label='Peers')}")
+
+
+_CHECKS = {"generate": _check_generate, "calibrate": _check_calibrate, "bench": _check_bench}
+
+
 def validate(cfg: DictConfig, kind: str = "generate") -> None:
-    """Raise :class:`ConfigError` if ``cfg`` (a composed ``generate``/``calibrate`` config) has an
-    unknown key, a value of the wrong type, or an unknown kernel backend. Values are not resolved."""
+    """Raise :class:`ConfigError` if ``cfg`` (a composed ``generate``/``calibrate``/``bench`` config) has an
+    unknown key, a value of the wrong type or out of range, an unknown kernel backend or device, or a prompt
+    file that cannot be read: every option is checked before any model loads."""
     if kind not in SCHEMAS:
         raise ValueError(f"unknown schema {kind!r}; known: {', '.join(SCHEMAS)}")
     node = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     node.pop("hydra", None)
-    fields = ", ".join(SCHEMAS[kind].__dataclass_fields__)
-    _merge(SCHEMAS[kind], node, kind,
-           f"Known top-level keys: {fields} (a new key belongs in treedec/config_schema.py too)")
+    _merge(SCHEMAS[kind], node, kind, f"Known top-level keys: {', '.join(_fields(SCHEMAS[kind]))} "
+                                      "(a new key belongs in treedec/config_schema.py too)")
     for group in ("tree", "probe"):
         if group in node and group in SCHEMAS[kind].__dataclass_fields__:
             validate_tree(node[group], group)
@@ -256,3 +455,9 @@ def validate(cfg: DictConfig, kind: str = "generate") -> None:
     if backend is not None and backend not in KERNEL_BACKENDS:
         raise ConfigError(f"invalid {kind} config: kernel.backend={backend!r}; "
                           f"choose one of {', '.join(KERNEL_BACKENDS)}")
+    for key, ok, need in _RULES[kind]:
+        value = _get(cfg, key)
+        if value is not None and not ok(value):
+            raise ConfigError(f"{key}={value!r}: must be {need}")
+    _check_model(cfg)
+    _CHECKS[kind](cfg)

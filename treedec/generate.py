@@ -16,32 +16,21 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import treedec.config_schema  # noqa: F401  (registers the structured schema before Hydra composes)
+from treedec.cli import entry, load_stack, write_text_atomic
 
 log = logging.getLogger(__name__)
 
 
 def read_prompt(cfg: DictConfig) -> str:
     if cfg.prompt_file:
-        return sys.stdin.read() if cfg.prompt_file == "-" else Path(cfg.prompt_file).read_text()
+        from treedec.bench.prompts import read_text
+
+        return sys.stdin.read() if cfg.prompt_file == "-" else read_text(cfg.prompt_file, "prompt_file")
     return str(cfg.prompt)
 
 
-def load_stack(cfg: DictConfig):
-    """(target, tokenizer, draft head, policy, sampling params) from a composed config."""
-    import torch
-
-    from treedec.models import load_model
-    from treedec.models.draft import DraftHead
-    from treedec.models.tokenizer import load_tokenizer
-
-    target = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, attn_backend=cfg.kernel.backend)
-    target.eval()
-    tok = load_tokenizer(cfg.model.path)
-    draft = DraftHead.load(cfg.draft.path, target=target, dtype=target.dtype, device=target.device).eval()
-    policy = hydra.utils.instantiate(cfg.tree)
-    sampling = hydra.utils.instantiate(cfg.sampling)
-    torch.manual_seed(int(cfg.seed))
-    return target, tok, draft, policy, sampling
+def _fmt(x, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
 
 
 class TextStream:
@@ -60,6 +49,14 @@ class TextStream:
 
 
 def run(cfg: DictConfig) -> dict:
+    """Generate from the configured prompt; every option is checked before the model loads."""
+    from treedec.config_schema import ConfigError, instantiate_checked, validate
+
+    validate(cfg, "generate")
+    policy = instantiate_checked(cfg.tree, "tree")
+    sampling = instantiate_checked(cfg.sampling, "sampling")
+    text = read_prompt(cfg)
+
     import torch
 
     from treedec.decoding import vanilla
@@ -67,9 +64,11 @@ def run(cfg: DictConfig) -> dict:
 
     if cfg.num_threads:
         torch.set_num_threads(int(cfg.num_threads))
-    target, tok, draft, policy, sampling = load_stack(cfg)
-    text = read_prompt(cfg)
+    torch.manual_seed(int(cfg.seed))
+    target, tok, draft = load_stack(cfg)
     ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True) if cfg.chat else tok.encode(text)
+    if not ids:
+        raise ConfigError("the prompt encodes to no tokens; pass a non-empty prompt= or prompt_file=")
     dec = SpeculativeDecoder(target, draft, policy, sampling, eos_ids=tok.eos_ids or None)
     gen = torch.Generator(device=target.device).manual_seed(int(cfg.seed))
     stream = TextStream(tok, bool(cfg.stream))
@@ -80,31 +79,40 @@ def run(cfg: DictConfig) -> dict:
         sys.stdout.write("\n")
     stats = res.stats.as_dict()
     metrics = {"prompt_tokens": len(ids), "text": tok.decode(res.tokens[0]), **stats}
-    summary = f"{stats['new_tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f}"
+    tps = stats["tokens_per_s"]
+    summary = f"{stats['new_tokens']} tokens, {_fmt(tps, '.1f')} tok/s, tau {_fmt(stats['tau'], '.2f')}"
     if cfg.compare:
         gen = torch.Generator(device=target.device).manual_seed(int(cfg.seed))
         van = vanilla.generate(target, ids, int(cfg.max_new_tokens), sampling=sampling,
                                eos_ids=tok.eos_ids or None, generator=gen)
         v_tps = van.stats["tokens_per_s"]
         metrics["vanilla"] = {"tokens_per_s": v_tps, "new_tokens": len(van.tokens[0])}
-        metrics["speedup"] = stats["tokens_per_s"] / v_tps if v_tps else None
+        metrics["speedup"] = tps / v_tps if v_tps and tps is not None else None  # no tokens: no speedup
+        summary += f", vanilla {_fmt(v_tps, '.1f')} tok/s, speedup {_fmt(metrics['speedup'], '.2f')}x"
         if sampling.greedy:
             metrics["identical_to_vanilla"] = van.tokens[0] == res.tokens[0]
-        summary += f", vanilla {v_tps:.1f} tok/s, speedup {metrics['speedup']:.2f}x"
-        if sampling.greedy:
             summary += f", identical: {metrics['identical_to_vanilla']}"
     print(summary)
-    out_dir = Path(cfg.paths.run_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "metrics.json").write_text(json.dumps({**metrics, "config": OmegaConf.to_container(cfg, resolve=True)}, indent=2) + "\n")
+    record = {**metrics, "config": OmegaConf.to_container(cfg, resolve=True)}
+    write_text_atomic(Path(cfg.paths.run_dir) / "metrics.json", json.dumps(record, indent=2) + "\n")
     return metrics
 
 
+def objective(metrics: dict, key: str | None) -> float | None:
+    """The value an Optuna sweep maximises: ``metrics[key]``; NaN (a failed trial) where this run has none."""
+    if not key:
+        return None
+    value = metrics.get(key)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        log.warning("optimized_metric %r has no numeric value in this run (%r): returning NaN", key, value)
+        return float("nan")
+    return float(value)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
+@entry
 def main(cfg: DictConfig) -> float | None:
-    metrics = run(cfg)
-    key = cfg.get("optimized_metric")  # an Optuna sweep maximises this metrics.json key
-    return float(metrics[key]) if key else None
+    return objective(run(cfg), cfg.get("optimized_metric"))
 
 
 if __name__ == "__main__":

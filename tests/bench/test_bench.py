@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import runpy
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,19 +114,65 @@ def test_mismatch_fails_the_cli_after_writing_metrics(stack, tmp_path, monkeypat
     dyn = saved["methods"]["dynamic"]
     assert dyn["identical_to_vanilla"] is False
     assert dyn["mismatches"][0]["position"] <= 3 and saved["failures"]
+    assert dyn["mismatches"][0]["prompt_index"] in (0, 1) and dyn["mismatches"][0]["logit_gap"] is not None
     assert "NO" in (tmp_path / "results.md").read_text()
 
 
-def test_jsonl_errors_and_first_difference(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"id": 1}\n')
-    with pytest.raises(ValueError, match="prompt"):
-        harness.read_jsonl_prompts(bad)
-    with pytest.raises(FileNotFoundError):
-        harness.read_jsonl_prompts(tmp_path / "missing.jsonl")
+def test_first_difference():
     assert harness.first_difference([1, 2, 3], [1, 2, 3]) is None
     assert harness.first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert harness.first_difference([1, 2, 3], [1, 2]) == 2
+
+
+def test_bad_options_fail_before_the_model_loads(stack, tmp_path):
+    """Typos and out-of-range values are ConfigErrors raised before loading (the model path does not exist)."""
+    from treedec.config_schema import ConfigError
+
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n{"id": "a", "prompt": "z"}\n')
+    cases = [
+        ("+bench.max_new_token=999", r"bench\.max_new_token: Key 'max_new_token' not in 'BenchOptionsSchema'\. "
+                                     r"Did you mean bench\.max_new_tokens\? Keys of bench: prompts, "),
+        ("+bench.trees.dynamic.totl_tokens=8", r"Did you mean bench\.trees\.dynamic\.total_tokens\?"),
+        ("bench.repeats=0", r"bench\.repeats=0: must be >= 1"),
+        ("bench.warmup=-1", r"bench\.warmup=-1: must be >= 0"),
+        ("bench.num_threads=-1", r"bench\.num_threads=-1: must be >= 1"),
+        (f"bench.prompts={dup}", r"dup\.jsonl:3: prompt id 'a' is already used on line 1"),
+        ("bench.methods=[vanilla,dynamc]", r"bench\.methods names 'dynamc'.*Did you mean dynamic\?"),
+        ("bench.peers=[hf_gredy]", r"bench\.peers names 'hf_gredy'\. Did you mean hf_greedy\?"),
+        ("bench.prompt_source=pypi", r"bench\.prompt_source='pypi'; choose one of stdlib, third_party"),
+        (f"bench.learned_path={tmp_path / 'none.yaml'}", r"bench\.learned_path=.*: no such file"),
+        ("bench.trees.dynamic.total_tokens=1", r"invalid bench\.trees\.dynamic config: total_tokens=1"),
+    ]
+    for override, needle in cases:
+        cfg = compose_bench(stack, tmp_path, "model.path=/nonexistent/model", override)
+        with pytest.raises(ConfigError, match=needle):
+            harness.run(cfg)
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_third_party_prompts_are_recorded(stack, tmp_path):
+    """bench.prompt_source=third_party: prompts from installed packages, each one's file and line in metrics.json."""
+    cfg = compose_bench(stack, tmp_path, "bench.prompts=null", "bench.prompt_source=third_party", "bench.n_prompts=2",
+                        "bench.prompt_tokens=24", "bench.methods=[vanilla,chain]", "bench.peers=[]", "bench.repeats=1",
+                        "bench.max_new_tokens=4")
+    m = harness.run(cfg)
+    pr = json.loads((tmp_path / "metrics.json").read_text())["prompts"]
+    assert pr["source"] == "third_party" and pr["n"] == 2 and sorted(pr["sources"]) == sorted(pr["ids"])
+    for pid in pr["ids"]:
+        src = pr["sources"][pid]
+        assert Path(src["file"]).is_file() and "site-packages" in src["file"] and src["line"] >= 1
+    assert m["methods"]["chain"]["identical_to_vanilla"] is True
+    assert "(third_party)" in (tmp_path / "results.md").read_text()
+
+
+def test_gpu_check_reports_all_skipped_tests_as_skipped():
+    from treedec.bench.gpu import pytest_status
+
+    assert pytest_status("ssss\n4 skipped, 120 deselected in 1.20s\n", 0) == "skipped"
+    assert pytest_status("\n120 deselected in 0.50s\n", 5) == "skipped"
+    assert pytest_status("..s\n2 passed, 1 skipped in 3.0s\n", 0) is None
+    assert pytest_status("F.\n1 failed, 1 passed in 3.0s\n", 1) is None
 
 
 def test_numerical_ties_are_reported_but_only_real_mismatches_fail():

@@ -60,6 +60,48 @@ def test_unsupported_architecture(saved):
     assert "GPT2LMHeadModel" in str(e.value)
 
 
+@pytest.mark.parametrize("key,value,needle", [
+    ("hidden_size", "256", '"hidden_size" must be an integer, got \'256\' (write 256 without quotes)'),
+    ("architectures", "LlamaForCausalLM", '"architectures" must be a list of names like ["LlamaForCausalLM"]'),
+    ("tie_word_embeddings", "false", '"tie_word_embeddings" must be true/false'),
+    ("eos_token_id", [2, "3"], '"eos_token_id" must be an integer or a list of integers or null'),
+    ("num_hidden_layers", 0, '"num_hidden_layers" must be >= 1'),
+    ("rope_theta", None, '"rope_theta" must be a number'),
+])
+def test_config_field_types_are_checked(saved, key, value, needle):
+    """A mistyped config.json field is a CheckpointError naming the file and the field, not a TypeError later."""
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg[key] = value
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as e:
+        load_model(saved)
+    assert str(e.value).startswith(str(saved / "config.json")) and needle in str(e.value)
+
+
+def test_config_with_valid_optional_fields_loads(saved):
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg.update(eos_token_id=[1, 2], bos_token_id=None, rope_scaling=None, head_dim=cfg.get("head_dim"), rms_norm_eps=1)
+    (saved / "config.json").write_text(json.dumps(cfg))
+    assert load_model(saved).config.eos_ids == [1, 2]
+
+
+def test_resolve_device(saved):
+    assert ckpt.resolve_device("auto") == ckpt.resolve_device(None) == torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    assert ckpt.resolve_device("CPU") == torch.device("cpu")
+    with pytest.raises(ValueError, match="unknown device 'gpu0'; use auto, cpu, cuda or cuda:N"):
+        ckpt.resolve_device("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA, which is not available here"):
+            ckpt.resolve_device("cuda")
+        with pytest.raises(ValueError, match="needs CUDA"):
+            load_model(saved, device="cuda:0")
+        assert load_model(saved, device="auto").device == torch.device("cpu")
+    else:
+        with pytest.raises(ValueError, match="CUDA device"):
+            ckpt.resolve_device(f"cuda:{torch.cuda.device_count()}")
+
+
 def test_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="no model directory"):
         load_model(tmp_path / "nope")

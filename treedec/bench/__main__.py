@@ -1,7 +1,8 @@
 """End-to-end benchmark: ``python -m treedec.bench [hydra overrides]`` (see conf/bench.yaml, docs/benchmarks.md).
 
 Writes metrics.json, results.md, outputs.jsonl and plots into the run dir. Exits 1 when a
-treedec greedy method's output differs from vanilla decoding (after writing metrics.json).
+treedec greedy method's output differs from vanilla decoding (after writing metrics.json), and
+with one ``Error: ...`` line when an option is wrong (before any model loads).
 """
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+import treedec.config_schema  # noqa: F401  (registers schema/bench before Hydra composes)
+from treedec.cli import entry
+
 log = logging.getLogger("treedec.bench")
 
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="bench")
+@entry
 def main(cfg: DictConfig) -> None:
     from treedec.bench.harness import OutputMismatch, run
 

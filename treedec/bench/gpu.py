@@ -38,6 +38,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -66,6 +67,19 @@ def prepare_wheels(dest: str) -> int:
     return subprocess.call(cmd)
 
 
+def pytest_status(output: str, rc: int | None) -> str | None:
+    """``skipped`` when a pytest run ran nothing (every test skipped or deselected, or none collected), else None.
+
+    pytest exits 0 when all tests skip (CUDA tests on a CPU machine), which must not read as "ok".
+    """
+    lines = [ln for ln in output.strip().splitlines() if ln.strip()]
+    tail = lines[-1] if lines else ""
+    counts = dict((word, int(n)) for n, word in re.findall(r"(\d+) (passed|failed|errors?|xfailed|xpassed)", tail))
+    if rc == 5 or (rc == 0 and not any(counts.values())):
+        return "skipped"
+    return None
+
+
 class Runner:
     def __init__(self, out: Path, work: Path, budget: float, env: dict):
         self.out, self.work, self.env = out, work, env
@@ -80,7 +94,7 @@ class Runner:
         print(text, flush=True)
         self.log.write(text + "\n")
 
-    def step(self, name: str, cmd: list[str], timeout: float, ok_codes=(0,)) -> dict:
+    def step(self, name: str, cmd: list[str], timeout: float, ok_codes=(0,), pytest: bool = False) -> dict:
         t = min(timeout, self.left() - 3)
         rec = {"name": name, "cmd": " ".join(cmd), "timeout_s": round(max(t, 0), 1)}
         if t < 15:
@@ -95,6 +109,8 @@ class Runner:
                                text=True, timeout=t, errors="replace")
             output, rc = p.stdout, p.returncode
             status = "ok" if rc in ok_codes else "failed"
+            if pytest:
+                status = pytest_status(output, rc) or status
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout or b""
             output = out.decode(errors="replace") if isinstance(out, bytes) else out
@@ -102,6 +118,8 @@ class Runner:
         except OSError as exc:
             output, rc, status = f"{type(exc).__name__}: {exc}", None, "failed"
         rec.update(status=status, rc=rc, seconds=round(time.monotonic() - t0, 1), tail=output[-3000:])
+        if pytest and status == "skipped":
+            rec["reason"] = "pytest ran no test: every one skipped or deselected (no GPU?)"
         self.log.write(output + "\n")
         self.note(f"== {name}: {status} (rc {rc}, {rec['seconds']}s)")
         self.steps.append(rec)
@@ -232,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def step(name: str, cmd: list[str], timeout: float) -> None:
         if name in want:
-            r.step(name, cmd, timeout)
+            r.step(name, cmd, timeout, pytest=name.startswith("tests_"))
             write_summary()
 
     pytest = py + ["-m", "pytest", "-q", "-p", "no:cacheprovider"]

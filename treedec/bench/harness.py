@@ -50,50 +50,37 @@ class Prompt:
     id: str
     text: str
     ids: list[int]
+    source: dict | None = None  # where the text came from (file and line; third_party: the package too)
 
 
-def read_jsonl_prompts(path: str | os.PathLike) -> list[tuple[str, str]]:
-    """(id, text) pairs from a .jsonl file: one JSON object per line with ``prompt`` and an optional ``id``."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"bench.prompts={str(path)!r}: no such file (one JSON object per line with a 'prompt' field)")
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: not valid JSON ({exc}); write one object per line, e.g. "
-                             '{"id": "a", "prompt": "def f(x):"}') from exc
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-            raise ValueError(f"{path}:{n}: each line needs a string 'prompt' field, got {line[:80]!r}")
-        out.append((str(obj.get("id", f"p{len(out)}")), obj["prompt"]))
-    if not out:
-        raise ValueError(f"{path} holds no prompts")
-    return out
+def prompt_source_name(bench: DictConfig) -> str:
+    """How metrics.json names a generated prompt set: ``heldout_stdlib`` or ``third_party``."""
+    source = str(bench.get("prompt_source", "stdlib"))
+    return "heldout_stdlib" if source == "stdlib" else source
 
 
 def load_prompts(bench: DictConfig, tokenizer) -> list[Prompt]:
-    """The prompt set: ``bench.prompts`` (jsonl) or ``bench.n_prompts`` held-out stdlib prompts."""
-    if bench.prompts:
-        pairs = read_jsonl_prompts(bench.prompts)
-    else:
-        from treedec.training.data import heldout_prompts
+    """The prompt set: ``bench.prompts`` (a file) or ``bench.n_prompts`` prompts of ``bench.prompt_source``."""
+    from treedec.bench.prompts import load_prompt_set, read_prompt_file
 
-        texts = heldout_prompts(n=int(bench.n_prompts), prompt_tokens=int(bench.prompt_tokens), tokenizer=tokenizer)
-        if not texts:
-            raise RuntimeError("no held-out stdlib prompts found; pass bench.prompts=<file.jsonl>")
-        pairs = [(f"heldout{i}", t) for i, t in enumerate(texts)]
+    if bench.prompts:
+        texts = read_prompt_file(bench.prompts, "bench.prompts")
+    else:
+        packages = bench.get("third_party_packages")
+        texts = load_prompt_set(str(bench.get("prompt_source", "stdlib")), int(bench.n_prompts),
+                                int(bench.prompt_tokens), tokenizer, seed=int(bench.seed),
+                                packages=list(packages) if packages is not None else None,
+                                hint="pass bench.prompts=<file.jsonl>")
     prompts = []
-    for pid, text in pairs:
+    for t in texts:
         if bench.get("chat"):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": t.text}], tokenize=True)
         else:
-            ids = tokenizer.encode(text)
+            ids = tokenizer.encode(t.text)
         if not ids:
-            raise ValueError(f"prompt {pid!r} encodes to no tokens")
-        prompts.append(Prompt(pid, text, list(ids)))
+            where = f" ({t.source['file']}:{t.source['line']})" if t.source else ""
+            raise ValueError(f"prompt {t.id!r}{where} encodes to no tokens; give it some text")
+        prompts.append(Prompt(t.id, t.text, list(ids), t.source))
     return prompts
 
 
@@ -165,22 +152,44 @@ def _sampling_dict(s) -> dict:
     return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
 
 
-def build_methods(cfg: DictConfig, target, draft, eos_ids) -> tuple[list[Method], dict[str, str]]:
-    """treedec's methods from ``bench.methods`` (and their sampled variants); returns (methods, skipped)."""
-    from hydra.utils import instantiate
+def method_names(bench: DictConfig) -> list[str]:
+    """``bench.methods`` without repeats, vanilla first (every speedup and identity check is measured against it)."""
+    names = list(dict.fromkeys(bench.methods))
+    if "vanilla" not in names:
+        log.info("adding `vanilla` to bench.methods: every speedup and identity check is measured against it")
+        names.insert(0, "vanilla")
+    return names
 
+
+def build_policies(bench: DictConfig) -> dict:
+    """The tree policy of every speculative method that will run (no model needed: errors come before loading)."""
+    from treedec.config_schema import ConfigError, instantiate_checked
+
+    out = {}
+    for name in method_names(bench):
+        if name == "vanilla" or (name == "learned" and not bench.learned_path):
+            continue
+        if name not in bench.trees:
+            raise ConfigError(f"bench.methods names {name!r}, which has no tree config under bench.trees "
+                              f"(have: vanilla, {', '.join(bench.trees)}); add bench.trees.{name} with a _target_")
+        out[name] = instantiate_checked(bench.trees[name], f"bench.trees.{name}")
+    return out
+
+
+def build_methods(cfg: DictConfig, target, draft, eos_ids,
+                  policies: dict | None = None) -> tuple[list[Method], dict[str, str]]:
+    """treedec's methods from ``bench.methods`` (and their sampled variants); returns (methods, skipped)."""
+    from treedec.config_schema import instantiate_checked
     from treedec.decoding.sampling import SamplingParams
 
     bench = cfg.bench
     n = int(bench.max_new_tokens)
     greedy = SamplingParams()
-    names = list(dict.fromkeys(bench.methods))
-    if "vanilla" not in names:
-        log.info("adding `vanilla` to bench.methods: every speedup and identity check is measured against it")
-        names.insert(0, "vanilla")
+    names = method_names(bench)
+    policies = build_policies(bench) if policies is None else policies
     sampled = None
     if bench.sampling:
-        sampled = instantiate(cfg.sampling)
+        sampled = instantiate_checked(cfg.sampling, "sampling")
         if sampled.greedy:
             log.warning("bench.sampling=true but the sampling group is greedy (temperature 0): the sampled variants "
                         "would repeat the greedy ones, so they are skipped; pick sampling=sample")
@@ -196,13 +205,10 @@ def build_methods(cfg: DictConfig, target, draft, eos_ids) -> tuple[list[Method]
             skipped[name] = "bench.learned_path is not set (point it at a learned tree-shape file)"
             log.info("skipping `learned`: %s", skipped[name])
             continue
-        if name not in bench.trees:
-            raise ValueError(f"bench.methods names {name!r}, which has no tree config under bench.trees "
-                             f"(have: vanilla, {', '.join(bench.trees)}); add bench.trees.{name} with a _target_")
-        policy = instantiate(bench.trees[name])
-        methods.append(speculative_method(name, target, draft, policy, n, greedy, eos_ids))
+        methods.append(speculative_method(name, target, draft, policies[name], n, greedy, eos_ids))
         if sampled is not None:
-            methods.append(speculative_method(f"{name}_sample", target, draft, instantiate(bench.trees[name]), n,
+            methods.append(speculative_method(f"{name}_sample", target, draft,
+                                              instantiate_checked(bench.trees[name], f"bench.trees.{name}"), n,
                                               sampled, eos_ids))
     return methods, skipped
 
@@ -349,10 +355,10 @@ def summarize(methods: list[Method], prompts: list[Prompt], timing: dict[str, di
                 e["identical_to_vanilla"] = True
             continue
         diffs = []
-        for p, a, b in zip(prompts, timing["vanilla"]["outputs"], timing[m.name]["outputs"]):
+        for i, (p, a, b) in enumerate(zip(prompts, timing["vanilla"]["outputs"], timing[m.name]["outputs"])):
             pos = first_difference(a.tokens, b.tokens)
             if pos is not None:
-                diffs.append({"prompt": p.id, "position": pos,
+                diffs.append({"prompt": p.id, "prompt_index": i, "position": pos,
                               "vanilla": a.tokens[pos] if pos < len(a.tokens) else None,
                               "got": b.tokens[pos] if pos < len(b.tokens) else None,
                               "agreeing_prefix": pos})
@@ -413,24 +419,16 @@ def classify_mismatches(table: dict, tie_ulps: float) -> list[str]:
 
 
 # --------------------------------------------------------------------------- entry
-def load_stack(cfg: DictConfig):
-    """(target, tokenizer, draft head) from the model/draft/kernel groups."""
-    from treedec.models import load_model
-    from treedec.models.draft import DraftHead
-    from treedec.models.tokenizer import load_tokenizer
-
-    target = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, attn_backend=cfg.kernel.backend)
-    tok = load_tokenizer(cfg.model.path)
-    draft = DraftHead.load(cfg.draft.path, target=target, dtype=target.dtype, device=target.device).eval()
-    return target, tok, draft
-
-
 def run(cfg: DictConfig) -> dict:
     """Run the benchmark described by a composed ``bench`` config; write metrics.json, results.md, plots."""
     from treedec.bench import peers as peer_mod
     from treedec.bench import report
+    from treedec.cli import load_stack, write_text_atomic
+    from treedec.config_schema import validate
 
+    validate(cfg, "bench")
     bench = cfg.bench
+    policies = build_policies(bench)
     try:
         load_start = list(os.getloadavg())
     except OSError:
@@ -441,13 +439,13 @@ def run(cfg: DictConfig) -> dict:
     run_dir = Path(cfg.paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    target, tok, draft = load_stack(cfg)
+    target, tok, draft = load_stack(cfg)  # the first thing that takes time: every option is checked by now
     eos_ids = list(tok.eos_ids) or list(target.config.eos_ids)
     prompts = load_prompts(bench, tok)
     log.info("%d prompts (%d-%d tokens), max_new_tokens=%d, %d threads, %s %s on %s", len(prompts),
              min(len(p.ids) for p in prompts), max(len(p.ids) for p in prompts), int(bench.max_new_tokens),
              torch.get_num_threads(), str(target.dtype).removeprefix("torch."), cfg.kernel.backend, target.device)
-    methods, skipped = build_methods(cfg, target, draft, eos_ids)
+    methods, skipped = build_methods(cfg, target, draft, eos_ids, policies)
     peer_methods, peer_skipped = peer_mod.build_peers(cfg, target, eos_ids)
     methods += peer_methods
     skipped.update(peer_skipped)
@@ -456,9 +454,9 @@ def run(cfg: DictConfig) -> dict:
     table, _ = summarize(methods, prompts, timing)
     for e in table.values():
         for d in e.get("mismatches", []):
-            p = next(p for p in prompts if p.id == d["prompt"])
-            van = timing["vanilla"]["outputs"][prompts.index(p)].tokens
-            d["logit_gap"], d["ulp"] = logit_gap(target, p.ids + van[: d["position"]])
+            i = d["prompt_index"]
+            van = timing["vanilla"]["outputs"][i].tokens
+            d["logit_gap"], d["ulp"] = logit_gap(target, prompts[i].ids + van[: d["position"]])
     failures = classify_mismatches(table, float(bench.tie_ulps))
     if bench.strict_peers:
         failures += [e["failure_message"] for e in table.values() if e.get("failure_message") and not e.get("lossless_check")]
@@ -470,20 +468,20 @@ def run(cfg: DictConfig) -> dict:
     metrics = {
         "methods": table,
         "machine": machine,
-        "prompts": {"n": len(prompts), "source": str(bench.prompts) if bench.prompts else "heldout_stdlib",
-                    "ids": [p.id for p in prompts], "prompt_tokens": [len(p.ids) for p in prompts]},
+        "prompts": {"n": len(prompts), "source": str(bench.prompts) if bench.prompts else prompt_source_name(bench),
+                    "ids": [p.id for p in prompts], "prompt_tokens": [len(p.ids) for p in prompts],
+                    "sources": {p.id: p.source for p in prompts if p.source}},
         "skipped": skipped,
         "failures": failures,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    with open(run_dir / "outputs.jsonl", "w") as f:
-        for m in methods:
-            for p, o in zip(prompts, timing[m.name]["outputs"]):
-                f.write(json.dumps({"method": m.name, "prompt": p.id, "new_tokens": len(o.tokens), "tokens": o.tokens,
-                                    "text": tok.decode(o.tokens)}) + "\n")
+    write_text_atomic(run_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+    write_text_atomic(run_dir / "outputs.jsonl", "".join(
+        json.dumps({"method": m.name, "prompt": p.id, "new_tokens": len(o.tokens), "tokens": o.tokens,
+                    "text": tok.decode(o.tokens)}) + "\n"
+        for m in methods for p, o in zip(prompts, timing[m.name]["outputs"])))
     md = report.markdown(metrics)
-    (run_dir / "results.md").write_text(md)
+    write_text_atomic(run_dir / "results.md", md)
     if bench.plots:
         report.plots(metrics, run_dir)
     print(md)
@@ -493,5 +491,5 @@ def run(cfg: DictConfig) -> dict:
     return metrics
 
 
-__all__ = ["Method", "OutputMismatch", "Prompt", "RunOutput", "build_methods", "first_difference", "load_prompts",
-           "machine_info", "read_jsonl_prompts", "run", "summarize", "time_methods"]
+__all__ = ["Method", "OutputMismatch", "Prompt", "RunOutput", "build_methods", "build_policies", "first_difference",
+           "load_prompts", "machine_info", "method_names", "run", "summarize", "time_methods"]

@@ -57,6 +57,30 @@ def resolve_dtype(dtype: torch.dtype | str | None, config: dict | None = None) -
     return _DTYPES[name]
 
 
+def resolve_device(device: torch.device | str | None = "auto") -> torch.device:
+    """``"auto"`` (or None): CUDA when available, else the CPU; else a torch device name, checked to exist here.
+
+    The one place a device name is resolved, so that a config's default works on a CPU-only machine.
+    """
+    if isinstance(device, torch.device):
+        dev = device
+    else:
+        name = "auto" if device is None else str(device).strip().lower()
+        if name == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            dev = torch.device(name)
+        except RuntimeError:
+            raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r} needs CUDA, which is not available here (torch "
+                             f"{torch.__version__}); use device 'cpu' or 'auto'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
 def resolve_path(name_or_path: str | os.PathLike) -> Path:
     """Map ``"tiny-code"`` to the bundled directory; check that a directory exists."""
     name = str(name_or_path)
@@ -163,7 +187,7 @@ def _describe(cfg: LlamaConfig) -> str:
 def load_model(
     name_or_path: str | os.PathLike,
     dtype: torch.dtype | str = torch.float32,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu",  # or "auto": CUDA when available
     attn_backend: str = "auto",
     trainable: bool = False,
     fuse: bool = True,
@@ -176,7 +200,7 @@ def load_model(
     path = resolve_path(name_or_path)
     cfg, raw = read_config(path)
     dtype = resolve_dtype(dtype, raw)
-    device = torch.device(device)
+    device = resolve_device(device)
     if dtype == torch.float16 and device.type == "cpu":
         warnings.warn("fp16 on CPU is very slow; use dtype='bf16' or 'fp32' for CPU inference", stacklevel=2)
     wmap = _weight_map(path)
@@ -275,5 +299,5 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, tokenizer=None,
     return path
 
 
-__all__ = ["CheckpointError", "SUPPORTED_ARCHITECTURES", "load_model", "read_config", "resolve_dtype",
-           "resolve_path", "save_pretrained"]
+__all__ = ["CheckpointError", "SUPPORTED_ARCHITECTURES", "load_model", "read_config", "resolve_device",
+           "resolve_dtype", "resolve_path", "save_pretrained"]

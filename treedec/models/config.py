@@ -1,10 +1,65 @@
 """Model configuration for the Llama family (Llama 2/3, Mistral, Qwen2), mapped from HF config.json."""
 from __future__ import annotations
 
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "max_position_embeddings")  # must be >= 1 where given
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a field's type hint (JSON has no int/bool distinction to lean on: check both)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is Any:
+        return True
+    return isinstance(value, origin or hint)
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(h) for h in typing.get_args(hint))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(hint)[0]).removeprefix('an ').removeprefix('a ')}s"
+    names = {int: "an integer", float: "a number", bool: "true/false", str: "a string", dict: "an object",
+             type(None): "null"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_types(cls, d: dict[str, Any]) -> None:
+    """A config.json field of the wrong JSON type (``"hidden_size": "256"``) is an error naming the field."""
+    hints = typing.get_type_hints(cls)
+    for key, value in d.items():
+        if key in ("architecture", "extra") or key not in hints:
+            continue
+        if not _matches(value, hints[key]):
+            fix = f" (write {value} without quotes)" if isinstance(value, str) and _is_number(value) else ""
+            raise ValueError(f'"{key}" must be {_describe(hints[key])}, got {value!r}{fix}')
+        if key in SIZES and value is not None and value < 1:
+            raise ValueError(f'"{key}" must be >= 1, got {value}')
 
 
 @dataclass
@@ -53,8 +108,13 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "LlamaConfig":
-        """Map a Hugging Face config.json dict; unknown architectures are a clear error."""
+        """Map a Hugging Face config.json dict; unknown architectures and mistyped fields are clear errors."""
+        if not isinstance(d, dict):
+            raise ValueError(f"expected a JSON object, got {type(d).__name__}")
         archs = d.get("architectures") or ["LlamaForCausalLM"]
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ValueError(f'"architectures" must be a list of names like ["LlamaForCausalLM"], got {archs!r}')
+        _check_types(cls, d)
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(

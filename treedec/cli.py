@@ -1,0 +1,82 @@
+"""What the entry points (generate, calibrate, bench) share: errors, output files, the model stack.
+
+**Errors.** 
+A wrong option, a missing file or a checkpoint that does not load is the user's to fix, not a
+bug: it prints one line ``Error: <what is wrong and how to fix it>`` on stderr and exits with
+status 1, instead of Hydra's traceback. ``HYDRA_FULL_ERROR=1`` shows the traceback again.
+Hydra only passes ``SystemExit`` through (it turns other exceptions into tracebacks, and
+exceptions in callbacks into warnings), hence :func:`fail`.
+
+**Output files** are written atomically (:func:`write_text_atomic`: a temp file, then a rename), so
+a crash or a kill never leaves a half-written ``metrics.json`` for a sweep summary to trip over.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, NoReturn, TypeVar
+
+# Errors whose message is written for the user (ConfigError, CheckpointError, TreeError are ValueErrors).
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, IsADirectoryError,
+                                                NotADirectoryError, PermissionError)
+
+F = TypeVar("F", bound=Callable)
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message on one line (Hydra's and OmegaConf's messages span several)."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def fail(exc: BaseException | str) -> NoReturn:
+    """Stop the program with ``Error: ...`` on stderr and exit status 1."""
+    raise SystemExit(f"Error: {exc if isinstance(exc, str) else one_line(exc)}") from None
+
+
+def entry(fn: F) -> F:
+    """Decorate a Hydra task function (under ``@hydra.main``): user errors become one ``Error:`` line."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except USER_ERRORS as exc:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            fail(exc)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temp file in the same folder and a rename (readable as umask allows)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_stack(cfg: Any):
+    """(target, tokenizer, draft head) from a config's ``model``, ``draft`` and ``kernel`` groups, in eval mode."""
+    from treedec.models import load_model
+    from treedec.models.draft import DraftHead
+    from treedec.models.tokenizer import load_tokenizer
+
+    target = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
+                        attn_backend=cfg.kernel.backend).eval()
+    tok = load_tokenizer(cfg.model.path)
+    draft = DraftHead.load(cfg.draft.path, target=target, dtype=target.dtype, device=target.device).eval()
+    return target, tok, draft
