@@ -58,3 +58,21 @@ def test_entry_points_print_one_error_line(tmp_path, module, args, needle):
     assert done.returncode == 1, done.stderr[-2000:]
     assert lines and lines[-1].startswith(needle.format(tmp=tmp_path)), done.stderr[-2000:]
     assert "Traceback" not in done.stderr and not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_readme_results_command_points_at_the_file_calibrate_writes():
+    """The README's "Results" bench command reads bench.learned_path: the calibrate command above it must write it."""
+    import re
+
+    import yaml
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Results"):]
+    section = section[:section.index("\n## ", 4)]
+    run_dir = re.search(r"python -m treedec\.calibrate [^`]*hydra\.run\.dir=(\S+?)`", section)
+    learned = re.search(r"python -m treedec\.bench [^`]*bench\.learned_path=(\S+?)`", section)
+    assert run_dir and learned, "the Results section names the calibrate and bench commands"
+    conf = yaml.safe_load((ROOT / "conf" / "calibrate.yaml").read_text())
+    assert conf["out"] == "${paths.run_dir}/learned_tree.yaml"
+    assert conf["paths"]["run_dir"] == "${hydra:runtime.output_dir}"  # = hydra.run.dir for a single run
+    assert learned.group(1) == f"{run_dir.group(1)}/learned_tree.yaml"

@@ -1,8 +1,9 @@
 """Learn a tree shape: ``python -m treedec.calibrate [hydra overrides]``.
 
 1. **Probe**: speculative decoding with a wide probe tree (default: a "comb", see
-   :func:`treedec.tree.sequoia.comb_choices`) on calibration prompts (held-out stdlib code or a
-   jsonl file) records, for every verified node with children, which sibling ranks were tried
+   :func:`treedec.tree.sequoia.comb_choices`) on calibration prompts (held-out stdlib code,
+   code of installed third-party packages, or a prompt file: treedec/bench/prompts.py) records,
+   for every verified node with children, which sibling ranks were tried
    and which was accepted, by depth: the acceptance rates ``p[depth][rank]`` of the Sequoia
    model (SpecStats' ``rank_hits / rank_trials``, split by depth).
 2. **Timing** (``timing.enabled``): the median target verify pass for trees of each budget on

@@ -1,8 +1,7 @@
 """What the entry points (generate, calibrate, bench) share: errors, output files, the model stack.
 
-**Errors.** 
-A wrong option, a missing file or a checkpoint that does not load is the user's to fix, not a
-bug: it prints one line ``Error: <what is wrong and how to fix it>`` on stderr and exits with
+**Errors.** A wrong option, a missing file or a checkpoint that does not load is the user's to
+fix, not a bug: it prints one line ``Error: <what is wrong and how to fix it>`` on stderr and exits with
 status 1, instead of Hydra's traceback. ``HYDRA_FULL_ERROR=1`` shows the traceback again.
 Hydra only passes ``SystemExit`` through (it turns other exceptions into tracebacks, and
 exceptions in callbacks into warnings), hence :func:`fail`.

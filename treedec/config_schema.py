@@ -2,19 +2,23 @@
 
 Importing this module registers, in Hydra's ConfigStore:
 
-* ``schema/generate`` and ``schema/calibrate``: the top-level keys and types of
-  ``conf/generate.yaml`` / ``conf/calibrate.yaml`` (both list ``- optional schema@_here_: <name>``
-  first in their defaults, so once this module is imported, composing either config rejects an
-  unknown key or a wrong type with OmegaConf's own message, before anything is loaded);
+* ``schema/generate``, ``schema/calibrate`` and ``schema/bench``: the keys and types of
+  ``conf/generate.yaml`` / ``conf/calibrate.yaml`` / ``conf/bench.yaml`` (each lists
+  ``- optional schema@_here_: <name>`` first in its defaults, so once this module is imported,
+  composing it rejects an unknown key or a wrong type with OmegaConf's own message, before
+  anything is loaded);
 * ``schema/tree/{static,dynamic,chain,learned}``, ``schema/tree/shape``, ``schema/model``,
   ``schema/draft``, ``schema/kernel``, ``schema/sampling``: the group schemas, for configs of
   your own (``defaults: [/schema/tree@_here_: dynamic, _self_]``).
 
-:func:`validate` checks a composed config against them, including the node of a ``tree`` (or
-``probe``) group by its ``_target_`` (a policy class of your own is left alone). The
-``treedec.callbacks.ValidateConfig`` Hydra callback runs it before every ``generate`` job, so a
-typo or a wrong type is a clear error before any model loads, even where nothing imported this
-module before composition.
+:func:`validate` checks a composed config against them (``+key=...`` appends pass Hydra, so
+this is where they are caught, with the keys of the group meant and the closest match), checks
+the node of a ``tree`` (or ``probe``, or ``bench.trees.*``) group by its ``_target_`` (a policy
+class of your own is left alone), and checks values: ranges, the device and dtype, prompt
+files (readable text, well-formed JSON lines, unique ids), learned-tree paths. The
+``treedec.callbacks.ValidateConfig`` Hydra callback runs it before every job of each entry
+point, and each entry's ``run`` runs it again first, so every mistake is a clear error before
+any model loads.
 """
 from __future__ import annotations
 
