@@ -41,7 +41,7 @@ def test_group_options_exist():
 
 def test_schemas_registered():
     repo = ConfigStore.instance().repo
-    assert {"generate.yaml", "calibrate.yaml", "model.yaml", "kernel.yaml"} <= set(repo["schema"])
+    assert {"generate.yaml", "calibrate.yaml", "bench.yaml", "model.yaml", "kernel.yaml"} <= set(repo["schema"])
     assert {"static.yaml", "dynamic.yaml", "chain.yaml", "learned.yaml", "shape.yaml"} <= set(repo["schema"]["tree"])
 
 
@@ -64,7 +64,7 @@ def test_every_shape_validates(shape):
 def test_every_other_option_composes_and_validates(group):
     for option in OPTIONS[group]:
         extra = [f"{group}.path=/some/dir"] if option in ("hf", "path") else []
-        for entry in ("generate", "calibrate"):
+        for entry in ("generate", "calibrate", "bench"):
             cfg = gen([f"{group}={option}", *extra], entry)
             schema.validate(cfg, entry)
             if group == "sampling":
@@ -123,3 +123,12 @@ def test_optuna_experiment_composes():
     assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper") and cfg.optimized_metric == "tokens_per_s"
     assert set(cfg.hydra.sweeper.params) == {"tree.total_tokens", "tree.depth", "tree.top_k"}
     schema.validate(cfg, "generate")
+
+
+def test_bench_config_validates_and_rejects_wrong_types():
+    """conf/bench.yaml composes against schema/bench; a wrong type fails while composing, an appended typo in validate."""
+    schema.validate(gen([], "bench"), "bench")
+    with pytest.raises(Exception, match="bench.repeats"):
+        gen(["bench.repeats=many"], "bench")
+    with pytest.raises(schema.ConfigError, match=r"Did you mean bench\.trees\.chain\.depth\?"):
+        schema.validate(gen(["+bench.trees.chain.dept=3"], "bench"), "bench")
