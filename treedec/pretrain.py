@@ -1,10 +1,13 @@
 """Pretrain the bundled target model: ``python -m treedec.pretrain [hydra overrides]``.
 
-1. trains the byte-level BPE tokenizer on the corpus's train split (unless ``paths.tokenizer`` exists);
+1. trains the byte-level BPE tokenizer on the corpus's train split (unless ``paths.tokenizer`` exists;
+   ``paths.tokenizer=tiny-code`` reuses the bundled model's, e.g. for a small assistant model);
 2. trains :class:`treedec.training.lm.CausalLMModule` with a Lightning Trainer, checkpointing
    ``last.ckpt`` into the run dir and resuming from it automatically when it is there;
 3. exports the weights in Hugging Face format (config.json, model.safetensors, tokenizer.json,
-   generation_config.json) to ``export_dir``;
+   generation_config.json) to ``export_dir`` (default ``<run dir>/export``; ``export_dir=bundled``
+   replaces ``treedec/assets/<model_arch.asset_name>``), atomically, and logs the
+   ``model.path=`` override that uses it;
 4. writes ``metrics.json`` (losses, steps, tokens, wall time, params) into the run dir.
 
 Under DDP (``trainer=ddp``) every rank runs this script (Lightning re-launches it per rank with the
@@ -21,31 +24,74 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from treedec.cli import entry
+
 log = logging.getLogger(__name__)
 
 
 def export_hf(module, tokenizer_path: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
-    """Write ``module.model`` as a Hugging Face directory with its tokenizer and generation config."""
+    """Write ``module.model`` as a Hugging Face directory with its tokenizer and generation config.
+
+    Atomic (:func:`treedec.training.callbacks.atomic_dir`): ``out_dir`` is the old directory or the
+    complete new one, never a half-written one; the files follow the umask."""
     from treedec.models.checkpoint import save_pretrained
+    from treedec.training.callbacks import atomic_dir
 
     model = module.model
-    out = save_pretrained(model, out_dir, tokenizer=str(tokenizer_path), dtype=dtype)
     cfg = model.config
     gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "do_sample": False,
            "max_length": cfg.max_position_embeddings, "_from_model_config": True}
-    (Path(out) / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    return Path(out)
+
+    def write(d: Path) -> None:
+        save_pretrained(model, d, tokenizer=str(tokenizer_path), dtype=dtype)
+        (d / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+    return atomic_dir(out_dir, write)
+
+
+def tokenizer_file(value: str | Path) -> Path:
+    """``paths.tokenizer``: a tokenizer.json (trained there when missing), or the name or directory of a
+    model whose tokenizer.json is reused as it is (``paths.tokenizer=tiny-code``: the bundled one)."""
+    from treedec.models.checkpoint import BUNDLED, resolve_path
+
+    path = Path(str(value)).expanduser()
+    if str(value) in BUNDLED or path.is_dir():
+        path = resolve_path(value) / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"paths.tokenizer={value}: {path} does not exist")
+    return path
 
 
 def run(cfg: DictConfig) -> dict:
+    """Pretrain (or resume, or, when the run dir holds a finished job, report) and return ``metrics.json``."""
+    from treedec.training.callbacks import finished_metrics, job
+    from treedec.training.schema import check_job_config
+
+    check_job_config(cfg, "pretrain")  # every key and value, before anything loads
+    with job(cfg) as run_dir:
+        done = finished_metrics(run_dir, cfg.trainer)
+        if done is not None:
+            log.warning("the job in %s already finished (step %s, %s): nothing to do; its metrics.json and export "
+                        "stay as they are (raise trainer.max_steps to train on, or pick a new hydra.run.dir)",
+                        run_dir, done.get("steps"), run_dir / "metrics.json")
+            return done
+        return _pretrain(cfg, run_dir)
+
+
+def _pretrain(cfg: DictConfig, run_dir: Path) -> dict:
     import torch
 
-    from treedec.models.checkpoint import BUNDLED
-    from treedec.training.callbacks import build_trainer, export_path, start_job, time_budget
+    from treedec.training.callbacks import (build_trainer, bundled_dir, export_path, seconds, stop_reason,
+                                            time_budget, use_hint, write_json)
     from treedec.training.lm import CausalLMModule
 
     t0 = time.time()
-    run_dir = start_job(cfg)
+    arch = OmegaConf.to_container(cfg.model_arch, resolve=True)
+    asset = arch.pop("asset_name", None)  # where export_dir=bundled writes; not a model setting
+    export = export_path(cfg.export_dir, bundled_dir(asset or "tiny-code"))
+    tok_path = tokenizer_file(cfg.paths.tokenizer)
+    OmegaConf.set_struct(cfg, False)
+    cfg.data.tokenizer_path = str(tok_path)
 
     dm = hydra.utils.instantiate(cfg.data)
     dm.prepare_data()  # trains the tokenizer if missing, tokenises (cached) the corpus
@@ -54,7 +100,6 @@ def run(cfg: DictConfig) -> dict:
     log.info("corpus: %s train tokens (%d files), %s validation tokens (%d files); token cache %s",
              meta["splits"]["train"]["tokens"], meta["splits"]["train"]["files"],
              meta["splits"]["validation"]["tokens"], meta["splits"]["validation"]["files"], dm.token_dir)
-    arch = OmegaConf.to_container(cfg.model_arch, resolve=True)
     if arch["vocab_size"] < meta["vocab_size"]:
         raise ValueError(f"model_arch.vocab_size {arch['vocab_size']} < tokenizer vocab {meta['vocab_size']}")
 
@@ -67,6 +112,7 @@ def run(cfg: DictConfig) -> dict:
     start_step = int(torch.load(resume, map_location="cpu", weights_only=True)["global_step"]) if resume else 0
     trainer.fit(module, datamodule=dm, ckpt_path=resume)
     fit_end = time.time()
+    stopped_by = stop_reason(trainer)
 
     m = trainer.callback_metrics
     train_loss = float(m["train/loss"]) if "train/loss" in m else None
@@ -78,30 +124,32 @@ def run(cfg: DictConfig) -> dict:
     ckpt_path = run_dir / "checkpoints" / "final.ckpt"
     trainer.save_checkpoint(str(ckpt_path), weights_only=True)  # collective; rank 0 writes
 
-    export = export_path(cfg.export_dir, BUNDLED["tiny-code"])
     if not trainer.is_global_zero:  # DDP: the other ranks leave the export and metrics.json to rank 0
         return {"steps": steps, "global_rank": int(trainer.global_rank)}
     if export is not None:
         module.model.config.bos_token_id = arch.get("bos_token_id", meta["eos_id"])
         module.model.config.eos_token_id = arch.get("eos_token_id", meta["eos_id"])
-        export_hf(module, cfg.paths.tokenizer, export, dtype=cfg.export_dtype)
-        log.info("exported Hugging Face model to %s", export)
+        export_hf(module, tok_path, export, dtype=cfg.export_dtype)
+        log.info("exported the Hugging Face model to %s; use it: %s", export, use_hint("model", export))
+    max_time = cfg.trainer.get("max_time")
     metrics = {
         "train_loss": train_loss, "val_loss": val_loss, "steps": steps, "tokens_seen": tokens,
         "epochs": tokens / max(1, dm.n_train_tokens), "train_tokens_corpus": dm.n_train_tokens,
         "val_tokens_corpus": meta["splits"]["validation"]["tokens"], "params": module.n_params,
         "wall_time_s": time.time() - t0, "fit_time_s": fit_end - t0,
         "tokens_per_s": (steps - start_step) * dm.batch_size * dm.seq_len * world / max(1e-9, fit_end - t0),
-        "world_size": world, "resumed_from": resume,
+        "world_size": world, "resumed_from": resume, "stopped_by": stopped_by, "max_steps": max_steps,
+        "max_time_s": seconds(max_time) if max_time else None,
         "export_dir": str(export) if export else None, "final_ckpt": str(ckpt_path),
-        "arch": arch, "seq_len": dm.seq_len, "batch_size": dm.batch_size,
+        "arch": arch, "seq_len": dm.seq_len, "batch_size": dm.batch_size, "tokenizer": str(tok_path),
     }
-    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    write_json(run_dir / "metrics.json", metrics)
     log.info("metrics: %s", json.dumps({k: v for k, v in metrics.items() if k != "arch"}))
     return metrics
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="pretrain")
+@entry
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

@@ -4,8 +4,11 @@ The target is loaded frozen (``target=tiny-code`` or a local HF directory); the 
 token windows of ``data`` (or, with ``data=jsonl`` on chat data, on the assistant turns of each
 conversation) with the EAGLE loss, checkpoints ``last.ckpt`` into the run dir and
 resumes from it when re-run with the same ``hydra.run.dir``; a callback runs the real
-speculative loop on held-out prompts and logs τ. The head is exported to ``export_dir`` and
-``metrics.json`` is written into the run dir.
+speculative loop on held-out prompts and logs τ. The head is exported to ``export_dir`` (default
+``<run dir>/export``; ``export_dir=bundled`` replaces the shipped ``tiny-code-eagle``, atomically)
+and ``metrics.json`` is written into the run dir; the log names the ``draft.path=`` override that
+uses the head. Every option is checked before anything loads (``treedec.training.schema``); a
+second job into a live run dir is refused, and re-running a finished job leaves it alone.
 
 Under DDP (``trainer=ddp``) every rank runs this script with its own copy of the frozen target;
 τ is measured, and the head exported and ``metrics.json`` written, on rank 0 only.
@@ -20,21 +23,40 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from treedec.cli import entry
+
 log = logging.getLogger(__name__)
 
 
 def run(cfg: DictConfig) -> dict:
+    """Train (or resume, or, when the run dir holds a finished job, report) and return ``metrics.json``."""
+    from treedec.training.callbacks import finished_metrics, job
+    from treedec.training.schema import check_job_config
+
+    check_job_config(cfg, "train")  # every key and value, before anything loads
+    with job(cfg) as run_dir:
+        done = finished_metrics(run_dir, cfg.trainer)
+        if done is not None:
+            log.warning("the job in %s already finished (step %s, %s): nothing to do; its metrics.json and export "
+                        "stay as they are (raise trainer.max_steps to train on, or pick a new hydra.run.dir)",
+                        run_dir, done.get("steps"), run_dir / "metrics.json")
+            return done
+        return _train(cfg, run_dir)
+
+
+def _train(cfg: DictConfig, run_dir: Path) -> dict:
     import torch
 
-    from treedec.models.checkpoint import resolve_path
-    from treedec.models.draft import BUNDLED_DRAFTS
+    from treedec.models.checkpoint import resolve_dtype, resolve_path
+    from treedec.models.draft import DraftHead
     from treedec.models.tokenizer import load_tokenizer
-    from treedec.training.callbacks import build_trainer, export_path, start_job, time_budget
+    from treedec.training.callbacks import (atomic_dir, build_trainer, bundled_dir, export_path, seconds,
+                                            stop_reason, time_budget, use_hint, write_json)
     from treedec.training.data import heldout_prompts
     from treedec.training.draft import DraftModule, SpeculativeEvalCallback
 
     t0 = time.time()
-    run_dir = start_job(cfg)
+    export = export_path(cfg.export_dir, bundled_dir("tiny-code-eagle"))
     target_dir = resolve_path(cfg.target)
     tok_path = cfg.paths.tokenizer or str(target_dir / "tokenizer.json")
     if not Path(tok_path).is_file():
@@ -64,28 +86,33 @@ def run(cfg: DictConfig) -> dict:
     trainer, resume = build_trainer(cfg, run_dir, tau_cb)
     tau0 = tau_cb.measure(module) if not resume and trainer.is_global_zero else None
     trainer.fit(module, datamodule=dm, ckpt_path=resume)
+    stopped_by = stop_reason(trainer)
     val = trainer.validate(module, datamodule=dm, verbose=False)
-    export = export_path(cfg.export_dir, BUNDLED_DRAFTS["tiny-code-eagle"])
     if not trainer.is_global_zero:  # DDP: τ, the export and metrics.json are rank 0's
         return {"steps": int(trainer.global_step), "global_rank": int(trainer.global_rank)}
     if export is not None:
-        head = module.head.to(getattr(torch, cfg.export_dtype))
+        # A copy bound to the target (its fingerprint is saved), cast, then filled straight from the fp32 weights.
+        head = DraftHead(module.head.config).bind(module.target).to(resolve_dtype(cfg.export_dtype))
+        head.load_state_dict(module.head.state_dict())
         head.config.target = str(cfg.target)
-        head.save(export)
-        log.info("exported draft head to %s", export)
+        atomic_dir(export, head.save)
+        log.info("exported the draft head to %s; use it: %s", export, use_hint("draft", export, str(cfg.target)))
+    max_time = cfg.trainer.get("max_time")
     metrics = {
-        "steps": int(trainer.global_step), "tau_before": tau0, "tau_history": tau_cb.history,
+        "steps": int(trainer.global_step), "tau_before": tau0, "tau_history": [list(h) for h in tau_cb.history],
         "tau": tau_cb.history[-1][1] if tau_cb.history else None,
         "val": {k: float(v) for k, v in (val[0] if val else {}).items()},
         "wall_time_s": time.time() - t0, "world_size": int(trainer.world_size), "resumed_from": resume,
-        "export_dir": str(export) if export else None,
+        "export_dir": str(export) if export else None, "stopped_by": stopped_by,
+        "max_steps": int(cfg.trainer.max_steps), "max_time_s": seconds(max_time) if max_time else None,
     }
-    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    write_json(run_dir / "metrics.json", metrics)
     log.info("metrics: %s", json.dumps(metrics))
     return metrics
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+@entry
 def main(cfg: DictConfig) -> None:
     run(cfg)
 

@@ -1,4 +1,4 @@
-"""A stand-in for a preemption in subprocess tests: block a fresh run at a given step until killed."""
+"""Stand-ins for a preemption (block a fresh run at a given step until killed) and for a crash."""
 from __future__ import annotations
 
 import time
@@ -22,3 +22,15 @@ class PauseOnce(L.Callback):
         if trainer.global_step >= self.at and not self.marker.exists():
             self.marker.write_text(str(trainer.global_step))
             time.sleep(self.seconds)
+
+
+class CrashOnce(L.Callback):
+    """At ``global_step >= at`` write ``marker`` and raise, as a job that crashes (once: the re-run trains through)."""
+
+    def __init__(self, at: int, marker: str):
+        self.at, self.marker = int(at), Path(marker)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.at and not self.marker.exists():
+            self.marker.write_text(str(trainer.global_step))
+            raise RuntimeError(f"simulated crash at step {trainer.global_step}")

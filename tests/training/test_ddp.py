@@ -82,7 +82,7 @@ def test_pretrain_ddp_two_cpu_processes(pretrained_ddp):
     assert files_named(tmp, "metrics.json") == [run / "metrics.json"]
     assert files_named(tmp, "model.safetensors") == [tmp / "export" / "model.safetensors"]
     assert files_named(tmp, "final.ckpt") == [run / "checkpoints" / "final.ckpt"]
-    assert out.count("exported Hugging Face model") == 1 and out.count("- metrics: {") == 1
+    assert out.count("exported the Hugging Face model") == 1 and out.count("- metrics: {") == 1
     m = json.loads((run / "metrics.json").read_text())
     assert m["world_size"] == 2 and m["steps"] == 6 and m["tokens_seen"] == 6 * 4 * 32 * 2
     assert math.isfinite(m["train_loss"]) and math.isfinite(m["val_loss"])
@@ -120,7 +120,7 @@ def test_train_draft_ddp_two_cpu_processes(pretrained_ddp, corpus):  # noqa: F81
     assert all(math.isfinite(v) for v in m["val"].values()) and "val/loss" in m["val"]
     # τ: measured by rank 0 only, at steps 2 and 4 (not again at the end), once per measurement in the log
     assert [s for s, _ in m["tau_history"]] == [2, 4] and m["tau_before"] >= 1.0 and m["tau"] >= 1.0
-    assert out.count("speculative tau") == 2 and out.count("exported draft head") == 1
+    assert out.count("speculative tau") == 2 and out.count("exported the draft head") == 1
     state = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert state["global_step"] == 4
     assert not any(k.startswith(("target", "_target")) or "embed_tokens" in k or "lm_head" in k

@@ -26,7 +26,7 @@ def target_dir(tokenizer, tmp_path_factory):  # noqa: F811
     return out
 
 
-def train_cfg(target_dir, corpus, tmp_path, steps):  # noqa: F811
+def train_cfg(target_dir, corpus, tmp_path, steps, *extra):  # noqa: F811
     overrides = [f"target={target_dir}", "target_dtype=float32", f"export_dir={tmp_path / 'draft'}",
                  f"paths.run_dir={tmp_path / 'run'}", f"data.root={corpus}", "data.seq_len=32", "data.batch_size=8",
                  "data.val_fraction=0.2", f"data.cache_dir={tmp_path / 'cache'}", "data.max_val_windows=2",
@@ -34,6 +34,8 @@ def train_cfg(target_dir, corpus, tmp_path, steps):  # noqa: F811
                  "trainer.precision=32-true", "optim.time_budget_s=null", "optim.lr=3e-3", "optim.warmup_steps=2",
                  "eval.n_prompts=2", "eval.prompt_tokens=24", "eval.max_new_tokens=8", "eval.every_n_steps=10",
                  "ckpt_every_n_steps=5", "log_every=5", "export_dtype=float32"]
+    keys = {e.split("=", 1)[0] for e in extra}
+    overrides = [o for o in overrides if o.split("=", 1)[0] not in keys] + list(extra)
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
@@ -53,6 +55,34 @@ def test_train_resume_and_export(target_dir, corpus, tmp_path):  # noqa: F811
     assert m2["resumed_from"] and m2["steps"] == 30
     head = DraftHead.load(tmp_path / "draft")
     assert head.config.target == str(target_dir)
+    # the same command once more: the job is finished, its results stay as they are
+    files = {p: p.read_bytes() for p in [tmp_path / "run" / "metrics.json", *(tmp_path / "draft").iterdir()]}
+    assert run(train_cfg(target_dir, corpus, tmp_path, 30)) == m2
+    assert {p: p.read_bytes() for p in files} == files and json.loads(files[tmp_path / "run" / "metrics.json"])["tau"]
+
+
+def head_weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "draft.safetensors"))
+
+
+def test_crash_then_rerun_is_bit_identical(target_dir, corpus, tmp_path):  # noqa: F811
+    """A crash after the end-of-epoch checkpoint (8 batches an epoch here), then the same command again:
+    the loader, the feature noise's generator and the RNGs go on from the checkpoint."""
+    from treedec.train import run
+
+    crash = f"+callbacks.crash={{_target_:tests.training._pause.CrashOnce,at:10,marker:'{tmp_path / 'crashed'}'}}"
+    a, b = tmp_path / "a", tmp_path / "b"
+    with pytest.raises(RuntimeError, match="simulated crash at step 10"):
+        run(train_cfg(target_dir, corpus, a, 14, "ckpt_every_n_steps=4", crash))
+    assert torch.load(a / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 8
+    resumed = run(train_cfg(target_dir, corpus, a, 14, "ckpt_every_n_steps=4", crash))
+    ref = run(train_cfg(target_dir, corpus, b, 14, "ckpt_every_n_steps=4"))
+    assert resumed["resumed_from"] and ref["resumed_from"] is None and resumed["steps"] == ref["steps"] == 14
+    got, want = head_weights(a / "draft"), head_weights(b / "draft")
+    assert all(torch.equal(got[k], want[k]) for k in want)  # bit for bit
+    assert resumed["val"] == ref["val"] and resumed["tau_history"] == ref["tau_history"]
 
 
 def test_draft_loss_decreases(target_dir):

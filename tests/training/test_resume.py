@@ -1,5 +1,7 @@
-"""Preemptible jobs: `kill -9` then re-running the same command resumes and ends at the same step;
-checkpoints are weights_only-loadable; a truncated last.ckpt falls back to the newest intact one."""
+"""Preemptible jobs: `kill -9` then re-running the same command resumes and ends bit-identical to an
+uninterrupted run (the loader's position in its epoch and every RNG state are in the checkpoint);
+re-running a finished job leaves it alone; checkpoints are weights_only-loadable; a truncated
+last.ckpt falls back to the newest intact one."""
 from __future__ import annotations
 
 import json
@@ -15,7 +17,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from treedec.training.callbacks import find_resume_checkpoint
+from treedec.training.callbacks import JobError, find_resume_checkpoint
 from treedec.tree.shapes import SHAPE_DIR
 
 from .test_pretrain import TINY_ARCH, corpus, tokenizer  # noqa: F401  (fixtures)
@@ -62,9 +64,16 @@ def killed_and_resumed(corpus, tokenizer, tmp_path_factory):  # noqa: F811
         assert proc.wait(timeout=30) == -signal.SIGKILL
     killed = {p.name: torch.load(p, weights_only=True)["global_step"] for p in (run / "checkpoints").glob("*.ckpt")}
     assert not (run / "metrics.json").exists()
+    assert json.loads((run / ".lock").read_text())["pid"] == proc.pid  # the dead job's lock is left behind
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"taking over the stale lock of pid {proc.pid}" in again.stdout + again.stderr
+    assert "not resumable" not in again.stdout + again.stderr  # Lightning sees a stateful loader
     return run, killed, json.loads((run / "metrics.json").read_text())
+
+
+def weights(path):
+    return torch.load(path, weights_only=True, map_location="cpu")["state_dict"]
 
 
 def test_kill9_then_rerun_resumes_to_the_same_step(killed_and_resumed, corpus, tokenizer, tmp_path):  # noqa: F811
@@ -77,11 +86,26 @@ def test_kill9_then_rerun_resumes_to_the_same_step(killed_and_resumed, corpus, t
     ovr = overrides(corpus, tokenizer[0], tmp_path / "cache") + [f"paths.run_dir={tmp_path / 'ref'}"]
     ref = pretrain(compose_pretrain(ovr))
     assert ref["resumed_from"] is None and metrics["steps"] == ref["steps"] == STEPS
+    got, want = weights(run / "checkpoints" / "final.ckpt"), weights(tmp_path / "ref" / "checkpoints" / "final.ckpt")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)  # bit for bit
+    assert metrics["val_loss"] == ref["val_loss"] and metrics["train_loss"] == ref["train_loss"]
     for name in ("last.ckpt", f"step{STEPS}.ckpt", "final.ckpt"):  # plain data only: weights_only loads everything
         state = torch.load(run / "checkpoints" / name, weights_only=True)
         assert state["global_step"] == STEPS and state["hyper_parameters"]["arch"]["num_hidden_layers"] == 2
     rows = (run / "csv" / "metrics.csv").read_text().splitlines()
     assert len(rows) > 2  # the CSV log continues in the same file
+
+
+def test_rerunning_a_finished_job_leaves_it_alone(killed_and_resumed, corpus, tokenizer, caplog):  # noqa: F811
+    from treedec.pretrain import run as pretrain
+
+    run, _, metrics = killed_and_resumed
+    files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in [run / "metrics.json", *(run / "checkpoints").iterdir()]}
+    with caplog.at_level(logging.WARNING, logger="treedec.pretrain"):
+        again = pretrain(compose_pretrain(overrides(corpus, tokenizer[0], run.parent / "cache")
+                                          + [f"paths.run_dir={run}"]))
+    assert again == metrics and "already finished (step 12" in caplog.text
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files} == files
 
 
 def test_truncated_last_ckpt_falls_back_to_an_intact_one(killed_and_resumed, corpus, tokenizer,  # noqa: F811
@@ -111,7 +135,7 @@ def test_no_readable_checkpoint_is_a_clear_error(tmp_path):
     ckpts.mkdir()
     (ckpts / "last.ckpt").write_bytes(b"PK\x03\x04 truncated")
     (ckpts / "step8.ckpt").write_bytes(b"")
-    with pytest.raises(RuntimeError, match="no checkpoint there is readable.*last.ckpt.*truncated or corrupt"):
+    with pytest.raises(JobError, match="no checkpoint there is readable.*last.ckpt.*truncated or corrupt"):
         find_resume_checkpoint(tmp_path)
     assert find_resume_checkpoint(tmp_path / "fresh") is None
 

@@ -1,5 +1,5 @@
 """Job plumbing shared by ``treedec.pretrain`` and ``treedec.train``: progress logging, the
-checkpointing trainer, automatic resume, time budgets and export paths.
+checkpointing trainer, exact resume, the run-dir lock, time budgets and atomic exports.
 
 Preemptible jobs: ``checkpoints/last.ckpt`` (and ``step<N>.ckpt``) is written every
 ``ckpt_every_n_steps`` and a re-run of the same command in the same run dir continues from the
@@ -10,6 +10,12 @@ system, otherwise it is a copy that a kill can cut short. So every candidate is 
 resuming, and a truncated ``last.ckpt`` is skipped with a warning in favour of the newest intact
 one (an error when none is intact).
 
+Exact resume: the checkpoint also holds every RNG state (:class:`ResumeState`) and the position of
+the training loader within its epoch (:class:`treedec.training.data.ResumableLoader`), so a job
+killed and resumed ends with the same weights, bit for bit, as one that ran through (CPU, one
+process). A run dir whose job finished (``metrics.json``) is left alone when the command is re-run
+(:func:`finished_metrics`); one live job per run dir (:class:`RunDirLock`).
+
 Config keys read here: ``trainer`` (instantiated), ``ckpt_every_n_steps``, ``log_every``,
 ``logger`` (a mapping of logger configs, see ``conf/logger/``; absent: CSV in the run dir),
 ``callbacks`` (a mapping of extra callback configs), ``requeue`` (who requeues a SLURM job:
@@ -17,12 +23,22 @@ see :func:`requeue_plugins`).
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
+import errno
 import importlib.util
+import json
 import logging
 import os
+import random
+import shutil
+import socket
+import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import hydra
 import lightning as L
@@ -31,6 +47,13 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 
 log = logging.getLogger("treedec.training")
+LOCK_NAME = ".lock"
+
+
+class JobError(ValueError):
+    """A job that cannot run as asked (run dir in use, unreadable checkpoints, bad export target).
+
+    A ValueError, so ``treedec.cli.entry`` prints it as one ``Error: ...`` line."""
 
 
 def batch_ids(batch):
@@ -88,11 +111,297 @@ def time_budget(optim: dict, trainer_cfg: DictConfig) -> dict:
     return optim
 
 
+def bundled_dir(name: str) -> Path:
+    """``treedec/assets/<name>``: where a model or head shipped with treedec lives."""
+    from treedec.models.checkpoint import ASSETS
+
+    return ASSETS / name
+
+
 def export_path(export_dir: str | None, bundled: Path) -> Path | None:
-    """``null`` -> no export; ``bundled`` -> the asset directory shipped with treedec; else the path."""
+    """``null`` -> no export; ``bundled`` -> the asset directory shipped with treedec; else the path.
+
+    Any other path inside the package's assets is refused: replacing a shipped model is the
+    explicit maintainer action ``export_dir=bundled``.
+    """
     if not export_dir:
         return None
-    return bundled if export_dir == "bundled" else Path(export_dir)
+    if export_dir == "bundled":
+        return bundled
+    path = Path(export_dir).expanduser()
+    assets = bundled.parent.resolve()
+    if path.resolve() == assets or assets in path.resolve().parents:
+        raise JobError(f"export_dir={export_dir} is inside the package's assets ({assets}); to replace a shipped "
+                       f"model pass export_dir=bundled (a maintainer action), else export anywhere else")
+    if path.exists() and not path.is_dir():
+        raise JobError(f"export_dir={export_dir} is a file; pass a directory (it is created if missing)")
+    return path
+
+
+def current_umask() -> int:
+    """The process umask (read without changing it where /proc tells it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(root: Path) -> None:
+    """Give ``root`` and everything in it the modes a plain ``open``/``mkdir`` would have: writers
+    such as safetensors and ``tempfile.mkdtemp`` create owner-only files, unreadable on a shared cluster."""
+    mask = current_umask()
+    for d, dirs, files in os.walk(root):
+        os.chmod(d, 0o777 & ~mask)
+        for f in files:
+            os.chmod(os.path.join(d, f), 0o666 & ~mask)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def atomic_dir(dest: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """Build directory ``dest`` by ``write(tmp)`` in a temporary sibling, then swap it in.
+
+    A reader or a kill sees the old directory or the complete new one, never a half-written
+    one: a failing ``write`` leaves ``dest`` as it was. Files follow the umask.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        write(tmp)
+        follow_umask(tmp)
+        if not dest.exists():
+            os.rename(tmp, dest)
+        elif _exchange(tmp, dest):
+            shutil.rmtree(tmp)  # now the old directory
+        else:  # no atomic exchange here: two renames, the old copy kept until the new one is in place
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            os.rename(dest, old / dest.name)
+            os.rename(tmp, dest)
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def write_json(path: str | os.PathLike, data: dict) -> None:
+    """``json.dumps(data)`` to ``path`` through a temporary file and a rename (never half written)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------ run-dir lock
+def _proc_stat(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` from the state field on (Linux), None where unavailable."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _holder_alive(holder: dict) -> bool:
+    """Whether the job recorded in a lock file still runs (a dead pid, a zombie or a recycled pid: no),
+    for file systems without ``flock``. A holder on another host cannot be checked: taken as alive."""
+    if holder.get("host") != socket.gethostname():
+        return True
+    pid = int(holder.get("pid", -1))
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        pass
+    stat = _proc_stat(pid)
+    if stat is None:
+        return True
+    return stat[0] != "Z" and str(holder.get("start", stat[19])) == stat[19]
+
+
+class RunDirLock:
+    """``<run dir>/.lock``: at most one live job per run dir.
+
+    Held with ``flock`` for the job's lifetime (the kernel drops it when the process dies; where
+    the file system has no ``flock``, the recorded pid is checked instead); the file holds the
+    job's pid, host, start time and command, for the messages. A second job into
+    the same run dir refuses to start while the first runs; a lock left by a dead job (``kill -9``)
+    is taken over with a warning. Removed when the job ends.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / LOCK_NAME
+        self.fd: int | None = None
+
+    def _read(self, fd: int) -> dict:
+        try:
+            return json.loads(os.pread(fd, 65536, 0).decode() or "{}")
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self) -> "RunDirLock":
+        import fcntl
+
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked, flocked = True, True
+            except BlockingIOError:
+                locked, flocked = False, True
+            except OSError:  # no flock on this file system: the recorded pid alone decides
+                locked, flocked = True, False
+            holder = self._read(fd)
+            mine = holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+            # With flock the kernel answers (a dead holder, here or on another node, holds nothing).
+            if not locked or (not flocked and holder and not mine and _holder_alive(holder)):
+                os.close(fd)
+                who = (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}: "
+                       f"{holder.get('cmd')}") if holder else "a process that is still writing its lock"
+                raise JobError(f"run dir {self.path.parent} is in use by another job ({who}); wait for it to end "
+                               f"or give this job its own hydra.run.dir (a lock left by a job that is not running "
+                               f"is taken over by itself)")
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the holder ended and removed the file between our open and flock: again
+        if holder and not mine:
+            log.warning("run dir %s: taking over the stale lock of pid %s (host %s, started %s), which is not "
+                        "running any more", self.path.parent, holder.get("pid"), holder.get("host"),
+                        holder.get("started"))
+        stat = _proc_stat(os.getpid())
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "start": stat[19] if stat else None,
+              "started": datetime.datetime.now().isoformat(timespec="seconds"), "cmd": " ".join(sys.argv)}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# ------------------------------------------------------------------------------------ exact resume
+def rng_states() -> dict:
+    """Every global RNG state as plain data (torch, CUDA, numpy, python ``random``): weights_only-loadable."""
+    import numpy as np
+    import torch
+
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else [],
+            "numpy": {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "gauss": float(gauss)},
+            "python": random.getstate()}
+
+
+def set_rng_states(state: dict) -> None:
+    import numpy as np
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+
+
+class ResumeState(L.Callback):
+    """Saves every RNG state with each checkpoint and restores it when a resumed run starts training,
+    so the resumed steps draw exactly what the uninterrupted run drew after that checkpoint."""
+
+    def __init__(self):
+        self._pending: dict | None = None
+
+    def state_dict(self) -> dict:
+        return {"rng": rng_states()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._pending = state_dict.get("rng")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self._pending is not None:
+            set_rng_states(self._pending)
+            self._pending = None
+
+
+def stop_reason(trainer: L.Trainer) -> str:
+    """Why ``fit`` returned: ``max_steps``, ``max_time`` or ``other`` (max_epochs, early stopping, ...)."""
+    from lightning.pytorch.callbacks import Timer
+
+    if trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps:
+        return "max_steps"
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    if timer is not None and (timer.time_remaining("train") or 0.0) <= 0:
+        return "max_time"
+    return "other"
+
+
+def finished_metrics(run_dir: str | os.PathLike, trainer_cfg: DictConfig) -> dict | None:
+    """The ``metrics.json`` of a run dir whose job already ended where this config would end it, else None.
+
+    Re-running a finished job then does nothing (it neither retrains nor rewrites its results);
+    raising ``trainer.max_steps`` (and, for a run the time cap stopped, ``trainer.max_time``) trains on.
+    """
+    path = Path(run_dir) / "metrics.json"
+    if not path.is_file():
+        return None
+    try:
+        m = json.loads(path.read_text())
+        steps = int(m["steps"])
+    except (ValueError, KeyError, TypeError):
+        return None  # not a result of ours: let the job run (and rewrite it)
+    max_steps = trainer_cfg.get("max_steps")
+    more_steps = max_steps in (None, -1) or int(max_steps) > steps
+    max_time = trainer_cfg.get("max_time")
+    if m.get("stopped_by") == "max_time":
+        done_time = m.get("max_time_s")
+        more_time = not max_time or done_time is None or seconds(max_time) > float(done_time)
+    else:
+        more_time = True
+    return None if (more_steps and more_time) else m
 
 
 def find_resume_checkpoint(run_dir: str | os.PathLike) -> str | None:
@@ -127,7 +436,7 @@ def find_resume_checkpoint(run_dir: str | os.PathLike) -> str | None:
     if not good:
         if bad:
             listing = "; ".join(f"{p.name}: {m}" for p, m in bad)
-            raise RuntimeError(f"cannot resume the run in {run_dir}: no checkpoint there is readable ({listing}). "
+            raise JobError(f"cannot resume the run in {run_dir}: no checkpoint there is readable ({listing}). "
                                f"They are truncated or corrupt (an interrupted copy?); move them away to start over.")
         return None
     step, _, _, best = max(good)
@@ -186,7 +495,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *callbacks: L.Callback) -> tup
     if added:
         kwargs["plugins"] = trainer_plugins + added
     trainer = hydra.utils.instantiate(
-        cfg.trainer, default_root_dir=str(run_dir), callbacks=[ckpt, *callbacks, *extra, LogProgress(every)],
+        cfg.trainer, default_root_dir=str(run_dir), callbacks=[ckpt, ResumeState(), *callbacks, *extra, LogProgress(every)],
         logger=build_loggers(cfg, run_dir), **kwargs)
     resume = find_resume_checkpoint(run_dir)
     if resume:
@@ -194,12 +503,29 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *callbacks: L.Callback) -> tup
     return trainer, resume
 
 
-def start_job(cfg: DictConfig) -> Path:
-    """Threads, seeds and the run dir: the first lines of every training job."""
+@contextlib.contextmanager
+def job(cfg: DictConfig) -> Iterator[Path]:
+    """Threads, seeds, the run dir and (on rank 0) its lock, for the duration of a training job."""
     import torch
+
+    from treedec.training.data import _process_rank
 
     torch.set_num_threads(int(cfg.num_threads))
     L.seed_everything(int(cfg.seed), workers=True)
     run_dir = Path(cfg.paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+    lock = RunDirLock(run_dir).acquire() if _process_rank() == 0 else None  # DDP ranks > 0 run inside rank 0's job
+    try:
+        yield run_dir
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def use_hint(kind: str, path: Path, target: str | None = None) -> str:
+    """The overrides that use an export: ``draft.path=...`` for a head, ``model.path=...`` for a model."""
+    if kind == "draft":
+        model = "" if target in (None, "tiny-code") else f"model=hf model.path={target} "
+        return f"python -m treedec.generate {model}draft=path draft.path={path}"
+    return (f"python -m treedec.generate model=hf model.path={path} draft=path draft.path=<a head for it: "
+            f"python -m treedec.train target={path}>")

@@ -235,13 +235,66 @@ class RandomWindowSampler(Sampler[int]):
         return iter(rng.integers(0, self.n_starts, size=self.num_samples).tolist())
 
 
+class ResumableLoader(DataLoader):
+    """A DataLoader that knows how far into its epoch it is, so a resumed job goes on from there.
+
+    Lightning stores :meth:`state_dict` (the sampler's epoch and the batches handed out in it) in
+    every checkpoint and calls :meth:`load_state_dict` on resume; the first iteration of that epoch
+    then skips the batches already trained on (their indices are drawn and dropped, so the sampler
+    ends the epoch exactly where an uninterrupted run would). Works under Lightning's distributed
+    sampler too (each rank skips its own batches).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._epoch, self._served, self._resume = None, 0, None
+
+    def _sampler_epoch(self) -> int:
+        return int(getattr(self.sampler, "epoch", 0))
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._epoch if self._epoch is not None else self._sampler_epoch(), "batches": self._served}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._resume = (int(state_dict["epoch"]), int(state_dict["batches"]))
+
+    def __iter__(self):
+        return self._iterate(super().__iter__())
+
+    def _iterate(self, it):
+        # The sampler's epoch is set by Lightning after iter() and before the first batch: read it here.
+        self._epoch, self._served = self._sampler_epoch(), 0
+        resume, self._resume = self._resume, None
+        if resume is not None and resume[0] == self._epoch:
+            for _ in range(resume[1]):
+                if next(it, None) is None:
+                    return
+                self._served += 1
+        for batch in it:
+            self._served += 1
+            yield batch
+
+
+def loader_generator(seed: int) -> torch.Generator:
+    """A loader's own generator: creating its iterator then draws no number from torch's global RNG
+    (which would shift every later random draw of a resumed run against an uninterrupted one)."""
+    return torch.Generator().manual_seed(int(seed))
+
+
 def window_loader(windows: "TokenWindows", n_tokens: int, seq_len: int, batch_size: int, seed: int,
                   num_workers: int) -> DataLoader:
     """Random token windows; an "epoch" is n_tokens / seq_len windows, rounded down to whole batches."""
     per_epoch = max(batch_size, n_tokens // seq_len)
     per_epoch -= per_epoch % batch_size
     sampler = RandomWindowSampler(len(windows), per_epoch, seed)
-    return DataLoader(windows, batch_size=batch_size, sampler=sampler, drop_last=True, num_workers=num_workers)
+    return ResumableLoader(windows, batch_size=batch_size, sampler=sampler, drop_last=True, num_workers=num_workers,
+                           generator=loader_generator(seed))
+
+
+def eval_loader(dataset: Dataset, indices: list[int], batch_size: int, num_workers: int) -> DataLoader:
+    """Validation batches in a fixed order."""
+    return DataLoader(dataset, batch_size=batch_size, sampler=indices, num_workers=num_workers,
+                      generator=loader_generator(0))
 
 
 class StdlibCodeDataModule(L.LightningDataModule):
@@ -290,7 +343,7 @@ class StdlibCodeDataModule(L.LightningDataModule):
         starts = list(range(0, len(self.val_set), self.seq_len))
         if self.max_val_windows:
             starts = starts[: self.max_val_windows]
-        return DataLoader(self.val_set, batch_size=self.batch_size, sampler=starts, num_workers=self.num_workers)
+        return eval_loader(self.val_set, starts, self.batch_size, self.num_workers)
 
     def eval_prompts(self, n: int, prompt_tokens: int, tokenizer) -> list[list[int]]:
         """Token ids of :func:`heldout_prompts` from this module's validation files (for the τ callback)."""
@@ -827,8 +880,9 @@ class JsonlDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         if isinstance(self.train_set, ChatSequences):
-            return DataLoader(self.train_set, batch_size=self.batch_size, drop_last=True,
-                              sampler=ShuffleSampler(len(self.train_set), self.seed), num_workers=self.num_workers)
+            return ResumableLoader(self.train_set, batch_size=self.batch_size, drop_last=True,
+                                   sampler=ShuffleSampler(len(self.train_set), self.seed), num_workers=self.num_workers,
+                                   generator=loader_generator(self.seed))
         return window_loader(self.train_set, self.n_train_tokens, self.seq_len, self.batch_size, self.seed,
                              self.num_workers)
 
@@ -839,7 +893,7 @@ class JsonlDataModule(L.LightningDataModule):
             idx = list(range(0, len(self.val_set), self.seq_len))
         if self.max_val_windows:
             idx = idx[: self.max_val_windows]
-        return DataLoader(self.val_set, batch_size=self.batch_size, sampler=idx, num_workers=self.num_workers)
+        return eval_loader(self.val_set, idx, self.batch_size, self.num_workers)
 
     def eval_prompts(self, n: int, prompt_tokens: int, tokenizer=None) -> list[list[int]]:
         """``n`` prompts from evenly spaced validation documents, at most ``prompt_tokens`` tokens each.
@@ -870,7 +924,8 @@ class JsonlDataModule(L.LightningDataModule):
         return [p for p in out if p]
 
 
-__all__ = ["EOS", "ROLES", "ChatRenderer", "ChatSequences", "JsonlDataModule", "RandomWindowSampler", "ShuffleSampler",
+__all__ = ["EOS", "ROLES", "ChatRenderer", "ChatSequences", "JsonlDataModule", "RandomWindowSampler", "ResumableLoader",
+           "ShuffleSampler",
            "StdlibCodeDataModule", "TokenWindows", "corpus_files", "corpus_fingerprint", "file_fingerprint",
            "heldout_prompts", "load_hf_tokenizer", "open_tokens", "parse_record", "read_jsonl", "read_source",
            "spans_to_mask", "split_files", "split_of", "stdlib_root", "tokenize_corpus", "tokenize_jsonl",

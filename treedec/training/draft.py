@@ -86,6 +86,8 @@ class DraftModule(L.LightningModule):
             cfg = DraftConfig.for_target(target.config, target=str(target_path), **(draft or {}))
             self.head = DraftHead(cfg).bind(target)
         self._t_start, self._elapsed_base = None, 0.0
+        self._noise_gen: torch.Generator | None = None  # the feature noise's own RNG, saved in checkpoints
+        self._noise_state: torch.Tensor | None = None
 
     @property
     def target(self):
@@ -102,6 +104,19 @@ class DraftModule(L.LightningModule):
     def on_validation_start(self) -> None:
         self._target_to_device()
 
+    def _uniform(self, like: torch.Tensor) -> torch.Tensor:
+        """U(0, 1) noise shaped like ``like`` from the module's own generator (seeded by ``seed`` and the
+        rank; its state is checkpointed, so a resumed run draws the noise an uninterrupted one would)."""
+        g = self._noise_gen
+        if g is None or g.device != like.device:
+            g = torch.Generator(device=like.device)
+            g.manual_seed(self.hparams.seed * 1_000_003 + self.global_rank)
+            if self._noise_state is not None:
+                g.set_state(self._noise_state)
+                self._noise_state = None
+            self._noise_gen = g
+        return torch.rand(like.shape, generator=g, device=like.device, dtype=like.dtype)
+
     @torch.no_grad()
     def target_features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, hidden = self.target.forward_train(ids, return_hidden=True)
@@ -113,7 +128,7 @@ class DraftModule(L.LightningModule):
         feats, logits = self.target_features(ids)
         inp = feats[:, :-1]
         if noise:
-            inp = inp + (torch.rand_like(inp) * 2 - 1) * noise
+            inp = inp + (self._uniform(inp) * 2 - 1) * noise
         pred, draft_logits = self.head.forward_train(ids[:, 1:], inp)
         want_feat, want_p = feats[:, 1:], logits[:, 1:].softmax(-1)
         logq = draft_logits.float().log_softmax(-1)
@@ -160,9 +175,13 @@ class DraftModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["train_elapsed_s"] = self._elapsed_base + (time.time() - self._t_start if self._t_start else 0.0)
+        state = self._noise_gen.get_state() if self._noise_gen is not None else self._noise_state
+        if state is not None:
+            checkpoint["feature_noise_rng"] = state
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._elapsed_base = float(checkpoint.get("train_elapsed_s", 0.0))
+        self._noise_gen, self._noise_state = None, checkpoint.get("feature_noise_rng")
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -181,6 +200,12 @@ class SpeculativeEvalCallback(L.Callback):
         self.prompts, self.every, self.max_new = prompts, every_n_steps, max_new_tokens
         self.policy = policy
         self.history: list[tuple[int, float]] = []
+
+    def state_dict(self) -> dict:
+        return {"history": [[int(s), float(t)] for s, t in self.history]}
+
+    def load_state_dict(self, state_dict: dict) -> None:  # a resumed job's τ history goes on from its checkpoint
+        self.history = [(int(s), float(t)) for s, t in state_dict.get("history", [])]
 
     def measure(self, module: DraftModule) -> float:
         from treedec.decoding.speculative import SpeculativeDecoder

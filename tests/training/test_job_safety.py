@@ -1,0 +1,268 @@
+"""Job safety: one live job per run dir, resumable loaders and RNG state, atomic exports that
+follow the umask, start-up config checks with one-line errors."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from treedec.config_schema import ConfigError
+from treedec.training.callbacks import (JobError, ResumeState, RunDirLock, atomic_dir, export_path, finished_metrics,
+                                        rng_states, set_rng_states)
+from treedec.training.data import RandomWindowSampler, ResumableLoader
+from treedec.tree.shapes import SHAPE_DIR
+
+CONF = str(SHAPE_DIR.parents[1])
+REPO = SHAPE_DIR.parents[2]
+
+
+def compose_cfg(name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name=name, overrides=overrides)
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------------- lock
+HOLD = """
+import sys, time
+from treedec.training.callbacks import RunDirLock
+lock = RunDirLock(sys.argv[1]).acquire()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_second_live_job_is_refused_and_a_stale_lock_taken_over(tmp_path, caplog):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(JobError, match=rf"run dir {tmp_path} is in use by another job \(pid {holder.pid} on "):
+            RunDirLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    # killed: its lock file stays behind, naming a pid that is not running
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == holder.pid
+    with caplog.at_level(logging.WARNING, logger="treedec.training"):
+        with RunDirLock(tmp_path):
+            assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    assert f"taking over the stale lock of pid {holder.pid}" in caplog.text
+    assert not (tmp_path / ".lock").exists()  # released
+
+
+def test_lock_without_flock_checks_the_recorded_pid(tmp_path, monkeypatch, caplog):
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        from treedec.training.callbacks import _proc_stat
+
+        start = _proc_stat(live.pid)[19]
+        (tmp_path / ".lock").write_text(json.dumps({"pid": live.pid, "host": socket.gethostname(), "start": start}))
+        with pytest.raises(JobError, match="in use by another job"):
+            RunDirLock(tmp_path).acquire()
+        # the same pid number but another process start time: a recycled pid, the lock is stale
+        (tmp_path / ".lock").write_text(json.dumps({"pid": live.pid, "host": socket.gethostname(), "start": "1"}))
+        with caplog.at_level(logging.WARNING, logger="treedec.training"):
+            RunDirLock(tmp_path).acquire().release()
+        assert "stale lock" in caplog.text
+    finally:
+        live.kill()
+        live.wait()
+
+
+# ------------------------------------------------------------------------------- resumable loading
+def test_resumable_loader_continues_mid_epoch_and_only_in_that_epoch():
+    data = torch.arange(100)
+
+    def loader():
+        return ResumableLoader(data, batch_size=4, sampler=RandomWindowSampler(100, 40, seed=1), drop_last=True,
+                               generator=torch.Generator().manual_seed(0))
+
+    ref = loader()
+    ref.sampler.set_epoch(2)
+    full = [b.tolist() for b in ref]
+    first = loader()
+    first.sampler.set_epoch(2)
+    it = iter(first)
+    seen = [next(it).tolist() for _ in range(3)]
+    state = first.state_dict()
+    assert state == {"epoch": 2, "batches": 3} and seen == full[:3]
+
+    again = loader()
+    again.load_state_dict(state)
+    again.sampler.set_epoch(2)
+    assert [b.tolist() for b in again] == full[3:]  # the rest of the epoch, nothing twice
+    assert again.state_dict() == {"epoch": 2, "batches": 10}
+    again.sampler.set_epoch(3)
+    assert len(list(again)) == 10  # the next epoch is whole
+
+    other = loader()
+    other.load_state_dict({"epoch": 1, "batches": 3})  # a state of another epoch does not skip
+    other.sampler.set_epoch(2)
+    assert [b.tolist() for b in other] == full
+    # creating its iterator draws nothing from torch's global RNG
+    before = torch.get_rng_state()
+    iter(loader())
+    assert torch.equal(before, torch.get_rng_state())
+
+
+def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
+    torch.manual_seed(1), np.random.seed(2), random.seed(3)
+    cb = ResumeState()
+    torch.save(cb.state_dict(), tmp_path / "s.pt")
+    want = (torch.rand(3), np.random.rand(3), random.random())
+    torch.rand(5), np.random.rand(5), random.random()  # a different state now
+    restored = ResumeState()
+    restored.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    restored.on_train_start(None, None)
+    got = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1]) and want[2] == got[2]
+    set_rng_states(rng_states())  # idempotent
+
+
+# ------------------------------------------------------------------------------------------ export
+def test_atomic_dir_keeps_the_old_directory_when_writing_fails(tmp_path):
+    dest = tmp_path / "asset"
+    atomic_dir(dest, lambda d: (d / "w.bin").write_bytes(b"old"))
+
+    def crash(d: Path):
+        (d / "w.bin").write_bytes(b"half")
+        raise KeyboardInterrupt  # a kill in the middle of the save
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_dir(dest, crash)
+    assert (dest / "w.bin").read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["asset"]  # no temporary left behind
+    atomic_dir(dest, lambda d: (d / "new.bin").write_bytes(b"new"))
+    assert [p.name for p in dest.iterdir()] == ["new.bin"]
+    assert [p.name for p in tmp_path.iterdir()] == ["asset"]
+
+
+@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
+def test_exports_follow_the_umask(tmp_path, umask, file_mode, dir_mode):
+    from treedec.models.config import LlamaConfig
+    from treedec.models.draft import DraftConfig, DraftHead
+    from treedec.models.llama import Transformer
+
+    target = Transformer(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, max_position_embeddings=32), "sdpa")
+    head = DraftHead(DraftConfig.for_target(target.config)).bind(target)
+    old = os.umask(umask)
+    try:
+        out = atomic_dir(tmp_path / "head", head.save)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes == {"draft_config.json": file_mode, "draft.safetensors": file_mode}
+    assert out.stat().st_mode & 0o777 == dir_mode
+
+
+def test_export_paths_inside_the_assets_need_export_dir_bundled(tmp_path):
+    from treedec.models.checkpoint import ASSETS
+
+    bundled = ASSETS / "tiny-code-eagle"
+    assert export_path("bundled", bundled) == bundled
+    assert export_path(None, bundled) is None
+    assert export_path(str(tmp_path / "x"), bundled) == tmp_path / "x"
+    with pytest.raises(JobError, match="inside the package's assets.*export_dir=bundled"):
+        export_path(str(ASSETS / "tiny-code"), bundled)
+    (tmp_path / "f").write_text("")
+    with pytest.raises(JobError, match="is a file"):
+        export_path(str(tmp_path / "f"), bundled)
+
+
+def test_finished_metrics_decides_by_steps_and_time_cap(tmp_path):
+    from omegaconf import OmegaConf
+
+    trainer = OmegaConf.create({"max_steps": 20, "max_time": None})
+    assert finished_metrics(tmp_path, trainer) is None  # no metrics.json: a fresh or interrupted run
+    (tmp_path / "metrics.json").write_text(json.dumps({"steps": 20, "stopped_by": "max_steps"}))
+    assert finished_metrics(tmp_path, trainer)["steps"] == 20
+    assert finished_metrics(tmp_path, OmegaConf.create({"max_steps": 30, "max_time": None})) is None
+    (tmp_path / "metrics.json").write_text(json.dumps({"steps": 12, "stopped_by": "max_time", "max_time_s": 60}))
+    assert finished_metrics(tmp_path, OmegaConf.create({"max_steps": 30, "max_time": "00:00:01:00"}))
+    assert finished_metrics(tmp_path, OmegaConf.create({"max_steps": 30, "max_time": "00:00:02:00"})) is None
+
+
+# ------------------------------------------------------------------------------------ config checks
+@pytest.mark.parametrize("name, override, message", [
+    ("train", "+eval.n_prompt=3", r"unknown key eval\.n_prompt; .*eval\.n_prompts.*n_prompts, prompt_tokens, "
+                                  r"max_new_tokens, every_n_steps"),
+    ("train", "+trainer.max_step=3", r"unknown key trainer\.max_step; .*trainer\.max_steps"),
+    ("train", "+data.seqlen=3", r"unknown key data\.seqlen; .*seq_len"),
+    ("train", "+draft.intermediate_siz=64", r"unknown key draft\.intermediate_siz; .*intermediate_size"),
+    ("train", "+callbacks.lr={_target_:lightning.pytorch.callbacks.LearningRateMonitor,interval:step}",
+     r"unknown key callbacks\.lr\.interval; .*logging_interval"),
+    ("train", "+optim.learning_rate=1", r"unknown key optim\.learning_rate; .*lr"),
+    ("train", "+exportdir=x", r"unknown key exportdir; .*export_dir"),
+    ("train", "eval.n_prompts=many", r"eval\.n_prompts='many' is not int"),
+    ("train", "export_dtype=bogus", r"export_dtype='bogus': unknown dtype"),
+    ("train", "target_dtype=fp8", r"target_dtype='fp8': unknown dtype"),
+    ("train", "requeue=slurm", r"requeue='slurm'; choose one of auto, submitit, lightning, none"),
+    ("train", "num_threads=0", r"num_threads=0 must be a number >= 1"),
+    ("train", "trainer.max_time=soon", r"trainer\.max_time='soon' is not a positive duration"),
+    ("train", "target=/nonexistent/model", r"target=/nonexistent/model: no model directory"),
+    ("train", "export_dir=treedec/assets/tiny-code-eagle", r"inside the package's assets"),
+    ("pretrain", "+model_arch.num_layers=2", r"unknown key model_arch\.num_layers; .*num_hidden_layers"),
+    ("pretrain", "model_arch.num_key_value_heads=3", r"invalid model_arch: num_attention_heads \(8\) must be a "
+                                                     r"multiple of num_key_value_heads \(3\)"),
+    ("pretrain", "export_dtype=bogus", r"export_dtype='bogus': unknown dtype"),
+    ("pretrain", "data.seq_len=4096", r"data\.seq_len=4096 exceeds model_arch\.max_position_embeddings=1024"),
+    ("pretrain", "paths.tokenizer=/nonexistent/dir/", r"paths.tokenizer"),
+])
+def test_bad_options_are_refused_before_anything_runs(name, override, message, tmp_path):
+    from treedec.pretrain import run as pretrain
+    from treedec.train import run as train
+
+    if "paths.tokenizer" in override:  # a directory that holds no tokenizer.json
+        override = f"paths.tokenizer={tmp_path}"
+    cfg = compose_cfg(name, [override, f"paths.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=message):
+        (train if name == "train" else pretrain)(cfg)
+    assert not (tmp_path / "run").exists()  # refused before the job made its run dir, data or model
+
+
+def test_defaults_and_documented_overrides_pass(tmp_path):
+    from treedec.training.schema import check_job_config
+
+    run = f"paths.run_dir={tmp_path}"
+    for name, ovr in [("train", []), ("pretrain", []), ("train", ["export_dtype=bf16", "trainer=ddp"]),
+                      ("train", ["logger=[csv,tensorboard]", "trainer=fsdp", "+draft.intermediate_size=128"]),
+                      ("train", ["data=jsonl", "data.path=x.jsonl", "export_dir=null",
+                                 "+callbacks.lr={_target_:lightning.pytorch.callbacks.LearningRateMonitor}"]),
+                      ("pretrain", ["model_arch=tiny_code_assistant", "paths.tokenizer=tiny-code"]),
+                      ("pretrain", ["export_dir=bundled", "+trainer.limit_test_batches=2"])]:
+        check_job_config(compose_cfg(name, ovr + [run]), name)
+
+
+def test_cli_prints_one_error_line_and_exits_nonzero(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    out = subprocess.run([sys.executable, "-m", "treedec.train", "+eval.n_prompt=3", f"hydra.run.dir={tmp_path}"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    err = [line for line in out.stderr.splitlines() if line.strip()]
+    assert err[-1].startswith("Error: invalid train config: unknown key eval.n_prompt; ") and "n_prompts" in err[-1]
+    assert "Traceback" not in out.stderr
