@@ -50,15 +50,16 @@ def read_text(path: str | os.PathLike, key: str) -> str:
     if p.is_dir():
         raise IsADirectoryError(f"{key}={str(path)!r} is a directory; pass the path of a text file")
     data = p.read_bytes()
+    bad = data.find(b"\0")  # valid UTF-8, but no text file holds NUL bytes
     try:
-        if b"\0" in data:
-            raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), data.index(b"\0") + 1, "NUL byte")
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
+        bad = exc.start if bad < 0 else min(bad, exc.start)
+    if bad >= 0:
         from treedec.config_schema import ConfigError
 
-        raise ConfigError(f"{key}={str(path)!r} is not UTF-8 text (binary data at byte {exc.start}); "
-                          f"pass a text file") from None
+        raise ConfigError(f"{key}={str(path)!r} is not UTF-8 text (binary data at byte {bad}); pass a text file")
+    return text
 
 
 def read_prompt_file(path: str | os.PathLike, key: str = "prompts") -> list[PromptText]:
