@@ -252,3 +252,81 @@ def test_context_overflow_is_a_clear_error():
 def test_pack_bits_matches_tree_mask():
     tree = random_tree(30, torch.Generator().manual_seed(0))
     torch.testing.assert_close(tree.ancestor_bits(), pack_bits(tree.mask()))
+
+
+# --------------------------------------------------------------------------- tree_mask input, one mask per forward
+@pytest.mark.parametrize("backend", backends())
+def test_tree_mask_equals_ancestor_bits(backend):
+    """A bool ancestry matrix and its packed bits give the same forward, per row and shared, ragged rows."""
+    gen = torch.Generator().manual_seed(31)
+    model = tiny_model(seed=31, backend=backend, num_hidden_layers=1 if backend == "triton" else 2)
+    T = 6
+    trees = [random_tree(T, gen), random_tree(T, gen)]
+    lens = [3, 7]
+    for per_row in (False, True):
+        masks = torch.stack([t.mask() for t in trees]) if per_row else trees[0].mask()
+        pos = torch.stack([(trees[b] if per_row else trees[0]).position_ids(lens[b]) for b in range(2)])
+        ids = torch.tensor([rand_ids(T, gen), rand_ids(T, gen)])
+        outs = []
+        for kw in (dict(tree_mask=masks), dict(ancestor_bits=pack_bits(masks))):
+            cache = model.new_cache(2, 16)
+            with torch.inference_mode():
+                model(torch.tensor([rand_ids(7, torch.Generator().manual_seed(0))] * 2), cache, logits="none")
+                cache.rollback(lens)
+                outs.append(model(ids, cache, position_ids=pos, **kw).logits)
+        torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("seed", range(2))
+def test_tree_equals_branches_with_tree_mask(backend, seed):
+    gen = torch.Generator().manual_seed(40 + seed)
+    model = tiny_model(seed=seed, backend=backend)
+    tree = random_tree([9, 23][seed], gen)
+    prefix, tokens = rand_ids(5, gen), rand_ids(len(tree), gen)
+    L = len(prefix)
+    cache = model.new_cache(1, L + len(tree))
+    with torch.inference_mode():
+        model(torch.tensor([prefix]), cache, logits="none")
+        cache.advance(L)
+        out = model(torch.tensor([tokens]), cache, position_ids=tree.position_ids(L)[None], tree_mask=tree.mask()).logits[0]
+    for node in range(len(tree)):
+        want = full_logits(model, [prefix + [tokens[j] for j in tree.path_to(node)]])[0, -1]
+        torch.testing.assert_close(out[node], want, atol=ATOL, rtol=1e-4)
+
+
+def test_tree_mask_and_bits_together_is_an_error():
+    model = tiny_model()
+    tree = random_tree(3, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="not both"), torch.inference_mode():
+        model(torch.zeros(1, 3, dtype=torch.long), model.new_cache(1, 8), tree_mask=tree.mask(),
+              ancestor_bits=tree.ancestor_bits())
+
+
+@pytest.mark.parametrize("host", [True, False])
+@pytest.mark.parametrize("lens,S", [([4, 4], 10), ([4, 4], 13), ([0, 0], 6), ([2, 5], 11), ([0, 3], 15)])
+def test_tree_dense_mask_matches_packed_path(host, lens, S):
+    from treedec.attention import dense_mask, tree_dense_mask
+
+    gen = torch.Generator().manual_seed(sum(lens) + S)
+    trees = torch.stack([random_tree(6, gen).mask(), random_tree(6, gen).mask()])
+    pl = torch.tensor(lens)
+    for tm in (trees, trees[0]):
+        want = dense_mask(pack_bits(tm), pl, 6, S)[:, None]
+        got = tree_dense_mask(tm, pl, S, host_lens=lens if host else None)
+        assert got.shape == (2, 1, 6, S) and got.dtype == torch.bool
+        assert torch.equal(got, want)
+
+
+def test_tree_dense_mask_is_a_few_ops():
+    from treedec.attention import tree_dense_mask
+    from treedec.profiling import count_ops
+
+    tm = random_tree(16, torch.Generator().manual_seed(0)).mask()
+    same_lens, ragged_lens = torch.tensor([9, 9]), torch.tensor([3, 9])
+    with count_ops() as same:
+        tree_dense_mask(tm, same_lens, 25, host_lens=[9, 9])
+    with count_ops() as ragged:
+        tree_dense_mask(tm, ragged_lens, 25)
+    assert same.host_reads == ragged.host_reads == 0
+    assert same.aten_ops <= 4 and ragged.aten_ops <= 12, (same.ops, ragged.ops)

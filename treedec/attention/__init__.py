@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from treedec.attention.reference import dense_mask, eager_tree_attention, prefix_tree_mask, sdpa_tree_attention
+from treedec.attention.reference import (dense_mask, eager_tree_attention, prefix_tree_mask, sdpa_tree_attention,
+                                         tree_dense_mask)
 
 BACKENDS = ("eager", "sdpa", "triton")
 
@@ -53,18 +54,21 @@ def check_inputs(q, k, v, ancestor_bits, prefix_lens) -> torch.Tensor:
 
 
 def tree_attention(q, k, v, ancestor_bits, prefix_lens, backend: str = "sdpa", scale: float | None = None,
-                   mask: torch.Tensor | None = None) -> torch.Tensor:
+                   mask: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
     """Attention where tree node i sees the prefix, itself and its ancestors only.
 
-    ``mask`` is an optional precomputed ``dense_mask(...)[:, None]`` for eager/sdpa: a model
-    builds it once per forward and reuses it in every layer (inputs are then trusted).
+    ``mask`` is an optional precomputed ``tree_dense_mask(...)`` [B, 1, T, S] for eager/sdpa: a
+    model builds it once per forward and reuses it in every layer (inputs are then trusted).
+    ``check=False`` trusts the inputs of the triton backend too: validation reads prefix_lens on
+    the host, which a model's per-layer call must not do.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown tree-attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if mask is not None and backend != "triton":
         fn = eager_tree_attention if backend == "eager" else sdpa_tree_attention
         return fn(q, k, v, ancestor_bits, prefix_lens, scale, mask=mask)
-    prefix_lens = check_inputs(q, k, v, ancestor_bits, prefix_lens)
+    if check:
+        prefix_lens = check_inputs(q, k, v, ancestor_bits, prefix_lens)
     if backend == "eager":
         return eager_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale)
     if backend == "sdpa":
@@ -74,4 +78,4 @@ def tree_attention(q, k, v, ancestor_bits, prefix_lens, backend: str = "sdpa", s
     return triton_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale)
 
 
-__all__ = ["BACKENDS", "default_backend", "dense_mask", "prefix_tree_mask", "tree_attention"]
+__all__ = ["BACKENDS", "default_backend", "dense_mask", "prefix_tree_mask", "tree_attention", "tree_dense_mask"]

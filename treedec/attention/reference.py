@@ -7,11 +7,14 @@ s - prefix_lens[b] is i itself or one of its ancestors.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from treedec.tree.layout import unpack_bits
+
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa=
 
 
 def dense_mask(ancestor_bits: torch.Tensor, prefix_lens: torch.Tensor, T: int, S: int) -> torch.Tensor:
@@ -19,19 +22,32 @@ def dense_mask(ancestor_bits: torch.Tensor, prefix_lens: torch.Tensor, T: int, S
     return prefix_tree_mask(unpack_bits(ancestor_bits, T), prefix_lens, S)
 
 
-def prefix_tree_mask(tree: torch.Tensor, prefix_lens: torch.Tensor, S: int) -> torch.Tensor:
+def prefix_tree_mask(tree: torch.Tensor, prefix_lens: torch.Tensor, S: int,
+                     host_lens: Sequence[int] | None = None) -> torch.Tensor:
     """Bool [B, Tq, S] from a tree-visibility matrix tree [(B,) Tq, Tk] whose Tk keys follow each row's prefix.
 
     Tq may be smaller than Tk: a draft head expanding one depth queries only its newest nodes.
+    ``host_lens`` (the prefix lengths on the host, optional) lets rows of one common length take
+    a plain concatenation; otherwise each row reads its tree columns with one gather.
     """
     B = prefix_lens.shape[0]
-    if tree.dim() == 2:
-        tree = tree.expand(B, *tree.shape)
     Tq, Tk = tree.shape[-2:]
-    rel = torch.arange(S, device=prefix_lens.device)[None, :] - prefix_lens[:, None]  # [B, S]
-    in_tree = (rel >= 0) & (rel < Tk)
-    picked = torch.gather(tree, 2, rel.clamp(0, Tk - 1)[:, None, :].expand(B, Tq, S))
-    return (rel < 0)[:, None, :] | (in_tree[:, None, :] & picked)
+    if host_lens is not None and min(host_lens) == max(host_lens) and S >= host_lens[0] + Tk:
+        L, tree = host_lens[0], tree.expand(B, Tq, Tk)
+        parts = [tree.new_ones(B, Tq, L), tree] + ([tree.new_zeros(B, Tq, S - L - Tk)] if S > L + Tk else [])
+        return torch.cat(parts, -1)
+    rel = torch.arange(S, device=prefix_lens.device) - prefix_lens.view(B, 1, 1)  # [B, 1, S]: key index in the tree
+    picked = tree.expand(B, Tq, Tk).gather(2, rel.clamp(0, Tk - 1).expand(B, Tq, S))
+    return (rel < 0) | ((rel < Tk) & picked)
+
+
+def tree_dense_mask(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, S: int,
+                    host_lens: Sequence[int] | None = None) -> torch.Tensor:
+    """The [B, 1, T, S] mask eager/sdpa attention takes, straight from a bool ancestry matrix [(B,) T, T].
+
+    Built once per forward and shared by every layer; no bit packing on the way.
+    """
+    return prefix_tree_mask(tree_mask, prefix_lens, S, host_lens)[:, None]
 
 
 def eager_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale: float | None = None, mask=None) -> torch.Tensor:
@@ -56,6 +72,8 @@ def sdpa_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale: float | None
     if mask is None:
         mask = dense_mask(ancestor_bits, prefix_lens, T, k.shape[2])[:, None]
     G = Hq // k.shape[1]
+    if G > 1 and _SDPA_GQA:  # the group shares K/V without a copy (same result, fewer bytes moved)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     if G > 1:
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -27,6 +27,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         with torch.inference_mode(False):  # a normal tensor keeps a version counter (see _host)
             self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self._layers = [(self.k[i], self.v[i]) for i in range(n_layers)]  # per-layer views, made once
         self.host_lengths: list[int] = [0] * batch
         self.max_len = max_len
         self._seen = (self.lengths, self.lengths._version)
@@ -82,14 +83,15 @@ class KVCache:
         T = k.shape[2]
         h = self._host()
         lo, hi = min(h), max(h)
+        kl, vl = self._layers[layer]
         if lo == hi:
-            self.k[layer, :, :, lo:lo + T] = k
-            self.v[layer, :, :, lo:lo + T] = v
+            kl.narrow(2, lo, T).copy_(k)
+            vl.narrow(2, lo, T).copy_(v)
         else:
             idx = self.write_index(T)[:, None, :, None].expand_as(k)
-            self.k[layer].scatter_(2, idx, k)
-            self.v[layer].scatter_(2, idx, v)
-        return self.k[layer, :, :, :hi + T], self.v[layer, :, :, :hi + T]
+            kl.scatter_(2, idx, k)
+            vl.scatter_(2, idx, v)
+        return kl.narrow(2, 0, hi + T), vl.narrow(2, 0, hi + T)
 
     def static(self) -> "StaticKV":
         """A view for a static-shape forward (torch.compile): device-side writes, the whole buffer as keys."""
@@ -178,7 +180,7 @@ class StaticKV:
         c = self.cache
         rows = torch.arange(B, device=k.device)[:, None]
         pos = self.lengths[:, None] + torch.arange(T, device=k.device)  # [B, T]
-        kl, vl = c.k[layer], c.v[layer]
+        kl, vl = c._layers[layer]
         kl[rows, :, pos] = k.transpose(1, 2)  # advanced indices around a slice: values are [B, T, Hkv, D]
         vl[rows, :, pos] = v.transpose(1, 2)
         return kl, vl

@@ -14,10 +14,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from treedec.attention import default_backend, dense_mask, tree_attention
+from treedec.attention import default_backend, tree_attention, tree_dense_mask
 from treedec.models.cache import KVCache
 from treedec.models.config import LlamaConfig
-from treedec.tree.layout import chain_bits
+from treedec.tree.layout import chain_bits, pack_bits, unpack_bits
 
 
 class RMSNorm(nn.Module):
@@ -27,9 +27,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x if x.dtype == torch.float32 else x.float()  # (casts that would be no-ops are skipped: fewer ops)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * (xf if x.dtype == torch.float32 else xf.to(x.dtype))
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
@@ -69,7 +69,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """
     x1, x2 = x.chunk(2, dim=-1)
     rot = torch.cat((-x2, x1), dim=-1)
-    return x * cos.to(x.dtype) + rot * sin.to(x.dtype)
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rot * sin
 
 
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -166,6 +168,11 @@ class Attention(_Fusable):
 
     def _qkv(self, x, cos, sin):
         B, T, _ = x.shape
+        if self.fused:  # rotate q and k heads together: one RoPE instead of two
+            qkv = self.qkv_proj(x).view(B, T, self.nh + 2 * self.nkv, self.hd).transpose(1, 2)
+            qk, v = qkv.split([self.nh + self.nkv, self.nkv], dim=1)
+            q, k = apply_rope(qk, cos, sin).split([self.nh, self.nkv], dim=1)
+            return q, k, v
         q, k, v = self._project(x)
         q = q.view(B, T, self.nh, self.hd).transpose(1, 2)
         k = k.view(B, T, self.nkv, self.hd).transpose(1, 2)
@@ -179,7 +186,7 @@ class Attention(_Fusable):
         if isinstance(mask, str):  # a plain chain over rows of equal length: SDPA needs no mask ("full" | "causal")
             out = _sdpa_plain(q, keys, values, causal=mask == "causal")
         else:
-            out = tree_attention(q, keys, values, bits, cache.lengths, backend=backend, mask=mask)
+            out = tree_attention(q, keys, values, bits, cache.lengths, backend=backend, mask=mask, check=False)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
     def forward_causal(self, x, cos, sin):
@@ -286,50 +293,73 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,
         cache: KVCache,
         position_ids: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
         ancestor_bits: torch.Tensor | None = None,
         logits: str | torch.Tensor = "all",
         layer_inputs: tuple[int, ...] = (),
         inputs_embeds: torch.Tensor | None = None,
+        static: bool = False,
     ) -> ModelOutput:
         """Run T new tokens per row after the cached prefix; the cache length does not move.
 
-        ``ancestor_bits`` [T, W] or [B, T, W] arranges the tokens as a tree (default: a chain);
-        ``position_ids`` default to ``length + arange(T)``. ``logits`` is "all", "last", "none"
-        or an index tensor of positions to project. Then call ``cache.advance`` or ``cache.commit``.
+        The tokens form a tree given by ``tree_mask``, a bool ancestry matrix [T, T] or [B, T, T]
+        (``[i, j]`` iff j == i or j is an ancestor of i), or by its packed ``ancestor_bits``
+        [(B,) T, W]; by default a chain. ``position_ids`` default to ``length + arange(T)``
+        (checked against the context); given, they are trusted. ``logits`` is "all", "last",
+        "none" or an index tensor of positions to project. Then call ``cache.advance`` or
+        ``cache.commit``.
+
+        No host reads: shapes come from ``cache.host_lengths`` and the mask is built once, in the
+        backend's form (dense bool [B, 1, T, S] for eager/sdpa, bits for triton). ``static=True``
+        is the torch.compile path: attention spans the whole cache (S = ``cache.max_len``, the
+        mask from the device lengths), writes are device-side index ops and nothing depends on
+        a Python-side length, so one graph serves every step of a given T; it uses a dense mask
+        (sdpa, or eager when that is the backend) and does not check room or context.
         """
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
-        cache.check_room(T)
+        if tree_mask is not None and ancestor_bits is not None:
+            raise ValueError("give tree_mask or ancestor_bits, not both")
+        if static:
+            kv, host = cache.static(), None
+        else:
+            cache.check_room(T)
+            kv, host = cache, cache.host_lengths
         if position_ids is None:
+            if host is not None and max(host) + T > self.config.context_length:
+                raise ValueError(
+                    f"position {max(host) + T - 1} is beyond the model's context of "
+                    f"{self.config.context_length} tokens; shorten the prompt or max_new_tokens"
+                )
             position_ids = cache.lengths[:, None] + torch.arange(T, device=x.device)
         elif position_ids.dim() == 1:
             position_ids = position_ids[None].expand(B, T)
-        ctx = self.config.context_length
-        if int(position_ids.max()) >= ctx:
-            raise ValueError(
-                f"position {int(position_ids.max())} is beyond the model's context of "
-                f"{ctx} tokens; shorten the prompt or max_new_tokens"
-            )
         backend = self.backend()
+        if static and backend == "triton":
+            backend = "sdpa"
         mask = bits = None
-        if ancestor_bits is None and backend == "sdpa":
+        chain = tree_mask is None and ancestor_bits is None
+        if chain and not static and backend == "sdpa" and min(host) == max(host) and (T == 1 or host[0] == 0):
             # A plain chain where every row holds the same length needs no mask: decode steps
             # (T == 1) see every key, a prefill from an empty cache is causal.
-            lens = cache.lengths
-            if T == 1 or int(lens.max()) == 0:
-                if B == 1 or bool((lens == lens[0]).all()):
-                    mask = "full" if T == 1 else "causal"
-        if mask is None:
-            bits = chain_bits(T, x.device) if ancestor_bits is None else ancestor_bits
-            S = int(cache.lengths.max()) + T
-            mask = dense_mask(bits, cache.lengths, T, S)[:, None] if backend != "triton" else None
+            mask = "full" if T == 1 else "causal"
+        elif backend == "triton":
+            bits = ancestor_bits if ancestor_bits is not None else \
+                chain_bits(T, x.device) if chain else pack_bits(tree_mask)
+        else:
+            if chain:
+                tree_mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            elif tree_mask is None:
+                tree_mask = unpack_bits(ancestor_bits, T)
+            S = cache.max_len if static else max(host) + T
+            mask = tree_dense_mask(tree_mask, cache.lengths, S, host_lens=host)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         saved = {}
         for i, layer in enumerate(self.model.layers):
             if i in layer_inputs:
                 saved[i] = x
-            x = layer(x, cos, sin, cache, i, bits, mask, backend)
+            x = layer(x, cos, sin, kv, i, bits, mask, backend)
         h = self.model.norm(x)
         if isinstance(logits, str):
             out = {"all": lambda: self.lm_head(h), "last": lambda: self.lm_head(h[:, -1:]), "none": lambda: None}[logits]()
