@@ -45,8 +45,6 @@ def run(cfg: DictConfig) -> dict:
 
 
 def _train(cfg: DictConfig, run_dir: Path) -> dict:
-    import torch
-
     from treedec.models.checkpoint import resolve_dtype, resolve_path
     from treedec.models.draft import DraftHead
     from treedec.models.tokenizer import load_tokenizer

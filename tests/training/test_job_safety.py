@@ -10,7 +10,6 @@ import random
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np

@@ -527,5 +527,5 @@ def use_hint(kind: str, path: Path, target: str | None = None) -> str:
     if kind == "draft":
         model = "" if target in (None, "tiny-code") else f"model=hf model.path={target} "
         return f"python -m treedec.generate {model}draft=path draft.path={path}"
-    return (f"python -m treedec.generate model=hf model.path={path} draft=path draft.path=<a head for it: "
-            f"python -m treedec.train target={path}>")
+    return (f"python -m treedec.generate model=hf model.path={path} draft=path draft.path=HEAD "
+            f"(HEAD: a head trained for it by python -m treedec.train target={path})")
