@@ -67,34 +67,25 @@ def encode_prompts(cfg: DictConfig, tok, texts: list[str]) -> list[list[int]]:
 
 # -------------------------------------------------------------------------------------------- probe
 def probe_acceptance(target, draft, probe, sampling, prompts, max_new_tokens: int, eos_ids, seed: int, stream=None):
-    """Run speculative decoding with ``probe`` on each prompt -> (AcceptanceCounts, merged SpecStats dict)."""
+    """Run speculative decoding with ``probe`` on each prompt -> (AcceptanceCounts, merged stats dict)."""
     import torch
 
-    from treedec.decoding.speculative import SpeculativeDecoder, SpecStats
+    from treedec.decoding.speculative import SpeculativeDecoder
     from treedec.tree.sequoia import AcceptanceCounts
 
     counts = AcceptanceCounts()
 
-    class Recorder(SpeculativeDecoder):
-        # Batch size 1: the loop stops when its only row is done, so every verdict is a recorded step.
-        def _accept(self, tree, logits, generator):
-            verdicts = super()._accept(tree, logits, generator)
-            for v in verdicts:
-                counts.add(v.tried_ranks)
-            return verdicts
+    def record(step) -> None:  # the decoder's per-step hook: what each row's walk tried
+        for b, on in enumerate(step.active):
+            if on:
+                counts.add(step.tried_ranks(b))
 
-    dec = Recorder(target, draft, probe, sampling, eos_ids=eos_ids)
-    total = SpecStats()
+    dec = SpeculativeDecoder(target, draft, probe, sampling, eos_ids=eos_ids)
+    total = None
     for i, ids in enumerate(prompts):
         gen = torch.Generator(device=target.device).manual_seed(seed + i)
-        s = dec.generate([ids], max_new_tokens, generator=gen, stream=stream).stats
-        total.steps += s.steps
-        total.new_tokens += s.new_tokens
-        total.total_time += s.total_time
-        for name in ("accepted", "depth_hits", "depth_trials", "rank_hits", "rank_trials"):
-            getattr(total, name).update(getattr(s, name))
-        for k, v in s.time.items():
-            total.time[k] = total.time.get(k, 0.0) + v
+        s = dec.generate([ids], max_new_tokens, generator=gen, stream=stream, hook=record, timing=True).stats
+        total = s if total is None else total.merge(s)
     return counts, total.as_dict()
 
 
@@ -136,16 +127,17 @@ def time_hardware(target, draft, table, budgets, depth_limit: int, prefix_len: i
             tree = Tree.from_choices(table.choices(n, depth_limit))
             toks = torch.randint(0, V, (1, n), generator=gen).to(dev)
             pos = cache.lengths[:, None] + tree.depth.to(dev)[None]
-            bits = tree.ancestor_bits().to(dev)
-            verify[n] = _median_time(lambda: target(toks, cache, position_ids=pos, ancestor_bits=bits),  # noqa: B023
+            anc = tree.ancestors().to(dev)
+            verify[n] = _median_time(lambda: target(toks, cache, position_ids=pos, tree_mask=anc),  # noqa: B023
                                      repeats, warmup, sync)
         head = draft.bind(target)
         drafter = Drafter(head, 1, prefix_len + width + 4)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)
-        drafter.catch_up(nxt, pre.hidden, torch.tensor([prefix_len], device=dev), nxt[:, -1])
+        drafter.catch_up(nxt, pre.hidden, torch.tensor([prefix_len], device=dev), [prefix_len], nxt[:, -1])
         w_toks = torch.randint(0, V, (1, width), generator=gen).to(dev)
         feats = drafter.root_feat[:, None].expand(-1, width, -1)
-        t_draft = _median_time(lambda: drafter.expand(w_toks, feats, depth=1, forest_parents=[-1] * width, n_prev=0),
+        eye = torch.eye(width, dtype=torch.bool, device=dev)
+        t_draft = _median_time(lambda: drafter.expand(w_toks, feats, depth=1, anc_rows=eye, n_prev=0),
                                repeats, warmup, sync)
     return verify, t_draft
 

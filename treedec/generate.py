@@ -85,7 +85,7 @@ def run(cfg: DictConfig) -> dict:
         gen = torch.Generator(device=target.device).manual_seed(int(cfg.seed))
         van = vanilla.generate(target, ids, int(cfg.max_new_tokens), sampling=sampling,
                                eos_ids=tok.eos_ids or None, generator=gen)
-        v_tps = van.stats["tokens_per_s"]
+        v_tps = van.stats.tokens_per_s
         metrics["vanilla"] = {"tokens_per_s": v_tps, "new_tokens": len(van.tokens[0])}
         metrics["speedup"] = tps / v_tps if v_tps and tps is not None else None  # no tokens: no speedup
         summary += f", vanilla {_fmt(v_tps, '.1f')} tok/s, speedup {_fmt(metrics['speedup'], '.2f')}x"

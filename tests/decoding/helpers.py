@@ -5,7 +5,8 @@ import torch
 
 from treedec.models import LlamaConfig, Transformer
 from treedec.models.draft import DraftConfig, DraftHead
-from treedec.tree.policies.base import DraftTree, TreePolicy
+from treedec.tree import Tree
+from treedec.tree.policies.base import TreePolicy
 
 
 def make_pair(seed: int = 0, vocab: int = 64, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
@@ -44,13 +45,14 @@ class OraclePolicy(TreePolicy):
     def __init__(self, inner: TreePolicy, references: list[list[int]], p_hit: float = 0.8, seed: int = 0):
         self.inner, self.refs, self.p_hit = inner, references, p_hit
         self.max_depth, self.max_size, self.max_inputs = inner.max_depth, inner.max_size, inner.max_inputs
+        self.max_rank = inner.max_rank
         self.emitted = [0] * len(references)  # updated by the stream callback
         self.rng = torch.Generator().manual_seed(seed)
 
     def stream(self, row: int, toks: list[int]) -> None:
         self.emitted[row] += len(toks)
 
-    def draft(self, drafter, params=None, generator=None) -> DraftTree:
+    def draft(self, drafter, params=None, generator=None) -> Tree:
         tree = self.inner.draft(drafter, params, generator)
         tokens = tree.tokens.clone()
         for b, ref in enumerate(self.refs):
@@ -61,4 +63,4 @@ class OraclePolicy(TreePolicy):
                 if p in good and base + d < len(ref) and float(torch.rand((), generator=self.rng)) < self.p_hit:
                     tokens[b, c] = ref[base + d]
                     good.add(c)
-        return DraftTree(tree.parents, tree.depth, tree.rank, tokens, tree.scores, tree.draft_probs)
+        return tree.with_tokens(tokens)

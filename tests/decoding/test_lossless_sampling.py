@@ -12,6 +12,7 @@ import torch
 from treedec.decoding import speculative
 from treedec.decoding.sampling import SamplingParams, target_probs
 from treedec.decoding.speculative import SpeculativeDecoder
+from treedec.decoding.verify import Verdict
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
 
 from .helpers import make_pair
@@ -57,7 +58,25 @@ def test_speculative_sampling_matches_target_distribution(case):
 
 @pytest.mark.slow
 def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch):
-    """Accepting drafted children without the residual update must be detected."""
+    """A bonus redrawn from the whole of p (not p outside the rejected children) must be detected."""
+    real = speculative.accept_paths
+
+    def biased(tree, choice, max_depth):
+        acc = real(tree, choice, max_depth)
+        fresh = torch.randint(0, V, acc.bonus.shape)  # ignores that the children were already rejected
+        acc.bonus.copy_(fresh)
+        acc.emit.scatter_(1, (acc.n - 1)[:, None], fresh[:, None])
+        return acc
+
+    monkeypatch.setattr(speculative, "accept_paths", biased)
+    target, draft = make_pair(7, vocab=V, hidden=32, heads=2, kv_heads=1, peaked=4.0)
+    make_policy, params = CASES["dynamic_topk"]
+    assert not fits(sample_first_three(target, draft, make_policy(), params), exact_joint(target, params))
+
+
+@pytest.mark.slow
+def test_a_wrong_specinfer_rule_fails_the_same_test(monkeypatch):
+    """Sampled drafts: accepting children without the residual update must be detected."""
 
     def biased(children, tokens, logits, params, draft_probs=None, generator=None):
         node, path = 0, [0]
@@ -65,11 +84,11 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch):
             p = target_probs(logits[node], params)
             nxt = next((c for c in children[node] if float(torch.rand((), generator=generator)) < float(p[tokens[c]])), None)
             if nxt is None:
-                return speculative.Verdict(path, int(torch.multinomial(p, 1, generator=generator)))
+                return Verdict(path, int(torch.multinomial(p, 1, generator=generator)))
             node = nxt
             path.append(node)
 
     monkeypatch.setattr(speculative, "verify_sampling", biased)
     target, draft = make_pair(7, vocab=V, hidden=32, heads=2, kv_heads=1, peaked=4.0)
-    make_policy, params = CASES["dynamic_topk"]
+    make_policy, params = CASES["chain_sampled_drafts"]
     assert not fits(sample_first_three(target, draft, make_policy(), params), exact_joint(target, params))

@@ -19,7 +19,7 @@ def primed_drafter(seed=0, batch=2, prompt_len=(9, 4)):
     toks = torch.randint(0, 64, (batch, L), generator=g)
     feats = torch.randn(batch, L, 64, generator=g)
     with torch.inference_mode():
-        d.catch_up(toks, feats, torch.tensor(prompt_len[:batch]), toks[:, 0])
+        d.catch_up(toks, feats, torch.tensor(prompt_len[:batch]), list(prompt_len[:batch]), toks[:, 0])
     return d
 
 
@@ -35,7 +35,7 @@ def test_static_policy_grows_exactly_its_shape(name):
         assert torch.equal(tree.rank[b], shape.rank)
     # the root's rank-r child is the draft's r-th most likely token
     first = [c for c in range(len(shape)) if int(shape.parents[c]) == 0]
-    top = d.root_logp.topk(len(first)).indices
+    top = d.root_logits.topk(len(first)).indices
     for c in first:
         assert torch.equal(tree.tokens[:, c], top[:, int(shape.rank[c])])
     assert torch.equal(tree.tokens[:, 0], d.root_tokens)
@@ -78,7 +78,7 @@ def test_dynamic_tree_keeps_the_best_scored_nodes():
     d = primed_drafter(1)
     with torch.inference_mode():
         tree = DynamicPolicy(6, 1, 10).draft(d)
-    top = d.root_logp.topk(5).indices
+    top = d.root_logits.topk(5).indices
     for b in range(2):
         assert set(tree.tokens[b, 1:].tolist()) == set(top[b].tolist())
 
@@ -97,21 +97,25 @@ def test_draft_tree_equals_draft_branches(policy, monkeypatch):
     calls = []
     real = d.expand
 
-    def spy(tokens, parent_feats, depth, forest_parents, n_prev):
-        feat, logp = real(tokens, parent_feats, depth, forest_parents, n_prev)
-        calls.append((tokens, parent_feats, torch.as_tensor(forest_parents), n_prev, feat, logp))
-        return feat, logp
+    def spy(tokens, parent_feats, depth, anc_rows, n_prev):
+        feat, logits = real(tokens, parent_feats, depth, anc_rows, n_prev)
+        calls.append((tokens, anc_rows, n_prev, feat, torch.log_softmax(logits.float(), -1)))
+        return feat, logits
 
     monkeypatch.setattr(d, "expand", spy)
     with torch.inference_mode():
         policy().draft(d)
-        inputs, feats = [], []  # per forest node: (token [B], parent forest index [B] or -1, feat, logp)
-        for tokens, _, fp, n_prev, feat, logp in calls:
-            fp = fp if fp.dim() == 2 else fp[None].expand(2, -1)
+        inputs = []  # per forest node: (token [B], parent forest index [B] or -1, logp)
+        for tokens, anc, n_prev, feat, logp in calls:
+            anc = anc if anc.dim() == 3 else anc[None].expand(2, -1, -1)
             for j in range(tokens.shape[1]):
-                inputs.append((tokens[:, j], fp[:, n_prev + j], feat[:, j], logp[:, j]))
+                seen = anc[:, j, : n_prev + j].clone()  # ancestors before the node itself: the parent is the latest
+                idx = torch.arange(n_prev + j).expand(2, -1)
+                par = torch.where(seen, idx, -1).max(1).values if n_prev + j else torch.full((2,), -1)
+                assert bool(anc[:, j, n_prev + j].all())  # a node sees itself
+                inputs.append((tokens[:, j], par, logp[:, j]))
         for b in range(2):
-            for i, (tok, par, _, logp) in enumerate(inputs):
+            for i, (tok, par, logp) in enumerate(inputs):
                 chain, node = [], i  # walk up the forest to build this node's branch
                 while node >= 0:
                     chain.append(node)
@@ -121,11 +125,11 @@ def test_draft_tree_equals_draft_branches(policy, monkeypatch):
                 L = int(d.cache.lengths[b])
                 cache.k[:, :, :, :L] = d.cache.k[:, b : b + 1, :, :L]
                 cache.v[:, :, :, :L] = d.cache.v[:, b : b + 1, :, :L]
-                cache.lengths.fill_(L)
+                cache.rollback(L)
                 f = d.root_feat[b : b + 1]
                 for depth, n in enumerate(chain, start=1):
-                    f2, logits = d.head(inputs[n][0][b : b + 1, None], f[:, None], cache, torch.tensor([[L - 1 + depth]]))
+                    f2 = d.head(inputs[n][0][b : b + 1, None], f[:, None], cache, torch.tensor([[L - 1 + depth]]))
                     cache.advance(1)
                     f = f2[:, 0]
-                ref = torch.log_softmax(logits[0, -1].float(), -1)
+                ref = torch.log_softmax(d.head.logits(f)[0].float(), -1)
                 assert torch.allclose(ref, logp[b], atol=1e-4), (b, i)

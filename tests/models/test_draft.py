@@ -1,11 +1,12 @@
 """EAGLE draft head: shapes, shared target weights, safetensors round trip and clear errors."""
 import json
+import warnings
 
 import pytest
 import torch
 
 from treedec.models import LlamaConfig, Transformer
-from treedec.models.draft import DRAFT_CONFIG, DRAFT_WEIGHTS, DraftConfig, DraftHead
+from treedec.models.draft import DRAFT_CONFIG, DRAFT_WEIGHTS, DraftConfig, DraftHead, target_fingerprint
 
 
 def small_target(vocab=50, hidden=32):
@@ -21,16 +22,52 @@ def test_head_shares_target_embedding_and_lm_head(tmp_path):
     assert not any("embed" in n or "lm_head" in n for n in names)
     assert head.fc.in_features == 2 * 32
     cache = head.new_cache(1, 16)
-    feat, logits = head(torch.tensor([[1, 2, 3]]), torch.randn(1, 3, 32), cache, torch.arange(3)[None])
+    feat = head(torch.tensor([[1, 2, 3]]), torch.randn(1, 3, 32), cache, torch.arange(3)[None])
+    logits = head.logits(feat)
     assert feat.shape == (1, 3, 32) and logits.shape == (1, 3, 50)
     assert torch.allclose(logits, target.lm_head(feat))
     head.save(tmp_path)
     saved = json.loads((tmp_path / DRAFT_CONFIG).read_text())
-    assert saved["target"] == "small"
+    assert saved["target"] == "small" and saved["target_fingerprint"] == target_fingerprint(target)
     loaded = DraftHead.load(tmp_path, target=target)
-    _, logits2 = loaded(torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 32), head.new_cache(1, 16), torch.arange(3)[None])
-    _, logits3 = head(torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 32), head.new_cache(1, 16), torch.arange(3)[None])
-    assert torch.allclose(logits2, logits3)
+    run = lambda h: h.logits(h(torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 32), h.new_cache(1, 16), torch.arange(3)[None]))  # noqa: E731
+    assert torch.allclose(run(loaded), run(head))
+
+
+def test_head_trained_for_another_target_warns_naming_both(tmp_path):
+    torch.manual_seed(0)
+    trained_for = small_target()
+    DraftHead(DraftConfig.for_target(trained_for.config, target="small-a")).bind(trained_for).save(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DraftHead.load(tmp_path, target=trained_for)  # its own target: silent
+    other = small_target()  # same shapes, other weights
+    with pytest.warns(UserWarning, match=r"small-a.*fingerprint " + target_fingerprint(trained_for)) as rec:
+        DraftHead.load(tmp_path, target=other)
+    assert target_fingerprint(other) in str(rec[0].message)
+
+
+def test_fingerprint_ignores_dtype_but_not_weights():
+    t = small_target()
+    fp = target_fingerprint(t)
+    assert target_fingerprint(t.to(torch.bfloat16)) == fp
+    with torch.no_grad():
+        t.lm_head.weight[0] += 1.0
+    assert target_fingerprint(t) != fp
+
+
+def test_bind_casts_the_head_to_the_targets_dtype():
+    target = small_target().to(torch.bfloat16)
+    head = DraftHead(DraftConfig.for_target(target.config)).bind(target)
+    assert head.fc.weight.dtype == torch.bfloat16
+    feat = head(torch.tensor([[1, 2]]), torch.randn(1, 2, 32), head.new_cache(1, 8), torch.arange(2)[None])
+    assert head.logits(feat).dtype == torch.bfloat16
+
+
+def test_feature_layers_must_exist_in_the_target():
+    head = DraftHead(DraftConfig.for_target(small_target().config, feature_layers=[5]))
+    with pytest.raises(ValueError, match="feature layers.*2 layers"):
+        head.bind(small_target())
 
 
 def test_mismatched_target_is_a_clear_error():

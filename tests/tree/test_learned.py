@@ -7,9 +7,10 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
-from treedec.decoding.speculative import SpecStats
-from treedec.decoding.verify import verify_greedy
+from treedec.decoding.loop import DecodeStats
+from treedec.decoding.verify import accept_paths, acceptance_counts, verify_greedy
 from treedec.tree import Tree, TreeError
 from treedec.tree.policies import LearnedPolicy, StaticPolicy
 from treedec.tree.policies.learned import load_learned, save_learned
@@ -128,30 +129,32 @@ def test_expected_accepted_matches_monte_carlo():
 
 def test_verifier_stats_recover_rates_and_tau():
     """Drive the real greedy verifier with a target whose argmax hits rank r with probability q[r]:
-    SpecStats' rank_hits/rank_trials recover p, AcceptanceCounts the (depth, rank) table, and the
-    mean accepted length matches expected_accepted."""
+    the decoder's rank counts recover p, AcceptanceCounts the (depth, rank) table, and the mean
+    accepted length matches expected_accepted."""
     rng = np.random.default_rng(1)
     p = np.array([0.6, 0.35, 0.2])
     q = child_probs(p)
     choices = comb_choices(3, 4)
     tree = Tree.from_choices(choices)
     kids = tree.children()
-    stats, counts = SpecStats(), AcceptanceCounts()
-    tokens = list(range(len(tree)))  # node i drafts token i; the target's argmax picks a child token or -1
-    for _ in range(6000):
-        argmax = []
-        for i in range(len(tree)):
-            ks = sorted(kids[i], key=lambda c: int(tree.rank[c]))
-            u, acc, pick = rng.random(), 0.0, -1
-            for c in ks:
-                acc += q[int(tree.rank[c])]
-                if u < acc:
-                    pick = c
-                    break
-            argmax.append(pick)
-        v = verify_greedy(kids, tokens, argmax)
-        stats.record(v)
-        counts.add(v.tried_ranks)
+    N, T = 6000, len(tree)
+    # node i drafts token i; at each node the target's argmax is its child of rank r w.p. q[r], else -1
+    u = rng.random((N, T))
+    argmax = np.full((N, T), -1)
+    for i in range(T):
+        edges = np.cumsum([q[int(tree.rank[c])] for c in kids[i]])
+        pick = np.searchsorted(edges, u[:, i], side="right")
+        hit = pick < len(kids[i])
+        argmax[hit, i] = np.array(kids[i])[pick[hit]]
+    batch = Tree(tree.parents.expand(N, T), tree.depth.expand(N, T), tree.rank.expand(N, T),
+                 torch.arange(T).expand(N, T), anc=tree.ancestors())
+    acc = accept_paths(batch, torch.from_numpy(argmax), tree.max_depth)
+    stats, counts = DecodeStats(), AcceptanceCounts()
+    stats.add_counts(*acceptance_counts(batch, acc, torch.ones(N, dtype=torch.bool), 8).tolist())
+    n = acc.n.tolist()
+    stats.record([True] * N, [k - 1 for k in n], n, T)
+    for b in range(N):
+        counts.add(verify_greedy(kids, list(range(T)), argmax[b].tolist()).tried_ranks)
     by_rank = stats.as_dict()["accept_by_rank"]
     assert [by_rank[r] for r in range(3)] == pytest.approx(p.tolist(), abs=0.03)
     assert counts.pooled() == pytest.approx(p, abs=0.03)

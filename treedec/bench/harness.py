@@ -91,7 +91,7 @@ class RunOutput:
 
     tokens: list[int]
     passes: int  # target forward passes after the prefill (verification steps)
-    produced: int  # tokens those passes produced, before the max_new_tokens/EOS cut (τ = produced / passes)
+    produced: int  # tokens those passes emitted, after the max_new_tokens/EOS cut (τ = produced / passes)
     forwards: int  # every target forward, prefill included
     split: dict[str, float] = field(default_factory=dict)  # seconds, by phase (the method's own clocks)
     accepted: Counter = field(default_factory=Counter)  # accepted drafts per step -> steps (speculative)
@@ -114,16 +114,22 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(int(seed))
 
 
+def run_output(res) -> RunOutput:
+    """A treedec GenerateResult (one row) as a RunOutput: τ counts only the tokens actually emitted."""
+    st = res.stats
+    split = {k: v for k, v in st.as_dict()["time_split"].items() if k != "total"}
+    return RunOutput(res.tokens[0], st.row_steps, st.step_tokens, st.target_passes + st.prefills, split,
+                     Counter(st.accepted))
+
+
 def vanilla_method(name: str, target, max_new_tokens: int, sampling, eos_ids) -> Method:
     from treedec.decoding import vanilla
 
     def fn(p: Prompt, seed: int) -> RunOutput:
         gen = None if sampling.greedy else _generator(target.device, seed)
-        res = vanilla.generate(target, p.ids, max_new_tokens, sampling=sampling, eos_ids=eos_ids, generator=gen)
-        s = res.stats
-        passes = max(s["n_forward"] - 1, 0)
-        return RunOutput(res.tokens[0], passes, passes, s["n_forward"],
-                         {"prefill": s["prefill_s"], "decode": s["decode_s"]})
+        res = vanilla.generate(target, p.ids, max_new_tokens, sampling=sampling, eos_ids=eos_ids, generator=gen,
+                               timing=True)
+        return run_output(res)
 
     return Method(name, "treedec", sampling.greedy, fn, {"policy": None, "sampling": _sampling_dict(sampling)},
                   reference="vanilla" if sampling.greedy else "vanilla_sample")
@@ -136,12 +142,7 @@ def speculative_method(name: str, target, draft, policy, max_new_tokens: int, sa
 
     def fn(p: Prompt, seed: int) -> RunOutput:
         gen = None if sampling.greedy else _generator(target.device, seed)
-        res = dec.generate(p.ids, max_new_tokens, generator=gen)
-        st = res.stats
-        produced = sum((k + 1) * c for k, c in st.accepted.items())
-        split = dict(st.time)
-        split["other"] = max(st.total_time - sum(st.time.values()), 0.0)
-        return RunOutput(res.tokens[0], st.steps, produced, st.steps + 1, split, Counter(st.accepted))
+        return run_output(dec.generate(p.ids, max_new_tokens, generator=gen, timing=True))
 
     info = {"policy": type(policy).__name__, "tree_size": policy.max_size, "tree_depth": policy.max_depth,
             "sampling": _sampling_dict(sampling)}

@@ -5,6 +5,8 @@ so temperature, top-k and top-p are defined once, here, and both paths call it.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,12 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+            raise ValueError(f"top_k must be a whole number (0 = off), got {self.top_k!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
@@ -48,9 +56,13 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw per row of ``probs`` [..., V] -> LongTensor [...]."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    """One draw per row of ``probs`` [..., V] -> LongTensor [...], with no host synchronisation.
+
+    The exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. picks i with probability
+    p_i exactly (the Gumbel-max trick in another form), batched over every leading dimension.
+    """
+    race = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    return (probs.float() / race).argmax(-1)
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -1,12 +1,21 @@
 """Lossless acceptance rules: walk one valid root-to-leaf path of a verified draft tree.
 
-Greedy: follow the child whose token equals the target's argmax at its parent.
-Sampling (DESIGN §5): at each node, with p the target distribution (temperature/top-k/top-p
-exactly as vanilla decoding), try children in rank order. Deterministic (top-k) drafts: accept
-child c with probability p(c), else zero p(c) and renormalise. Sampled drafts, drawn i.i.d.
-from q: accept with probability min(1, p(c)/q(c)), else p <- norm(max(p - q, 0)) (SpecInfer).
-If every child fails (or the node is a leaf), the bonus token is drawn from what is left of p.
-Either way the emitted token is distributed exactly as p.
+The hot path is :func:`accept_paths`, on the device and for the whole batch at once: every
+node gets one *choice* (the target's argmax when greedy; one draw from the target's processed
+distribution p when sampling, :func:`node_choices`), and the accepted path is the deepest
+chain of nodes each of which carries its parent's choice. The bonus token is the choice at the
+path's last node.
+
+For sampling this is the sequential rule for deterministic drafts (children are distinct
+tokens: top-k) in another form: "accept child c with probability p(c), else zero p(c) and
+renormalise; when every child failed draw the bonus from what is left" gives P(child i) =
+p(c_i) and a bonus distributed as p restricted to the non-children, and so does "draw x ~ p;
+move to the child carrying x, or emit x as the bonus". docs/design.md has the proof.
+
+Children drawn i.i.d. from the draft distribution q (``sample_drafts``) need the SpecInfer
+rule, :func:`verify_sampling`: accept with probability min(1, p(c)/q(c)), else
+p <- norm(max(p - q, 0)). :func:`verify_greedy` is the readable host-side reference of the
+greedy walk, used by tests and simulations.
 """
 from __future__ import annotations
 
@@ -15,6 +24,82 @@ from dataclasses import dataclass, field
 import torch
 
 from treedec.decoding.sampling import SamplingParams, sample, target_probs
+
+
+@dataclass
+class Acceptance:
+    """The accepted paths of a batch of trees, all on the device."""
+
+    path: torch.Tensor  # [B, D+1] node ids root first; entries past n are padding (0)
+    n: torch.Tensor  # [B] accepted nodes, root included (1..D+1)
+    bonus: torch.Tensor  # [B] the target's own token after the path
+    emit: torch.Tensor  # [B, D+1] tokens the step produces: path tokens after the root, then the bonus at n-1
+    on_path: torch.Tensor  # [B, T] bool
+
+
+def node_choices(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The target's pick at every node [B, T]: argmax (greedy) or one draw from p (sampling)."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return sample(target_probs(logits, params), generator)
+
+
+def accept_paths(tree, choice: torch.Tensor, max_depth: int) -> Acceptance:
+    """Deepest path whose every node carries its parent's choice, batched, with no host reads.
+
+    ``tree`` has [B, T] ``parents``/``depth``/``tokens`` and its ancestry (``tree.ancestors()``);
+    siblings must be distinct tokens (top-k drafts), so at most one child of a node matches.
+    """
+    parents, depth, tokens = tree.parents, tree.depth, tree.tokens
+    B, T = tokens.shape
+    anc = tree.ancestors()
+    if anc.dim() == 2:
+        anc = anc.expand(B, T, T)
+    match = tokens == choice.gather(1, parents.clamp(min=0))
+    match[:, 0] = True
+    ok = ~(anc & ~match[:, None, :]).any(-1)  # every ancestor (and the node) matched
+    key = torch.where(ok, depth * T + (T - 1 - torch.arange(T, device=tokens.device)), -1)
+    best = key.argmax(-1)  # deepest accepted node (ties: the earliest)
+    rows = torch.arange(B, device=tokens.device)
+    on_path = anc[rows, best]
+    n = depth[rows, best] + 1
+    slot = torch.where(on_path, depth, max_depth + 1)
+    path = torch.zeros(B, max_depth + 2, dtype=torch.long, device=tokens.device)
+    path.scatter_(1, slot, torch.arange(T, device=tokens.device).expand(B, T))
+    path = path[:, : max_depth + 1]
+    bonus = choice[rows, best]
+    emit = tokens.gather(1, torch.cat([path[:, 1:], path[:, :1]], 1))
+    emit = emit.scatter(1, (n - 1)[:, None], bonus[:, None])
+    return Acceptance(path, n, bonus, emit, on_path)
+
+
+def acceptance_counts(tree, acc: Acceptance, active: torch.Tensor, width: int) -> torch.Tensor:
+    """Per-step [4, width] counts (depth hits, depth trials, rank hits, rank trials) on the device.
+
+    Depths and ranks at or past ``width - 1`` share the last bin.
+
+    A child is *tried* when its parent is on the accepted path and no lower-ranked sibling
+    was accepted before it (the order the sequential walk tries children in).
+    """
+    parents, depth, rank = tree.parents, tree.depth, tree.rank
+    B, T = parents.shape
+    W = width
+    on = acc.on_path & active[:, None]
+    is_child = torch.arange(T, device=parents.device)[None] > 0
+    par = parents.clamp(min=0)
+    parent_on = on.gather(1, par) & is_child
+    hit = on & is_child
+    # next_rank[p]: rank of p's accepted child (none: every child of p was tried); column T is a dump.
+    next_rank = torch.full((B, T + 1), T + W, dtype=torch.long, device=parents.device)
+    next_rank.scatter_(1, torch.where(hit, par, T), torch.where(hit, rank, T + W))
+    tried = parent_on & (rank <= next_rank.gather(1, par))
+    out = torch.zeros(4, B, W, dtype=torch.long, device=parents.device)
+    out[0].scatter_add_(1, depth.clamp(max=W - 1), hit.long())
+    out[1].scatter_add_(1, depth.clamp(max=W - 1), tried.long())
+    out[1].clamp_(max=1)  # a depth is tried once per row-step
+    out[2].scatter_add_(1, rank.clamp(max=W - 1), hit.long())
+    out[3].scatter_add_(1, rank.clamp(max=W - 1), tried.long())
+    return out.sum(1)
 
 
 @dataclass

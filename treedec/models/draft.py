@@ -9,12 +9,14 @@ shared and frozen, and never written into the draft checkpoint.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from treedec.attention import prefix_tree_mask
 from treedec.models.cache import KVCache
 from treedec.models.config import LlamaConfig
 from treedec.models.llama import DecoderLayer, Transformer, rope_cos_sin, rope_inv_freq
@@ -40,6 +42,7 @@ class DraftConfig:
     kind: str = "eagle"  # room for "eagle3" (fused low/mid/high features; fc: 3h -> h)
     feature_layers: list[int] = field(default_factory=lambda: [-1])  # -1: the final normed hidden state
     target: str = ""  # what it was trained for (informational)
+    target_fingerprint: str = ""  # target_fingerprint() of the target it was trained with ("" = unknown)
 
     @classmethod
     def for_target(cls, cfg: LlamaConfig, target: str = "", **overrides) -> "DraftConfig":
@@ -59,6 +62,24 @@ class DraftConfig:
                            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling)
 
 
+def target_fingerprint(target: Transformer) -> str:
+    """A short hash of what a head depends on: the target's shape and its embedding / LM head.
+
+    Rows are sampled on a fixed stride and rounded to bf16, so the same checkpoint loaded in
+    fp32 or bf16, on any device, gives the same fingerprint; a retrained or different target
+    of the same shape does not.
+    """
+    import hashlib
+
+    c = target.config
+    h = hashlib.sha256(json.dumps([c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
+                                   c.num_key_value_heads, c.head_dim]).encode())
+    for w in (target.model.embed_tokens.weight, target.lm_head.weight):
+        rows = w[:: max(1, w.shape[0] // 256)].detach().to("cpu", torch.bfloat16)
+        h.update(rows.view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 class DraftHead(nn.Module):
     """Trainable part of an EAGLE head; ``bind(target)`` attaches the shared embedding and LM head."""
 
@@ -75,7 +96,12 @@ class DraftHead(nn.Module):
         self._target: tuple[Transformer, ...] = ()
 
     def bind(self, target: Transformer) -> "DraftHead":
-        """Share the target's embedding and LM head; a vocabulary or width mismatch is a clear error."""
+        """Share the target's embedding and LM head, on its device and in its dtype.
+
+        A vocabulary, width or feature-layer mismatch is a clear error; a head trained for
+        another target of the same shape (fingerprints differ) decodes correctly but accepts
+        little, so that is a warning naming both.
+        """
         tc, dc = target.config, self.config
         if tc.vocab_size != dc.vocab_size or tc.hidden_size != dc.hidden_size:
             raise ValueError(
@@ -83,6 +109,21 @@ class DraftHead(nn.Module):
                 f"(vocab {tc.vocab_size}, hidden {tc.hidden_size}); it was trained for {dc.target or 'another model'!r}: "
                 "train a head for this target with `python -m treedec.train`"
             )
+        bad = [i for i in dc.feature_layers if not -1 <= i < tc.num_hidden_layers]
+        if bad:
+            raise ValueError(f"draft head reads feature layers {dc.feature_layers}, but the target has "
+                             f"{tc.num_hidden_layers} layers (valid: -1 for the final hidden state, or 0..{tc.num_hidden_layers - 1})")
+        if dc.target_fingerprint:
+            fp = target_fingerprint(target)
+            if fp != dc.target_fingerprint:
+                warnings.warn(
+                    f"draft head was trained for target {dc.target or '?'!r} (fingerprint {dc.target_fingerprint}), "
+                    f"but is bound to a different target (fingerprint {fp}) of the same shape: output stays exact, "
+                    "but expect little acceleration (tau near 1); train a head for this target with `python -m treedec.train`",
+                    stacklevel=2)
+        w = self.fc.weight
+        if w.dtype != target.dtype or w.device != target.device:
+            self.to(device=target.device, dtype=target.dtype)
         self._target = (target,)  # a tuple keeps the target out of this module's parameters
         return self
 
@@ -98,25 +139,28 @@ class DraftHead(nn.Module):
         return KVCache(1, batch, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, cache: KVCache,
-                position_ids: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [B, T] (one ahead of) features [B, T, H] -> (predicted features, logits [B, T, V]).
+                position_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] (one ahead of) features [B, T, H] -> predicted features [B, T, H].
 
         ``mask`` is a dense [B, 1, T, S] visibility mask over the cache (from ``prefix_tree_mask``);
         None means a chain after each row's cached prefix. The cache length does not move.
+        Logits cost a vocabulary-wide matmul, so they are asked for apart: :meth:`logits`.
         """
         t = self.target
         x = self.fc(torch.cat((t.model.embed_tokens(tokens), features.to(self.fc.weight.dtype)), dim=-1))
         B, T = tokens.shape
         cache.check_room(T)
         if mask is None:
-            from treedec.attention import dense_mask
-            from treedec.tree.layout import chain_bits
-
-            mask = dense_mask(chain_bits(T, x.device), cache.lengths, T, int(cache.lengths.max()) + T)[:, None]
+            chain = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            mask = prefix_tree_mask(chain, cache.lengths, max(cache.host_lengths) + T)[:, None]
         cos, sin = rope_cos_sin(position_ids, self.inv_freq)
         backend = "eager" if t.attn_backend == "eager" else "sdpa"  # one small layer: a dense mask is cheapest
-        feat = self.layer(x, cos, sin, cache, 0, None, mask, backend)
-        return feat, t.lm_head(feat.to(t.lm_head.weight.dtype))
+        return self.layer(x, cos, sin, cache, 0, None, mask, backend)
+
+    def logits(self, feat: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the vocabulary for predicted features (the target's shared LM head)."""
+        t = self.target
+        return t.lm_head(feat.to(t.lm_head.weight.dtype))
 
     def forward_train(self, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal pass from position 0 without a cache (training): same maths as :meth:`forward` on a chain."""
@@ -129,8 +173,11 @@ class DraftHead(nn.Module):
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | Path) -> None:
+        """Write draft_config.json + draft.safetensors; a bound head records its target's fingerprint."""
         from safetensors.torch import save_file
 
+        if self._target:
+            self.config.target_fingerprint = target_fingerprint(self.target)
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / DRAFT_CONFIG).write_text(json.dumps(asdict(self.config), indent=2))

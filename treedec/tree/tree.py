@@ -3,10 +3,14 @@
 A tree is stored as a parent array (node 0 is the root, ``parents[0] == -1``, every parent
 precedes its children). Masks, position ids and root-to-leaf paths are all derived from it,
 so one object feeds the draft policies, the attention kernels and the verifier.
+
+One type serves both uses: a *shape* has 1-D fields ``[T]`` (built by ``from_parents`` /
+``from_choices``); a *drafted batch* has ``[B, T]`` fields, one tree per batch row, with
+tokens, scores and (policies precompute it so the hot path never rebuilds it) the ancestry.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -20,13 +24,20 @@ class TreeError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class Tree:
-    """Parents (LongTensor[T], topological), depth, sibling rank, and optional tokens/scores."""
+    """Parents ([T] or [B, T], topological), depth, sibling rank, and optional tokens/scores.
+
+    ``draft_probs`` [B, T, V] is set only when children were *sampled* from the draft: then it
+    is the distribution q each node's children were drawn from (the SpecInfer rule needs it).
+    ``anc`` is an optional precomputed :meth:`ancestors` matrix (bool [(B,) T, T]).
+    """
 
     parents: torch.Tensor
     depth: torch.Tensor
     rank: torch.Tensor
     tokens: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    draft_probs: torch.Tensor | None = None
+    anc: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     # ---------------------------------------------------------------- construction
@@ -110,18 +121,31 @@ class Tree:
 
     # ---------------------------------------------------------------- derived views
     def __len__(self) -> int:
-        return self.parents.shape[0]
+        return self.parents.shape[-1]
 
     @property
     def size(self) -> int:
         return len(self)
 
     @property
+    def batched(self) -> bool:
+        return self.parents.dim() == 2
+
+    @property
     def max_depth(self) -> int:
         return int(self.depth.max())
 
     def with_tokens(self, tokens: torch.Tensor, scores: torch.Tensor | None = None) -> "Tree":
-        return Tree(self.parents, self.depth, self.rank, tokens, scores if scores is not None else self.scores)
+        return replace(self, tokens=tokens, scores=scores if scores is not None else self.scores, _cache={})
+
+    def row(self, b: int) -> "Tree":
+        """Row ``b`` of a drafted batch as a single tree (a shape returns itself)."""
+        if not self.batched:
+            return self
+        pick = lambda t: None if t is None else t[b]  # noqa: E731
+        anc = self.anc if self.anc is None or self.anc.dim() == 2 else self.anc[b]  # a shared [T, T] ancestry
+        return Tree(self.parents[b], self.depth[b], self.rank[b], pick(self.tokens), pick(self.scores),
+                    pick(self.draft_probs), anc)
 
     def _memo(self, key, fn):
         if key not in self._cache:
@@ -129,7 +153,9 @@ class Tree:
         return self._cache[key]
 
     def ancestors(self) -> torch.Tensor:
-        """Bool [T, T]: ``[i, j]`` iff j == i or j is an ancestor of i."""
+        """Bool [(B,) T, T]: ``[i, j]`` iff j == i or j is an ancestor of i."""
+        if self.anc is not None:
+            return self.anc
         return self._memo("anc", lambda: ancestor_matrix(self.parents, self.depth))
 
     def mask(self) -> torch.Tensor:
@@ -137,7 +163,7 @@ class Tree:
         return self.ancestors()
 
     def ancestor_bits(self) -> torch.Tensor:
-        """Int64 [T, ceil(T/64)]: bit j of row i set iff j == i or j is an ancestor of i."""
+        """Int64 [(B,) T, ceil(T/64)]: bit j of row i set iff j == i or j is an ancestor of i."""
         return self._memo("bits", lambda: pack_bits(self.ancestors()))
 
     def position_ids(self, prefix_len: int | torch.Tensor = 0) -> torch.Tensor:
@@ -146,11 +172,18 @@ class Tree:
             return prefix_len[:, None].to(torch.long) + self.depth[None, :]
         return self.depth + int(prefix_len)
 
-    def children(self) -> list[list[int]]:
+    def children(self, row: int | None = None) -> list[list[int]]:
+        """Children of each node in sibling-rank order (the order verification tries them)."""
+        if self.batched:
+            return self.row(row or 0).children()
+
         def build():
             out: list[list[int]] = [[] for _ in range(len(self))]
+            ranks = self.rank.tolist()
             for i, p in enumerate(self.parents.tolist()[1:], start=1):
                 out[p].append(i)
+            for kids in out:
+                kids.sort(key=lambda c: ranks[c])
             return out
 
         return self._memo("children", build)

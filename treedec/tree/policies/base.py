@@ -1,50 +1,62 @@
-"""What every tree policy returns: a batch of draft trees of one size T."""
+"""What every tree policy is: a drafter in, a batch of :class:`~treedec.tree.tree.Tree` of one size T out."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
-from treedec.tree.layout import ancestor_matrix, pack_bits
-from treedec.tree.tree import Tree
+from treedec.tree.tree import TreeError
 
 
-@dataclass
-class DraftTree:
-    """B draft trees of T nodes each (node 0 = root, the last verified token).
+def ancestry(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Bool [B, T, T] ancestry (self included) of per-row parent arrays [B, T], with no host reads.
 
-    parents/depth/rank/tokens/scores are [B, T]; ``draft_probs`` [B, T, V] is set only when
-    children were *sampled* from the draft (then it is the distribution q they were drawn from,
-    which verification needs); for deterministic top-k drafts it is None.
+    Pointer jumping: after step s every node has marked its ancestor s levels up; the root's
+    parent is clamped to itself, so ``max_depth`` fixed steps cover every node.
+    """
+    B, T = parents.shape
+    eye = torch.eye(T, dtype=torch.bool, device=parents.device)
+    anc = eye.expand(B, T, T).clone()
+    up = parents.clamp(min=0)
+    cur = torch.arange(T, device=parents.device).expand(B, T)
+    for _ in range(max_depth):
+        cur = up.gather(1, cur)
+        anc.scatter_(2, cur[..., None], True)
+    return anc
+
+
+def topk_logp(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens and their log-probabilities (fp32), without a full-vocabulary copy.
+
+    Top-k runs on the raw logits; the log-softmax is needed only for what is kept, so a
+    logsumexp per row replaces it.
+    """
+    top = logits.topk(k, dim=-1)
+    return top.values.float() - torch.logsumexp(logits, dim=-1, keepdim=True).float(), top.indices
+
+
+class ForestAncestry:
+    """Ancestry among the inputs a policy feeds the drafter in one step, grown a depth at a time.
+
+    Row i of :attr:`anc` says which earlier inputs (and i itself) input i may see; a new input
+    inherits its parent input's row. Built on the device with two ops per depth.
     """
 
-    parents: torch.Tensor
-    depth: torch.Tensor
-    rank: torch.Tensor
-    tokens: torch.Tensor
-    scores: torch.Tensor
-    draft_probs: torch.Tensor | None = None
+    def __init__(self, batch: int, capacity: int, device: torch.device):
+        self.anc = torch.zeros(batch, capacity, capacity, dtype=torch.bool, device=device)
+        self.n = 0
 
-    @property
-    def size(self) -> int:
-        return self.parents.shape[1]
+    def add(self, parent_inputs: torch.Tensor | None, n_new: int) -> torch.Tensor:
+        """Append ``n_new`` inputs whose parents are input ids ``parent_inputs`` [B, n_new] (None: the root).
 
-    def ancestor_bits(self) -> torch.Tensor:
-        """Int64 [B, T, W] (per-row trees)."""
-        return pack_bits(ancestor_matrix(self.parents, self.depth))
-
-    def tree(self, row: int = 0) -> Tree:
-        return Tree.from_parents(self.parents[row], tokens=self.tokens[row], scores=self.scores[row], rank=self.rank[row])
-
-    def children(self, row: int) -> list[list[int]]:
-        """Children of each node in rank order (the order verification tries them)."""
-        out: list[list[int]] = [[] for _ in range(self.size)]
-        ranks = self.rank[row].tolist()
-        for i, p in enumerate(self.parents[row].tolist()[1:], start=1):
-            out[p].append(i)
-        for kids in out:
-            kids.sort(key=lambda c: ranks[c])
-        return out
+        Returns their rows ``[B, n_new, n_prev + n_new]`` for :meth:`Drafter.expand`.
+        """
+        B, cap = self.anc.shape[:2]
+        lo, hi = self.n, self.n + n_new
+        if parent_inputs is not None:
+            self.anc[:, lo:hi] = self.anc.gather(1, parent_inputs[..., None].expand(B, n_new, cap))
+        idx = torch.arange(lo, hi, device=self.anc.device)
+        self.anc[:, idx, idx] = True
+        self.n = hi
+        return self.anc[:, lo:hi, :hi]
 
 
 class TreePolicy:
@@ -53,6 +65,13 @@ class TreePolicy:
     max_depth: int  # deepest node below the root
     max_size: int  # T, root included
     max_inputs: int  # tree nodes the draft head reads per step (its cache must hold them)
+    max_rank: int  # largest sibling rank a tree may hold (top-k index)
 
-    def draft(self, drafter, params=None, generator: torch.Generator | None = None) -> DraftTree:
+    def draft(self, drafter, params=None, generator: torch.Generator | None = None):
         raise NotImplementedError
+
+    def validate(self, vocab_size: int) -> None:
+        """Fail before decoding when the policy asks for more distinct tokens than the vocabulary has."""
+        if self.max_rank >= vocab_size:
+            raise TreeError(f"{type(self).__name__} drafts up to {self.max_rank + 1} children per node, "
+                            f"but the vocabulary has only {vocab_size} tokens; lower top_k / the shape's ranks")

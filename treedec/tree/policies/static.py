@@ -12,7 +12,8 @@ from typing import Sequence
 import torch
 
 from treedec.decoding.sampling import SamplingParams, target_probs
-from treedec.tree.policies.base import DraftTree, TreePolicy
+from treedec.tree.layout import ancestor_matrix
+from treedec.tree.policies.base import TreePolicy, topk_logp
 from treedec.tree.shapes import load_shape
 from treedec.tree.tree import Tree, TreeError
 
@@ -34,7 +35,11 @@ class StaticPolicy(TreePolicy):
         self._plan()
 
     def _plan(self) -> None:
-        """Precompute, per depth, which nodes are drafted, from which parent slot, and who is expanded."""
+        """Precompute, per depth, which nodes are drafted, from which parent slot, and who is expanded.
+
+        Everything the hot path needs is a tensor made once per device (:meth:`_device_plan`)
+        or a Python int, so drafting a static tree reads nothing back from the device.
+        """
         kids, parents = self.shape.children(), self.shape.parents.tolist()
         depth, ranks = self.shape.depth.tolist(), self.shape.rank.tolist()
         levels = [[i for i in range(len(depth)) if depth[i] == d] for d in range(self.max_depth + 1)]
@@ -43,49 +48,63 @@ class StaticPolicy(TreePolicy):
         order = [n for lvl in expanded[1:] for n in lvl]  # draft-head inputs, in input order
         forest = {n: i for i, n in enumerate(order)}
         self.max_inputs = len(order)
+        self.max_rank = max(ranks[1:])
+        forest_parents = torch.tensor([forest.get(parents[n], -1) for n in order], dtype=torch.long)
+        self._forest_anc = ancestor_matrix(forest_parents) if order else torch.zeros(0, 0, dtype=torch.bool)
         self.steps = []
         for d in range(1, self.max_depth + 1):
             nodes = levels[d]
             grow = expanded[d] if d < self.max_depth else []
+            n_prev = forest[grow[0]] if grow else 0
             self.steps.append(dict(
                 nodes=torch.tensor(nodes), parent=torch.tensor([parents[n] for n in nodes]),
                 slot=torch.tensor([slot[parents[n]] for n in nodes]), rank=torch.tensor([ranks[n] for n in nodes]),
                 k=max(ranks[n] for n in nodes) + 1, grow=torch.tensor(grow, dtype=torch.long),
                 grow_parent_slot=torch.tensor([slot[parents[n]] for n in grow], dtype=torch.long),
-                forest_parents=[forest.get(parents[n], -1) for n in order[: forest[grow[-1]] + 1]] if grow else [],
-                n_prev=forest[grow[0]] if grow else 0,
+                anc_rows=self._forest_anc[n_prev:n_prev + len(grow), :n_prev + len(grow)],
+                n_prev=n_prev, n_grow=len(grow), depth=d,
             ))
+        self._on: dict = {}
 
-    def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> DraftTree:
-        shape, B = self.shape, drafter.batch
-        T, dev = len(shape), drafter.device
+    def _device_plan(self, device: torch.device, batch: int) -> tuple[list[dict], dict]:
+        key = (str(device), batch)
+        if key not in self._on:
+            steps = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in st.items()} for st in self.steps]
+            rep = lambda t: t[None].expand(batch, -1).to(device)  # noqa: E731
+            shape = dict(parents=rep(self.shape.parents), depth=rep(self.shape.depth), rank=rep(self.shape.rank),
+                         anc=self.shape.ancestors().to(device))
+            self._on = {key: (steps, shape)}  # one device/batch at a time
+        return self._on[key]
+
+    def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Tree:
+        B, T, dev = drafter.batch, len(self.shape), drafter.device
+        steps, shape = self._device_plan(dev, B)
         tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
         tokens[:, 0] = drafter.root_tokens
         scores = torch.zeros(B, T, device=dev)
         sampled = self.sample_drafts and params is not None and not params.greedy
         probs_out = torch.zeros(B, T, drafter.vocab_size, device=dev) if sampled else None
-        logp = drafter.root_logp[:, None]  # [B, n_expanded, V]: children distributions of the last depth's expanded nodes
+        logits = drafter.root_logits[:, None]  # [B, n_expanded, V]: children logits of the last depth's expanded nodes
         feat = drafter.root_feat[:, None]  # [B, n_expanded, H]: the feature those children read
-        parent_ids = torch.zeros(1, dtype=torch.long)  # tree ids of the last depth's expanded nodes
-        for st in self.steps:
-            nodes, slot, rank = st["nodes"].to(dev), st["slot"].to(dev), st["rank"].to(dev)
+        parent_ids = torch.zeros(1, dtype=torch.long, device=dev)  # tree ids of the last depth's expanded nodes
+        for st in steps:
+            nodes, slot, rank = st["nodes"], st["slot"], st["rank"]
             if sampled:
-                q = target_probs(logp, params)  # [B, n, V]
-                probs_out[:, parent_ids.to(dev)] = q
+                q = target_probs(logits, params)  # [B, n, V]
+                probs_out[:, parent_ids] = q
                 picks = torch.multinomial(q.flatten(0, 1), st["k"], replacement=True, generator=generator)
                 picks = picks.view(B, -1, st["k"])
+                logp = torch.log_softmax(logits.float(), dim=-1).gather(2, picks)
             else:
-                picks = logp.topk(st["k"], dim=-1).indices  # [B, n, k]
-            tok = picks[:, slot, rank]  # [B, n_nodes]
-            tokens[:, nodes] = tok
-            scores[:, nodes] = scores[:, st["parent"].to(dev)] + logp[:, slot].gather(2, tok[..., None]).squeeze(2).float()
-            if len(st["grow"]):
-                grow = st["grow"].to(dev)
-                feat, logp = drafter.expand(tokens[:, grow], feat[:, st["grow_parent_slot"].to(dev)], depth=int(shape.depth[st["grow"][0]]),
-                                            forest_parents=st["forest_parents"], n_prev=st["n_prev"])
-                parent_ids = st["grow"]
-        rep = lambda t: t[None].expand(B, -1).to(dev)  # noqa: E731
-        return DraftTree(rep(shape.parents), rep(shape.depth), rep(shape.rank), tokens, scores, probs_out)
+                logp, picks = topk_logp(logits, st["k"])  # [B, n, k]
+            tokens[:, nodes] = picks[:, slot, rank]
+            scores[:, nodes] = scores[:, st["parent"]] + logp[:, slot, rank]
+            if st["n_grow"]:
+                grow = st["grow"]
+                feat, logits = drafter.expand(tokens[:, grow], feat[:, st["grow_parent_slot"]], depth=st["depth"],
+                                              anc_rows=st["anc_rows"], n_prev=st["n_prev"])
+                parent_ids = grow
+        return Tree(shape["parents"], shape["depth"], shape["rank"], tokens, scores, probs_out, anc=shape["anc"])
 
 
 class ChainPolicy(StaticPolicy):

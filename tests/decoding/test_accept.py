@@ -1,0 +1,99 @@
+"""Device-side acceptance equals the sequential reference walks, for random trees and choices."""
+import pytest
+import torch
+
+from treedec.decoding.sampling import SamplingParams, target_probs
+from treedec.decoding.verify import accept_paths, acceptance_counts, node_choices, verify_greedy
+from treedec.tree import Tree
+from treedec.tree.policies.base import ancestry
+
+
+def random_batch(B: int, T: int, V: int, gen: torch.Generator, distinct: bool = True) -> Tree:
+    """B random trees of T nodes (per-row shapes) with distinct sibling tokens (as top-k drafts have)."""
+    parents = torch.full((B, T), -1, dtype=torch.long)
+    depth = torch.zeros(B, T, dtype=torch.long)
+    rank = torch.zeros(B, T, dtype=torch.long)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    for b in range(B):
+        used: dict[int, set[int]] = {}
+        for i in range(1, T):
+            open_ = [q for q in range(i) if len(used.get(q, ())) < V]  # a node has at most V distinct children
+            p = open_[int(torch.randint(0, len(open_), (1,), generator=gen))]
+            parents[b, i], depth[b, i] = p, depth[b, p] + 1
+            rank[b, i] = len(used.setdefault(p, set()))
+            while True:
+                t = int(torch.randint(0, V, (1,), generator=gen))
+                if not distinct or t not in used[p]:
+                    break
+            used[p].add(t)
+            tokens[b, i] = t
+        tokens[b, 0] = int(torch.randint(0, V, (1,), generator=gen))
+    D = int(depth.max())
+    return Tree(parents, depth, rank, tokens, anc=ancestry(parents, D)), D
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_device_walk_equals_the_sequential_greedy_walk(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, T, V = 4, int(torch.randint(1, 40, (1,), generator=g)), 3  # a tiny vocabulary: many matches, deep paths
+    tree, D = random_batch(B, T, V, g)
+    choice = torch.randint(0, V, (B, T), generator=g)
+    acc = accept_paths(tree, choice, D)
+    counts = acceptance_counts(tree, acc, torch.ones(B, dtype=torch.bool), D + 3)
+    want = torch.zeros_like(counts)
+    for b in range(B):
+        ref = verify_greedy(tree.children(b), tree.tokens[b].tolist(), choice[b].tolist())
+        n = int(acc.n[b])
+        assert acc.path[b, :n].tolist() == ref.path
+        assert int(acc.bonus[b]) == ref.bonus
+        assert acc.emit[b, :n].tolist() == tree.tokens[b, ref.path[1:]].tolist() + [ref.bonus]
+        assert acc.on_path[b].nonzero().flatten().tolist() == sorted(ref.path)
+        ranks = tree.rank[b]
+        for depth, n_tried, hit in ref.tried_ranks:
+            want[1, depth] += 1
+            want[0, depth] += hit >= 0
+            kids = tree.children(b)[ref.path[depth - 1]]
+            for c in kids[:n_tried]:
+                want[3, ranks[c]] += 1
+            if hit >= 0:
+                want[2, ranks[kids[hit]]] += 1
+    assert torch.equal(counts, want)
+
+
+def test_finished_rows_count_nothing():
+    g = torch.Generator().manual_seed(0)
+    tree, D = random_batch(3, 12, 2, g)
+    acc = accept_paths(tree, torch.zeros(3, 12, dtype=torch.long), D)
+    counts = acceptance_counts(tree, acc, torch.tensor([False, False, False]), D + 2)
+    assert int(counts.sum()) == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_draw_per_node_has_the_sequential_rules_acceptance_statistics(seed):
+    """For distinct (top-k) children, "draw x ~ p, move to the child carrying x" accepts child i with
+    probability p(c_i) and emits a bonus distributed as p outside the children, as the sequential rule does."""
+    g = torch.Generator().manual_seed(seed)
+    V, N = 6, 40000
+    logits = torch.randn(V, generator=g) * 2
+    params = SamplingParams(0.9, top_p=0.95)
+    p = target_probs(logits, params)
+    kids_tokens = torch.randperm(V, generator=g)[:3]
+    # N independent copies of a root with three children (a star), one choice per node.
+    parents = torch.tensor([-1, 0, 0, 0]).expand(N, 4)
+    tokens = torch.cat([torch.zeros(N, 1, dtype=torch.long), kids_tokens.expand(N, 3)], 1)
+    tree = Tree(parents, torch.tensor([0, 1, 1, 1]).expand(N, 4), torch.tensor([0, 0, 1, 2]).expand(N, 4), tokens,
+                anc=ancestry(parents, 1))
+    choice = node_choices(logits.expand(N, 4, V), params, g)
+    acc = accept_paths(tree, choice, 1)
+    accepted = acc.n == 2
+    for i, t in enumerate(kids_tokens.tolist()):
+        rate = float(((acc.path[:, 1] == i + 1) & accepted).float().mean())
+        assert rate == pytest.approx(float(p[t]), abs=4 * (float(p[t]) / N) ** 0.5 + 1e-3)
+    bonus = acc.bonus[~accepted]
+    rest = p.clone()
+    rest[kids_tokens] = 0
+    if rest.sum() > 0:
+        rest /= rest.sum()
+        freq = torch.bincount(bonus, minlength=V).float() / max(len(bonus), 1)
+        assert torch.allclose(freq, rest, atol=0.02)
+        assert not bool(torch.isin(bonus, kids_tokens).any())  # the bonus is never a child's token
