@@ -146,6 +146,28 @@ def test_sibling_permutation_permutes_outputs(attn_cases, backend):
     torch.testing.assert_close(out2, out[:, :, idx], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ALL)
+def test_trusted_calls_match_and_read_nothing(attn_cases, backend):
+    """What a model does per layer: a precomputed tree_dense_mask (eager/sdpa) or check=False (triton).
+
+    Same result as the validated call, and no host read (validation reads prefix_lens)."""
+    from treedec.attention import tree_dense_mask
+    from treedec.profiling import count_ops
+    from treedec.tree.layout import unpack_bits
+
+    case = attn_cases.make(B=3, Hq=4, Hkv=2, T=9, prefix_lens=(0, 6, 13), per_row=True, extra=0, device=DEVICE)
+    want = run(case, backend)
+    mask = None if backend == "triton" else tree_dense_mask(unpack_bits(case.bits, case.T), case.prefix_lens,
+                                                            case.k.shape[2])
+    with count_ops() as c:
+        got = run(case, backend, mask=mask, check=False)
+    assert c.host_reads == 0
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    with count_ops() as c:
+        run(case, backend)
+    assert c.host_reads > 0  # the validated call does read (so the count above means something)
+
+
 # ------------------------------------------------------------------------------- validation
 def _inputs(B=1, Hq=4, Hkv=2, T=5, S=12, D=16):
     return (torch.randn(B, Hq, T, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D),

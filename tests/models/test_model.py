@@ -295,12 +295,18 @@ def test_tree_equals_branches_with_tree_mask(backend, seed):
         torch.testing.assert_close(out[node], want, atol=ATOL, rtol=1e-4)
 
 
-def test_tree_mask_and_bits_together_is_an_error():
+def test_bad_tree_inputs_are_clear_errors():
     model = tiny_model()
     tree = random_tree(3, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="not both"), torch.inference_mode():
-        model(torch.zeros(1, 3, dtype=torch.long), model.new_cache(1, 8), tree_mask=tree.mask(),
-              ancestor_bits=tree.ancestor_bits())
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    bad = [(dict(tree_mask=tree.mask(), ancestor_bits=tree.ancestor_bits()), "not both"),
+           (dict(tree_mask=tree.mask().long()), "tree_mask must be torch.bool"),
+           (dict(tree_mask=tree.mask()[:2, :2]), r"got torch.bool \(2, 2\)"),
+           (dict(tree_mask=tree.mask()[None].expand(3, 3, 3)), "B=2"),
+           (dict(ancestor_bits=tree.ancestor_bits().int()), "ancestor_bits must be torch.int64")]
+    for kw, msg in bad:
+        with pytest.raises(ValueError, match=msg), torch.inference_mode():
+            model(ids, model.new_cache(2, 8), **kw)
 
 
 @pytest.mark.parametrize("host", [True, False])

@@ -102,7 +102,7 @@ def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
 
 
 class _Fusable(nn.Module):
-    """A module whose projections ``_parts`` (name, width) may be fused into one Linear ``_fused``.
+    """A module whose Linear projections named ``_parts`` may be fused into one Linear named ``_fused``.
 
     One matmul instead of three (q/k/v) or two (gate/up) saves launches and re-reads of x. The
     state dict keeps the Hugging Face names either way: a post-hook splits the fused tensors on
@@ -253,6 +253,21 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def _check_tree(tree_mask: torch.Tensor | None, bits: torch.Tensor | None, B: int, T: int) -> None:
+    """Shape and dtype checks of a forward's tree (host-side metadata only, never the values)."""
+    if tree_mask is not None and bits is not None:
+        raise ValueError("give tree_mask or ancestor_bits, not both")
+    t, name, dtype = (tree_mask, "tree_mask", torch.bool) if tree_mask is not None else (bits, "ancestor_bits", torch.long)
+    if t is None:
+        return
+    cols = t.shape[-1] == T if tree_mask is not None else t.shape[-1] * 64 >= T
+    ok = t.dim() in (2, 3) and t.shape[-2] == T and cols and (t.dim() == 2 or t.shape[0] == B)
+    if t.dtype != dtype or not ok:
+        width = "T" if tree_mask is not None else f"W >= {(T + 63) // 64}"
+        raise ValueError(f"{name} must be {dtype} [T, {width}] or [B, T, {width}] with B={B}, T={T}; "
+                         f"got {t.dtype} {tuple(t.shape)}")
+
+
 class Transformer(nn.Module):
     """A causal LM whose every forward may be a tree; ``attn_backend`` is eager | sdpa | triton | auto."""
 
@@ -318,8 +333,7 @@ class Transformer(nn.Module):
         """
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
-        if tree_mask is not None and ancestor_bits is not None:
-            raise ValueError("give tree_mask or ancestor_bits, not both")
+        _check_tree(tree_mask, ancestor_bits, B, T)
         if static:
             kv, host = cache.static(), None
         else:
