@@ -180,7 +180,7 @@ class StaticKV:
         c = self.cache
         rows = torch.arange(B, device=k.device)[:, None]
         pos = self.lengths[:, None] + torch.arange(T, device=k.device)  # [B, T]
-        kl, vl = c._layers[layer]
+        kl, vl = c.k[layer], c.v[layer]  # views taken here, of the (static-address) buffers themselves
         kl[rows, :, pos] = k.transpose(1, 2)  # advanced indices around a slice: values are [B, T, Hkv, D]
         vl[rows, :, pos] = v.transpose(1, 2)
         return kl, vl
