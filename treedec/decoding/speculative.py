@@ -30,10 +30,15 @@ class SpeculativeDecoder(Decoder):
     """Lossless tree speculative decoding of ``target`` with an EAGLE ``draft`` head and a tree ``policy``."""
 
     def __init__(self, target: Transformer, draft: DraftHead, policy: TreePolicy,
-                 sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] | int | None = None):
+                 sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] | int | None = None,
+                 compile: bool = False):
+        """``compile``: verify with a ``torch.compile``d static-shape target pass (one graph per
+        tree size, over a context-sized cache; the draft head stays eager). The first
+        ``generate`` pays the compile time."""
         self.target, self.draft, self.policy, self.sampling = target, draft.bind(target), policy, sampling
         self.eos = normalize_eos(eos_ids, target.config.eos_ids)
         policy.validate(target.config.vocab_size)
+        self.compile, self._verify = compile, None
 
     # --------------------------------------------------------------------------------- the loop
     def _prefill(self, rows: list[list[int]], max_new_tokens: int, generator) -> list[int]:
@@ -43,6 +48,12 @@ class SpeculativeDecoder(Decoder):
         # A row's cache may run max_depth past its budget on its last step (the path is committed whole);
         # after that it is frozen, so its tree is still written (and ignored) at the same slots.
         room = Lmax + max_new_tokens + pol.max_depth + 2
+        if self.compile:  # one cache shape for every call, so the compiled verify never recompiles
+            room = max(room, tgt.config.context_length)
+            if self._verify is None:
+                from treedec.models.compile import compile_forward
+
+                self._verify = compile_forward(tgt)
         self.cache = tgt.new_cache(B, room + pol.max_size)
         self.drafter = Drafter(self.draft, B, room + pol.max_inputs + pol.max_depth + 1)
         self._counts = torch.zeros(4, max(pol.max_depth, pol.max_rank) + 2, dtype=torch.long, device=dev)
@@ -76,7 +87,10 @@ class SpeculativeDecoder(Decoder):
         timer.lap("draft")
         # Finished rows may sit past the context: clamp their (ignored) positions.
         pos = (cache.lengths[:, None] + tree.depth).clamp(max=ctx - 1)
-        res = tgt(tree.tokens, cache, position_ids=pos, tree_mask=tree.ancestors())
+        if self._verify is not None and fits:
+            res = self._verify(tree.tokens, cache, pos, tree.ancestors(), "all")
+        else:
+            res = tgt(tree.tokens, cache, position_ids=pos, tree_mask=tree.ancestors())
         timer.lap("verify")
         if tree.draft_probs is None:
             acc = accept_paths(tree, node_choices(res.logits, self.sampling, generator), depth_cap)

@@ -37,6 +37,8 @@ class VanillaDecoder(Decoder):
     def _prefill(self, rows: list[list[int]], max_new_tokens: int, generator) -> list[int]:
         tgt = self.target
         B, need = len(rows), max(len(r) for r in rows) + max_new_tokens
+        if self.compile and not self._given:
+            need = tgt.config.context_length  # one cache shape, so the compiled step never recompiles
         if self.cache is None or self.cache.batch != B or self.cache.max_len < need:
             if self._given:
                 raise ValueError(f"the cache given holds batch {self.cache.batch} x {self.cache.max_len} slots; "
@@ -50,15 +52,15 @@ class VanillaDecoder(Decoder):
         cache.rollback(lens_host)
         self._tok = next_token(logits, self.sampling, generator)
         if self.compile and self._fwd is None:
-            from treedec.decoding.compiled import compiled_decode_step
+            from treedec.models.compile import compile_forward
 
-            self._fwd = compiled_decode_step(tgt)
+            self._fwd = compile_forward(tgt)
         return self._tok.tolist()
 
     def _step(self, active: list[bool], generator, timer: Timer) -> tuple[StepInfo, int]:
         cache = self.cache
         if self._fwd is not None:
-            logits = self._fwd(self._tok[:, None], cache)
+            logits = self._fwd(self._tok[:, None], cache, cache.lengths[:, None], None, "last").logits[:, -1]
         else:
             logits = self.target(self._tok[:, None], cache, logits="last").logits[:, -1]
         cache.advance(1)
@@ -86,7 +88,8 @@ def generate(
 
     ``eos_ids``: None uses the model config's EOS ids; pass ``[]`` to never stop early.
     ``cache``: an existing :class:`KVCache` to reuse (batch and length must fit; it is reset).
-    ``compile``: ``torch.compile`` the decode step (static shapes; compile time is paid on the first call).
+    ``compile``: ``torch.compile`` the decode step with static shapes (a context-sized cache, one
+    graph); the first call pays the compile time, later calls with the same decoder reuse it.
     """
     dec = VanillaDecoder(model, sampling, eos_ids, cache=cache, compile=compile)
     return dec.generate(prompt_ids, max_new_tokens, generator=generator, stream=stream, hook=hook, timing=timing)
