@@ -202,7 +202,7 @@ class CalibrateSchema:
 @dataclass
 class BenchOptionsSchema:
     prompts: Optional[str] = None  # a .jsonl (or text) prompt file; null: generated prompts of prompt_source
-    prompt_source: str = "stdlib"  # stdlib (held-out stdlib files) | third_party (installed packages)
+    prompt_source: str = "third_party"  # third_party (installed packages) | stdlib (held-out stdlib files)
     third_party_packages: Optional[List[str]] = None  # third_party: only these packages (null: every installed one)
     n_prompts: int = 8
     prompt_tokens: int = 128
@@ -214,11 +214,12 @@ class BenchOptionsSchema:
     seed: int = 0
     methods: List[str] = field(default_factory=lambda: ["vanilla", "chain", "static", "dynamic", "learned"])
     sampling: bool = False
-    learned_path: Optional[str] = None
+    learned_path: Optional[str] = "auto"  # auto: the tree shipped for the bundled head (treedec/bench/bundled.py)
+    compile: bool = False  # also run vanilla and each tree method with compile=True (NAME_compile)
     trees: Dict[str, Any] = field(default_factory=dict)  # method name -> tree policy config (checked by _target_)
     peers: List[str] = field(default_factory=lambda: ["hf_greedy", "hf_prompt_lookup", "hf_assisted"])
     prompt_lookup_num_tokens: int = 10
-    assistant_path: Optional[str] = None
+    assistant_path: Optional[str] = "auto"  # auto: tiny-code-assistant for the bundled target; or a directory
     tie_ulps: float = 1.0
     strict_peers: bool = False
     plots: bool = True
@@ -417,13 +418,17 @@ def _check_bench(cfg) -> None:
                           f"(or bench.prompts=<file.jsonl>)")
     if _get(cfg, b + "prompts"):
         read_prompt_file(_get(cfg, b + "prompts"), "bench.prompts")
+    from treedec.bench import bundled
+
     learned = _get(cfg, b + "learned_path")
-    if learned is not None and not Path(learned).expanduser().is_file():
+    if learned not in (None, bundled.AUTO) and not Path(learned).expanduser().is_file():
         raise ConfigError(f"bench.learned_path={learned!r}: no such file; pass the learned_tree.yaml that "
-                          f"`python -m treedec.calibrate` wrote (or null: skip the `learned` method)")
+                          f"`python -m treedec.calibrate` wrote (auto: the tree shipped for the bundled head; "
+                          f"null: skip the `learned` method)")
     assistant = _get(cfg, b + "assistant_path")
-    if assistant is not None and not Path(assistant).expanduser().is_dir():
-        raise ConfigError(f"bench.assistant_path={assistant!r} is not a model directory")
+    if assistant not in (None, bundled.AUTO, bundled.ASSISTANT) and not Path(assistant).expanduser().is_dir():
+        raise ConfigError(f"bench.assistant_path={assistant!r} is not a model directory (auto: {bundled.ASSISTANT} "
+                          f"for the bundled target; null: skip hf_assisted)")
     trees = _get(cfg, b + "trees") or {}
     for name in trees:
         validate_tree(trees[name], f"bench.trees.{name}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import runpy
+import time
 import sys
 from pathlib import Path
 
@@ -36,6 +37,9 @@ def stack(tokenizer, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("bench_stack")
     save_pretrained(target, root / "target", tokenizer=str(tokenizer[0]))
     DraftHead(DraftConfig.for_target(target.config)).save(root / "draft")
+    # hf_assisted's assistant: 1 layer, the same tokenizer (as tiny-code-assistant is for tiny-code).
+    small = Transformer(LlamaConfig(**{**TINY_ARCH, "num_hidden_layers": 1, "max_position_embeddings": 256}), "sdpa")
+    save_pretrained(small, root / "assistant", tokenizer=str(tokenizer[0]))
     (root / "prompts.jsonl").write_text(json.dumps({"id": "add", "prompt": "def add(a, b):\n"}) + "\n\n"
                                         + json.dumps({"prompt": "class Thing:\n    def get(self):\n"}) + "\n")
     (root / "learned.yaml").write_text("choices: [[0], [1], [0, 0], [0, 0, 0]]\n")
@@ -43,12 +47,15 @@ def stack(tokenizer, tmp_path_factory):  # noqa: F811
 
 
 def overrides(stack, run_dir, *extra):
-    return [f"model.path={stack / 'target'}", "model.dtype=float32", "model.device=cpu", "kernel=sdpa",
+    """The tiny stack's overrides; a key in ``extra`` replaces the base one (Hydra refuses a key given twice)."""
+    base = [f"model.path={stack / 'target'}", "model.dtype=float32", "model.device=cpu", "kernel=sdpa",
             f"draft.path={stack / 'draft'}", f"bench.prompts={stack / 'prompts.jsonl'}", "bench.max_new_tokens=12",
             "bench.repeats=2", "bench.warmup=1", "bench.num_threads=1", f"bench.learned_path={stack / 'learned.yaml'}",
             "tree/shape@bench.trees.static.shape=balanced_2x3", "bench.trees.dynamic.total_tokens=8",
             "bench.trees.dynamic.depth=3", "bench.trees.dynamic.top_k=3", "bench.trees.chain.depth=3",
-            f"bench.assistant_path={stack / 'target'}", "bench.plots=false", f"paths.run_dir={run_dir}", *extra]
+            f"bench.assistant_path={stack / 'assistant'}", "bench.plots=false", f"paths.run_dir={run_dir}"]
+    keys = {e.split("=", 1)[0] for e in extra}
+    return [o for o in base if o.split("=", 1)[0] not in keys] + list(extra)
 
 
 def compose_bench(stack, run_dir, *extra):
@@ -79,11 +86,25 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
     assert saved["methods"]["vanilla"]["tau"] == 1.0
     assert saved["methods"]["dynamic"]["time_split"]["verify"] > 0
     assert saved["methods"]["learned"]["tree_size"] == 5
+    for name, e in saved["methods"].items():  # ops per step, from one untimed counted run per treedec method
+        if e["family"] == "treedec":
+            assert e["aten_ops_per_step"] > 0 and e["host_reads_per_step"] > 0, name
+            assert e["op_counts"]["steps"] >= 1 and e["op_counts"]["aten_ops_total"] > e["aten_ops_per_step"]
+        else:
+            assert "host_reads_per_step" not in e, name
+    for name in ("chain", "static", "dynamic", "learned"):  # issue 11: at most 4 host reads per speculative step
+        assert saved["methods"][name]["host_reads_per_step"] <= 4, (name, saved["methods"][name]["op_counts"])
+    assert saved["methods"]["vanilla"]["host_reads_per_step"] <= 2
+    if HAVE_HF:
+        assert saved["methods"]["hf_assisted"]["assistant_layers"] == 1
     assert saved["machine"]["threads"] == 1 and saved["machine"]["torch"] == torch.__version__
     assert saved["prompts"]["ids"] == ["add", "p1"] and saved["failures"] == []
     assert saved["config"]["bench"]["max_new_tokens"] == 12
     table = (tmp_path / "results.md").read_text()
     assert "| dynamic |" in table and "speedup ÷ τ" in table
+    assert "host reads/step | aten ops/step |" in table
+    row = next(ln for ln in table.splitlines() if ln.startswith("| dynamic |") and "%" in ln).split("|")
+    assert float(row[-3]) == pytest.approx(saved["methods"]["dynamic"]["host_reads_per_step"], abs=0.05)
     lines = (tmp_path / "outputs.jsonl").read_text().splitlines()
     assert len(lines) == 2 * len(names)
 
@@ -189,3 +210,158 @@ def test_numerical_ties_are_reported_but_only_real_mismatches_fail():
     assert table["tied"]["tie_flips"] == 2 and table["real"]["tie_flips"] == 1
     assert classify_mismatches({"tied": entry([0.0])}, tie_ulps=0.0) == []  # an exact tie is a tie even at 0
     assert classify_mismatches({"tied": entry([0.01])}, tie_ulps=0.0) == ["differs"]
+
+
+# ------------------------------------------------------------------ the defaults: the whole field with no flag
+def test_defaults_run_learned_and_hf_assisted_on_third_party_prompts(tmp_path):
+    """`python -m treedec.bench` as is: third-party prompts, the shipped learned tree, the bundled assistant."""
+    from treedec.bench import bundled
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="bench", overrides=[f"paths.run_dir={tmp_path}"])
+    assert cfg.bench.prompt_source == "third_party" and "learned" in cfg.bench.methods
+    assert "hf_assisted" in cfg.bench.peers
+    why = harness.resolve_auto(cfg)
+    assert cfg.bench.learned_path == str(bundled.LEARNED_TREE) and bundled.LEARNED_TREE.is_file()
+    assert cfg.bench.trees.learned.path == str(bundled.LEARNED_TREE)  # the policy reads the resolved file
+    assert cfg.bench.assistant_path == "tiny-code-assistant" and "auto" in why["hf_assisted"]
+    assert harness.build_policies(cfg)["learned"].max_size > 1
+
+
+def test_auto_is_off_for_other_checkpoints(stack, tmp_path):
+    """auto keeps today's behaviour for a head or target of your own: learned and hf_assisted are skipped, with why."""
+    cfg = compose_bench(stack, tmp_path, "bench.learned_path=auto", "bench.assistant_path=auto",
+                        "bench.methods=[vanilla,learned]", "bench.peers=[hf_assisted]", "bench.repeats=1")
+    m = harness.run(cfg)
+    assert set(m["methods"]) == {"vanilla"}
+    assert "only for the bundled head tiny-code-eagle" in m["skipped"]["learned"]
+    if HAVE_HF:
+        assert "only for the bundled tiny-code" in m["skipped"]["hf_assisted"]
+    assert m["config"]["bench"]["learned_path"] is None and m["config"]["bench"]["assistant_path"] is None
+
+
+def test_shipped_learned_tree_fits_the_bundled_head():
+    """The asset is a calibrated tree for tiny-code + tiny-code-eagle and says which command made it."""
+    import yaml
+
+    from treedec.bench.bundled import LEARNED_TREE
+    from treedec.tree.policies import LearnedPolicy
+
+    data = yaml.safe_load(LEARNED_TREE.read_text())
+    cal = data["calibration"]
+    assert cal["model"] == "tiny-code" and cal["draft"] == "tiny-code-eagle"
+    assert cal["command"].startswith("python -m treedec.calibrate") and "shared" in cal["machine_note"]
+    assert "python -m treedec.calibrate" in LEARNED_TREE.read_text().split("\nname:")[0]  # the header
+    vocab = json.loads((LEARNED_TREE.parents[1] / "tiny-code" / "config.json").read_text())["vocab_size"]
+    policy = LearnedPolicy(str(LEARNED_TREE))
+    policy.validate(vocab)
+    assert policy.max_size == data["budget"] and policy.max_depth == data["depth"]
+
+
+@pytest.mark.skipif(not HAVE_HF, reason="hf_assisted needs transformers")
+def test_bundled_assistant_auto_runs_and_missing_one_is_skipped(stack, tmp_path, monkeypatch):
+    """model.path=tiny-code with assistant_path=auto loads `tiny-code-assistant`; absent, it is skipped (no crash)."""
+    from treedec.models import checkpoint
+
+    monkeypatch.setitem(checkpoint.BUNDLED, "tiny-code", stack / "target")
+    monkeypatch.setitem(checkpoint.BUNDLED, "tiny-code-assistant", stack / "assistant")
+    args = ("model.path=tiny-code", "bench.assistant_path=auto", "bench.methods=[vanilla]", "bench.peers=[hf_assisted]",
+            "bench.repeats=1")
+    m = harness.run(compose_bench(stack, tmp_path / "a", *args))
+    e = m["methods"]["hf_assisted"]
+    assert e["assistant_path"] == str(stack / "assistant") and e["assistant_layers"] == 1
+    assert e["identical_to_vanilla"] is True and m["config"]["bench"]["assistant_path"] == "tiny-code-assistant"
+
+    monkeypatch.setitem(checkpoint.BUNDLED, "tiny-code-assistant", tmp_path / "absent")
+    m = harness.run(compose_bench(stack, tmp_path / "b", *args))
+    assert "hf_assisted" not in m["methods"]
+    assert "model_arch=tiny_code_assistant" in m["skipped"]["hf_assisted"]
+    assert "hf_assisted" in (tmp_path / "b" / "results.md").read_text()  # the Skipped line says why
+
+
+@pytest.mark.skipif(not HAVE_HF, reason="hf_assisted needs transformers")
+def test_assistant_of_another_vocabulary_is_skipped(stack, tmp_path, tokenizer):  # noqa: F811
+    other = Transformer(LlamaConfig(**{**TINY_ARCH, "vocab_size": 400, "num_hidden_layers": 1}), "sdpa")
+    save_pretrained(other, tmp_path / "other", tokenizer=str(tokenizer[0]))
+    m = harness.run(compose_bench(stack, tmp_path, f"bench.assistant_path={tmp_path / 'other'}",
+                                  "bench.methods=[vanilla]", "bench.peers=[hf_assisted]", "bench.repeats=1"))
+    assert "hf_assisted" not in m["methods"] and "vocab_size 400" in m["skipped"]["hf_assisted"]
+
+
+# ------------------------------------------------------------------ compile variants: compile time kept apart
+def _fake(name: str, compiled: bool, compile_cost: float = 0.0, reference: str = "vanilla") -> harness.Method:
+    calls = []
+
+    def fn(p, seed):
+        calls.append(p.id)
+        if compiled and len(calls) == 1:
+            time.sleep(compile_cost)  # the first call compiles
+        return harness.RunOutput([1, 2, 3], 3, 3, 4)
+
+    m = harness.Method(name, "treedec", True, fn, compiled=compiled, reference=reference)
+    m.calls = calls
+    return m
+
+
+def test_compile_time_is_paid_by_the_warm_up_and_kept_out_of_the_timed_runs(monkeypatch):
+    prompts = [harness.Prompt("a", "x", [1]), harness.Prompt("b", "y", [2])]
+    van, comp = _fake("vanilla", False), _fake("vanilla_compile", True, 0.3)
+    graphs = iter(range(100))
+    monkeypatch.setattr(harness, "_graphs_compiled", lambda: 0)
+    res = harness.time_methods([van, comp], prompts, repeats=1, warmup=0, seed=0, device=torch.device("cpu"))
+    assert van.calls == ["a", "b"] and comp.calls == ["a", "a", "b"]  # warmup=0: only the compiled one warms up
+    assert res["vanilla_compile"]["compile_s"] >= 0.3 and res["vanilla_compile"]["times"][0] < 0.3
+    assert res["vanilla_compile"]["graphs_in_timed"] == 0
+    table, _ = harness.summarize([van, comp], prompts, res)
+    assert table["vanilla_compile"]["compile_s"] >= 0.3 and "compile_s" not in table["vanilla"]
+
+    monkeypatch.setattr(harness, "_graphs_compiled", lambda: next(graphs))  # a graph built inside every call
+    res = harness.time_methods([van, comp], prompts, repeats=1, warmup=1, seed=0, device=torch.device("cpu"))
+    assert res["vanilla_compile"]["graphs_in_timed"] == 2 and res["vanilla"]["graphs_in_timed"] == 0
+
+
+def test_compiled_tree_methods_are_checked_against_compiled_vanilla():
+    prompts = [harness.Prompt("a", "x", [1])]
+    van, vc = _fake("vanilla", False), _fake("vanilla_compile", True)
+    chain = _fake("chain_compile", True, reference="vanilla_compile")
+    res = harness.time_methods([van, vc, chain], prompts, repeats=1, warmup=0, seed=0, device=torch.device("cpu"),
+                               ops=False)
+    res["vanilla_compile"]["outputs"][0].tokens = [1, 2, 4]  # compiled kernels parted from eager ones...
+    res["chain_compile"]["outputs"][0].tokens = [1, 2, 4]  # ... and the compiled tree follows compiled vanilla
+    vc.lossless = False  # as build_methods sets it outside fp32
+    table, failures = harness.summarize([van, vc, chain], prompts, res)
+    assert table["chain_compile"]["identical_to_vanilla"] is True
+    assert table["chain_compile"]["checked_against"] == "vanilla_compile"
+    assert table["vanilla_compile"]["identical_to_vanilla"] is False and failures == []
+    assert table["chain_compile"]["speedup"] == pytest.approx(
+        table["chain_compile"]["tokens_per_s"] / table["vanilla_compile"]["tokens_per_s"])
+    res["chain_compile"]["outputs"][0].tokens = [1, 2, 3]  # now it differs from its reference: a lossless failure
+    _, failures = harness.summarize([van, vc, chain], prompts, res)
+    assert failures and "differs from vanilla_compile" in failures[0]
+
+
+def _has_compile() -> bool:
+    import inspect
+
+    from treedec.decoding.speculative import SpeculativeDecoder
+
+    try:
+        import treedec.decoding.compiled  # noqa: F401
+    except ImportError:
+        return False
+    return "compile" in inspect.signature(SpeculativeDecoder).parameters
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_compile(), reason="the decoding engine has no compile= yet")
+def test_bench_compile_runs_compiled_variants(stack, tmp_path):
+    """bench.compile=true: vanilla_compile and chain_compile decode like eager vanilla (fp32), compile time apart."""
+    m = harness.run(compose_bench(stack, tmp_path, "bench.compile=true", "bench.methods=[vanilla,chain]",
+                                  "bench.peers=[]", "bench.repeats=1", "bench.warmup=0"))
+    assert {"vanilla", "vanilla_compile", "chain", "chain_compile"} <= set(m["methods"])
+    for name in ("vanilla_compile", "chain_compile"):
+        e = m["methods"][name]
+        assert e["compile"] is True and e["compile_s"] > 0 and e["identical_to_vanilla"] is True, name
+        assert e["graphs_compiled_in_timed_runs"] == 0, name  # compilation never leaks into tok/s
+    assert m["methods"]["chain_compile"]["checked_against"] == "vanilla_compile" and m["failures"] == []
+    assert "compile s" in (tmp_path / "results.md").read_text()

@@ -14,6 +14,12 @@ construction, DESIGN.md §5). A treedec method that does not is an error: :func:
 everything, then raises :class:`OutputMismatch` (the CLI exits 1). A peer that differs is
 reported as such (in bf16, transformers rounds differently, so its greedy path may part from
 ours after a while) and fails the run only with ``bench.strict_peers=true``.
+
+Untimed, after the warm-up, each treedec method decodes the first prompt once more inside
+:func:`treedec.profiling.count_ops`, which gives its aten ops and host reads per decoding step
+(a dispatch mode slows a run down, so it never touches the timed passes). With
+``bench.compile=true`` every tree method and vanilla also run compiled (``NAME_compile``); the
+first warm-up run pays the compilation and is reported as ``compile_s``, apart from tokens/s.
 """
 from __future__ import annotations
 
@@ -55,7 +61,7 @@ class Prompt:
 
 def prompt_source_name(bench: DictConfig) -> str:
     """How metrics.json names a generated prompt set: ``heldout_stdlib`` or ``third_party``."""
-    source = str(bench.get("prompt_source", "stdlib"))
+    source = str(bench.get("prompt_source", "third_party"))
     return "heldout_stdlib" if source == "stdlib" else source
 
 
@@ -67,7 +73,7 @@ def load_prompts(bench: DictConfig, tokenizer) -> list[Prompt]:
         texts = read_prompt_file(bench.prompts, "bench.prompts")
     else:
         packages = bench.get("third_party_packages")
-        texts = load_prompt_set(str(bench.get("prompt_source", "stdlib")), int(bench.n_prompts),
+        texts = load_prompt_set(str(bench.get("prompt_source", "third_party")), int(bench.n_prompts),
                                 int(bench.prompt_tokens), tokenizer, seed=int(bench.seed),
                                 packages=list(packages) if packages is not None else None,
                                 hint="pass bench.prompts=<file.jsonl>")
@@ -105,6 +111,13 @@ class Method:
     fn: Callable[[Prompt, int], RunOutput]  # (prompt, seed) -> output
     info: dict = field(default_factory=dict)
     reference: str = "vanilla"  # the method its speedup (and, when greedy, its tokens) are measured against
+    ops_fn: Callable[[Prompt, int], dict] | None = None  # (prompt, seed) -> op counts per step (treedec methods)
+    compiled: bool = False  # torch.compile'd: the first warm-up run pays the compilation (compile_s)
+    lossless: bool | None = None  # a token mismatch with `reference` fails the run (default: treedec methods)
+
+    def __post_init__(self):
+        if self.lossless is None:
+            self.lossless = self.family == "treedec"
 
     def __call__(self, prompt: Prompt, seed: int) -> RunOutput:
         return self.fn(prompt, seed)
@@ -122,31 +135,63 @@ def run_output(res) -> RunOutput:
                      Counter(st.accepted))
 
 
-def vanilla_method(name: str, target, max_new_tokens: int, sampling, eos_ids) -> Method:
+def measure_ops(call: Callable[..., object]) -> dict:
+    """Aten ops and host reads of one ``call(hook=...)`` (a ``generate``) inside :func:`count_ops`.
+
+    Per step counts the steady state: from the end of the first decoding step to the end of the
+    last, divided by the steps between (the prefill, the first step and the end-of-run read are in
+    the totals only). With a single step it is the whole call.
+    """
+    from treedec.profiling import count_ops
+
+    marks: list[tuple[int, int]] = []
+    with count_ops() as c:
+        res = call(hook=lambda _info: marks.append((c.aten_ops, c.host_reads)))
+        total = (c.aten_ops, c.host_reads)
+    steps = res.stats.target_passes
+    if len(marks) >= 2:
+        n = len(marks) - 1
+        per = ((marks[-1][0] - marks[0][0]) / n, (marks[-1][1] - marks[0][1]) / n)
+    else:
+        n = max(steps, 1)
+        per = (total[0] / n, total[1] / n)
+    return {"aten_ops_per_step": per[0], "host_reads_per_step": per[1], "steps": steps, "steps_averaged": n,
+            "aten_ops_total": total[0], "host_reads_total": total[1], "reads_total": dict(c.reads),
+            "top_ops_per_step": {k: v / max(steps, 1) for k, v in c.ops.most_common(8)}}
+
+
+def vanilla_method(name: str, target, max_new_tokens: int, sampling, eos_ids, compile: bool = False,
+                   reference: str | None = None) -> Method:
     from treedec.decoding import vanilla
 
-    def fn(p: Prompt, seed: int) -> RunOutput:
+    def call(p: Prompt, seed: int, **kw):
         gen = None if sampling.greedy else _generator(target.device, seed)
-        res = vanilla.generate(target, p.ids, max_new_tokens, sampling=sampling, eos_ids=eos_ids, generator=gen,
-                               timing=True)
-        return run_output(res)
+        return vanilla.generate(target, p.ids, max_new_tokens, sampling=sampling, eos_ids=eos_ids, generator=gen,
+                                compile=compile, **kw)
 
-    return Method(name, "treedec", sampling.greedy, fn, {"policy": None, "sampling": _sampling_dict(sampling)},
-                  reference="vanilla" if sampling.greedy else "vanilla_sample")
+    ref = reference or ("vanilla" if sampling.greedy else "vanilla_sample")
+    return Method(name, "treedec", sampling.greedy, lambda p, seed: run_output(call(p, seed, timing=True)),
+                  {"policy": None, "sampling": _sampling_dict(sampling), "compile": compile}, reference=ref,
+                  ops_fn=lambda p, seed: measure_ops(lambda **kw: call(p, seed, **kw)), compiled=compile)
 
 
-def speculative_method(name: str, target, draft, policy, max_new_tokens: int, sampling, eos_ids) -> Method:
+def speculative_method(name: str, target, draft, policy, max_new_tokens: int, sampling, eos_ids,
+                       compile: bool = False, reference: str | None = None) -> Method:
     from treedec.decoding.speculative import SpeculativeDecoder
 
-    dec = SpeculativeDecoder(target, draft, policy, sampling, eos_ids=eos_ids)
+    dec = (SpeculativeDecoder(target, draft, policy, sampling, eos_ids=eos_ids, compile=True) if compile
+           else SpeculativeDecoder(target, draft, policy, sampling, eos_ids=eos_ids))
 
-    def fn(p: Prompt, seed: int) -> RunOutput:
+    def call(p: Prompt, seed: int, **kw):
         gen = None if sampling.greedy else _generator(target.device, seed)
-        return run_output(dec.generate(p.ids, max_new_tokens, generator=gen, timing=True))
+        return dec.generate(p.ids, max_new_tokens, generator=gen, **kw)
 
     info = {"policy": type(policy).__name__, "tree_size": policy.max_size, "tree_depth": policy.max_depth,
-            "sampling": _sampling_dict(sampling)}
-    return Method(name, "treedec", sampling.greedy, fn, info, reference="vanilla" if sampling.greedy else "vanilla_sample")
+            "sampling": _sampling_dict(sampling), "compile": compile}
+    ref = reference or ("vanilla" if sampling.greedy else "vanilla_sample")
+    return Method(name, "treedec", sampling.greedy, lambda p, seed: run_output(call(p, seed, timing=True)), info,
+                  reference=ref, ops_fn=lambda p, seed: measure_ops(lambda **kw: call(p, seed, **kw)),
+                  compiled=compile)
 
 
 def _sampling_dict(s) -> dict:
@@ -162,10 +207,28 @@ def method_names(bench: DictConfig) -> list[str]:
     return names
 
 
-def build_policies(bench: DictConfig) -> dict:
+def resolve_auto(cfg: DictConfig) -> dict[str, str]:
+    """Replace ``bench.learned_path`` / ``bench.assistant_path`` = auto by what they mean here (bundled.py).
+
+    The config then records the file and model actually used; returns the reason for each, for the
+    log and for ``skipped`` when one resolves to null (a second call finds them resolved: keep the
+    first call's reasons).
+    """
+    from treedec.bench import bundled
+
+    bench = cfg.bench
+    learned, why_learned = bundled.learned_path(bench.get("learned_path"), OmegaConf.select(cfg, "draft.path"))
+    assistant, why_assistant = bundled.assistant_path(bench.get("assistant_path"), OmegaConf.select(cfg, "model.path"))
+    bench.learned_path, bench.assistant_path = learned, assistant
+    return {"learned": why_learned, "hf_assisted": why_assistant}
+
+
+def build_policies(cfg: DictConfig) -> dict:
     """The tree policy of every speculative method that will run (no model needed: errors come before loading)."""
     from treedec.config_schema import ConfigError, instantiate_checked
 
+    resolve_auto(cfg)
+    bench = cfg.bench
     out = {}
     for name in method_names(bench):
         if name == "vanilla" or (name == "learned" and not bench.learned_path):
@@ -177,17 +240,19 @@ def build_policies(bench: DictConfig) -> dict:
     return out
 
 
-def build_methods(cfg: DictConfig, target, draft, eos_ids,
-                  policies: dict | None = None) -> tuple[list[Method], dict[str, str]]:
+def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None = None,
+                  why: dict[str, str] | None = None) -> tuple[list[Method], dict[str, str]]:
     """treedec's methods from ``bench.methods`` (and their sampled variants); returns (methods, skipped)."""
     from treedec.config_schema import instantiate_checked
     from treedec.decoding.sampling import SamplingParams
 
+    why = {**resolve_auto(cfg), **(why or {})}  # the reasons of the first resolution, when given
     bench = cfg.bench
     n = int(bench.max_new_tokens)
     greedy = SamplingParams()
     names = method_names(bench)
-    policies = build_policies(bench) if policies is None else policies
+    policies = build_policies(cfg) if policies is None else policies
+    compiled = bool(bench.get("compile"))
     sampled = None
     if bench.sampling:
         sampled = instantiate_checked(cfg.sampling, "sampling")
@@ -199,14 +264,24 @@ def build_methods(cfg: DictConfig, target, draft, eos_ids,
     for name in names:
         if name == "vanilla":
             methods.append(vanilla_method("vanilla", target, n, greedy, eos_ids))
+            if compiled:
+                # Eager and compiled kernels round differently: in fp32 a difference is a bug, in bf16 it is reported.
+                methods.append(vanilla_method("vanilla_compile", target, n, greedy, eos_ids, compile=True))
+                methods[-1].lossless = target.dtype == torch.float32
             if sampled is not None:
                 methods.append(vanilla_method("vanilla_sample", target, n, sampled, eos_ids))
             continue
         if name == "learned" and not bench.learned_path:
-            skipped[name] = "bench.learned_path is not set (point it at a learned tree-shape file)"
+            skipped[name] = why["learned"]
             log.info("skipping `learned`: %s", skipped[name])
             continue
+        if name == "learned":
+            log.info("`learned`: %s", why["learned"])
         methods.append(speculative_method(name, target, draft, policies[name], n, greedy, eos_ids))
+        if compiled:  # its own policy object: a compiled decoder may pad or precompute per policy
+            methods.append(speculative_method(f"{name}_compile", target, draft,
+                                              instantiate_checked(bench.trees[name], f"bench.trees.{name}"), n,
+                                              greedy, eos_ids, compile=True, reference="vanilla_compile"))
         if sampled is not None:
             methods.append(speculative_method(f"{name}_sample", target, draft,
                                               instantiate_checked(bench.trees[name], f"bench.trees.{name}"), n,
@@ -274,14 +349,57 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _graphs_compiled() -> int:
+    """Graphs torch.compile has compiled so far in this process (0 when dynamo is unavailable)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover - every supported torch has dynamo
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _timed(m: Method, p: Prompt, seed: int, device: torch.device) -> tuple[RunOutput, float]:
+    _sync(device)
+    t0 = time.perf_counter()
+    out = m(p, seed)
+    _sync(device)
+    return out, time.perf_counter() - t0
+
+
+def count_method_ops(m: Method, prompt: Prompt, seed: int) -> dict | None:
+    """One extra untimed run of a treedec method inside count_ops (None for peers); a failure is recorded."""
+    if m.ops_fn is None:
+        return None
+    try:
+        return m.ops_fn(prompt, seed)
+    except Exception as exc:  # counting is a diagnostic: it must not sink the benchmark
+        log.warning("%s: counting aten ops failed: %s: %s", m.name, type(exc).__name__, exc)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def time_methods(methods: list[Method], prompts: list[Prompt], repeats: int, warmup: int, seed: int,
-                 device: torch.device) -> dict[str, dict]:
-    """Run every method on every prompt, interleaved; returns per method its per-pass times and first-pass outputs."""
-    for w in range(warmup):
+                 device: torch.device, ops: bool = True) -> dict[str, dict]:
+    """Run every method on every prompt, interleaved; returns per method its per-pass times and first-pass outputs.
+
+    Also per method: ``warmup_s`` (each warm-up run), ``compile_s`` (compiled methods: the first
+    warm-up run, which pays the compilation; a compiled method gets one even with ``warmup=0``),
+    ``ops`` (:func:`measure_ops` on the first prompt, untimed) and ``graphs_in_timed`` (graphs
+    torch.compile built during the timed runs: should be 0, else compile time leaked into tok/s).
+    """
+    res = {m.name: {"times": [], "tokens": [], "outputs": [], "splits": [], "warmup_s": [], "graphs_in_timed": 0}
+           for m in methods}
+    for w in range(max(warmup, 1 if any(m.compiled for m in methods) else 0)):
         for m in methods:
-            log.info("warm-up %d/%d: %s", w + 1, warmup, m.name)
-            m(prompts[0], seed)
-    res = {m.name: {"times": [], "tokens": [], "outputs": [], "splits": []} for m in methods}
+            if w >= warmup and not m.compiled:
+                continue
+            log.info("warm-up %d/%d: %s", w + 1, max(warmup, 1), m.name)
+            res[m.name]["warmup_s"].append(_timed(m, prompts[0], seed, device)[1])
+    for m in methods:
+        if m.compiled:
+            res[m.name]["compile_s"] = res[m.name]["warmup_s"][0]
+            log.info("%s: first warm-up run (compilation included) %.1f s", m.name, res[m.name]["compile_s"])
+        if ops:
+            res[m.name]["ops"] = count_method_ops(m, prompts[0], seed)
     for r in range(max(repeats, 1)):
         t_pass = {m.name: 0.0 for m in methods}
         n_pass = {m.name: 0 for m in methods}
@@ -290,11 +408,10 @@ def time_methods(methods: list[Method], prompts: list[Prompt], repeats: int, war
         for i, p in enumerate(prompts):
             k = (r + i) % len(methods)
             for m in methods[k:] + methods[:k]:
-                _sync(device)
-                t0 = time.perf_counter()
-                out = m(p, seed + i)
-                _sync(device)
-                dt = time.perf_counter() - t0
+                graphs = _graphs_compiled() if m.compiled else 0
+                out, dt = _timed(m, p, seed + i, device)
+                if m.compiled:
+                    res[m.name]["graphs_in_timed"] += _graphs_compiled() - graphs
                 t_pass[m.name] += dt
                 n_pass[m.name] += len(out.tokens)
                 split_pass[m.name].update(out.split)
@@ -310,6 +427,10 @@ def time_methods(methods: list[Method], prompts: list[Prompt], repeats: int, war
                 log.warning("%s: greedy output changed between passes (non-deterministic kernels?)", m.name)
         log.info("pass %d/%d: %s", r + 1, repeats,
                  ", ".join(f"{m.name} {n_pass[m.name] / t_pass[m.name]:.1f} tok/s" for m in methods if t_pass[m.name]))
+    for m in methods:
+        if res[m.name]["graphs_in_timed"]:
+            log.warning("%s: torch.compile built %d graph(s) during the timed runs, so its tok/s includes "
+                        "compilation (a new shape per prompt?)", m.name, res[m.name]["graphs_in_timed"])
     return res
 
 
@@ -340,8 +461,17 @@ def summarize(methods: list[Method], prompts: list[Prompt], timing: dict[str, di
             "time_s": d["times"][mid],
             "time_split": {**{k: v for k, v in d["splits"][mid].items() if v}, "total": d["times"][mid]},
             "tokens_per_s_passes": tps,
+            "warmup_s": d.get("warmup_s", []),
             **m.info,
         }
+        if m.compiled:  # paid by the first warm-up run, never part of tokens_per_s
+            entry["compile_s"] = d.get("compile_s")
+            entry["graphs_compiled_in_timed_runs"] = d.get("graphs_in_timed", 0)
+        ops = d.get("ops")
+        if ops is not None:
+            entry["aten_ops_per_step"] = ops.get("aten_ops_per_step")
+            entry["host_reads_per_step"] = ops.get("host_reads_per_step")
+            entry["op_counts"] = ops
         acc = sum((o.accepted for o in outs), Counter())
         if acc:
             entry["accepted_hist"] = {int(k): v for k, v in sorted(acc.items())}
@@ -351,12 +481,14 @@ def summarize(methods: list[Method], prompts: list[Prompt], timing: dict[str, di
         if ref is not None and ref["tokens_per_s"] > 0:
             e["speedup"] = e["tokens_per_s"] / ref["tokens_per_s"]
             e["speedup_over_tau"] = e["speedup"] / e["tau"] if e["tau"] else None
-        if not m.greedy or m.name == "vanilla" or "vanilla" not in timing:
+        if not m.greedy or m.name == "vanilla" or m.reference not in timing:
             if m.name == "vanilla":
                 e["identical_to_vanilla"] = True
             continue
+        if m.reference != "vanilla":  # e.g. a compiled tree method against compiled vanilla (same kernels)
+            e["checked_against"] = m.reference
         diffs = []
-        for i, (p, a, b) in enumerate(zip(prompts, timing["vanilla"]["outputs"], timing[m.name]["outputs"])):
+        for i, (p, a, b) in enumerate(zip(prompts, timing[m.reference]["outputs"], timing[m.name]["outputs"])):
             pos = first_difference(a.tokens, b.tokens)
             if pos is not None:
                 diffs.append({"prompt": p.id, "prompt_index": i, "position": pos,
@@ -367,15 +499,17 @@ def summarize(methods: list[Method], prompts: list[Prompt], timing: dict[str, di
         if diffs:
             e["mismatches"] = diffs
             first = diffs[0]
-            msg = (f"{m.name}: greedy output differs from vanilla on {len(diffs)}/{len(prompts)} prompt(s); first at "
-                   f"prompt {first['prompt']!r}, token {first['position']} (vanilla {first['vanilla']}, "
+            ref = m.reference
+            msg = (f"{m.name}: greedy output differs from {ref} on {len(diffs)}/{len(prompts)} prompt(s); first at "
+                   f"prompt {first['prompt']!r}, token {first['position']} ({ref} {first['vanilla']}, "
                    f"{m.name} {first['got']})")
-            if m.family == "treedec":
+            if m.lossless:
                 e["failure_message"], e["lossless_check"] = msg, True
                 failures.append(msg)
             else:
                 e["failure_message"] = msg
-                log.warning("%s (a peer: its numerics may differ from treedec's, e.g. in bf16)", msg)
+                why = "a peer" if m.family == "peer" else "compiled kernels round differently from eager ones"
+                log.warning("%s (%s: numerics may differ, e.g. in bf16)", msg, why)
     return out, failures
 
 
@@ -429,7 +563,8 @@ def run(cfg: DictConfig) -> dict:
 
     validate(cfg, "bench")
     bench = cfg.bench
-    policies = build_policies(bench)
+    why = resolve_auto(cfg)  # bench.learned_path / assistant_path = auto -> what they mean here
+    policies = build_policies(cfg)
     try:
         load_start = list(os.getloadavg())
     except OSError:
@@ -446,17 +581,18 @@ def run(cfg: DictConfig) -> dict:
     log.info("%d prompts (%d-%d tokens), max_new_tokens=%d, %d threads, %s %s on %s", len(prompts),
              min(len(p.ids) for p in prompts), max(len(p.ids) for p in prompts), int(bench.max_new_tokens),
              torch.get_num_threads(), str(target.dtype).removeprefix("torch."), cfg.kernel.backend, target.device)
-    methods, skipped = build_methods(cfg, target, draft, eos_ids, policies)
-    peer_methods, peer_skipped = peer_mod.build_peers(cfg, target, eos_ids)
+    methods, skipped = build_methods(cfg, target, draft, eos_ids, policies, why)
+    peer_methods, peer_skipped = peer_mod.build_peers(cfg, target, eos_ids, why["hf_assisted"])
     methods += peer_methods
     skipped.update(peer_skipped)
 
     timing = time_methods(methods, prompts, int(bench.repeats), int(bench.warmup), int(bench.seed), target.device)
     table, _ = summarize(methods, prompts, timing)
-    for e in table.values():
+    methods_by_name = {m.name: m for m in methods}
+    for name, e in table.items():
         for d in e.get("mismatches", []):
             i = d["prompt_index"]
-            van = timing["vanilla"]["outputs"][i].tokens
+            van = timing[methods_by_name[name].reference]["outputs"][i].tokens
             d["logit_gap"], d["ulp"] = logit_gap(target, prompts[i].ids + van[: d["position"]])
     failures = classify_mismatches(table, float(bench.tie_ulps))
     if bench.strict_peers:
@@ -492,5 +628,6 @@ def run(cfg: DictConfig) -> dict:
     return metrics
 
 
-__all__ = ["Method", "OutputMismatch", "Prompt", "RunOutput", "build_methods", "build_policies", "first_difference",
-           "load_prompts", "machine_info", "method_names", "run", "summarize", "time_methods"]
+__all__ = ["Method", "OutputMismatch", "Prompt", "RunOutput", "build_methods", "build_policies", "count_method_ops",
+           "first_difference", "load_prompts", "machine_info", "measure_ops", "method_names", "resolve_auto", "run",
+           "summarize", "time_methods"]

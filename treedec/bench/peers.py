@@ -4,7 +4,9 @@
 * ``hf_prompt_lookup``: the same with ``prompt_lookup_num_tokens`` (n-gram drafts copied
   from the prompt; no draft model). Lossless greedy.
 * ``hf_assisted``: assisted generation with ``assistant_model`` (a smaller model that shares
-  the tokenizer), only when ``bench.assistant_path`` is set. Lossless greedy.
+  the tokenizer). ``bench.assistant_path=auto`` (the default) uses the bundled 2-layer
+  ``tiny-code-assistant`` (trained by treedec's own ``pretrain``) with the bundled target; a
+  missing or unloadable assistant, or one of another vocabulary, is skipped with the reason. Lossless greedy.
 
 The target's directory is loaded with ``AutoModelForCausalLM.from_pretrained`` in the same
 dtype and on the same device as treedec's model (the bundled ``tiny-code`` is a Hugging Face
@@ -77,8 +79,12 @@ def hf_method(name: str, model, max_new_tokens: int, eos_ids: list[int], **extra
     return Method(name, "peer", True, fn, info)
 
 
-def build_peers(cfg: DictConfig, target, eos_ids: list[int]) -> tuple[list[Method], dict[str, str]]:
-    """The peers named in ``bench.peers`` that can run here; returns (methods, skipped reasons)."""
+def build_peers(cfg: DictConfig, target, eos_ids: list[int],
+                assistant_note: str | None = None) -> tuple[list[Method], dict[str, str]]:
+    """The peers named in ``bench.peers`` that can run here; returns (methods, skipped reasons).
+
+    ``assistant_note``: why ``bench.assistant_path`` is what it is (from resolving ``auto``).
+    """
     bench = cfg.bench
     names = list(dict.fromkeys(bench.get("peers") or []))
     unknown = [n for n in names if n not in PEERS]
@@ -94,13 +100,23 @@ def build_peers(cfg: DictConfig, target, eos_ids: list[int]) -> tuple[list[Metho
             skipped[n] = "transformers is not installed (pip install transformers)"
         log.warning("skipping peers %s: transformers is not installed", names)
         return [], skipped
-    if "hf_assisted" in names and not bench.get("assistant_path"):
-        names.remove("hf_assisted")
-        skipped["hf_assisted"] = "bench.assistant_path is not set (a smaller HF model with the same tokenizer)"
-        log.info("skipping hf_assisted: %s", skipped["hf_assisted"])
+    from treedec.bench.bundled import assistant_path
+    from treedec.models.checkpoint import resolve_path
+
+    assistant = None
+    if "hf_assisted" in names:
+        value, why = assistant_path(bench.get("assistant_path"), cfg.model.path)
+        why = assistant_note or why
+        assistant = value and _assistant_dir(value, skipped)
+        if value is None:
+            skipped["hf_assisted"] = why
+        if assistant is None:
+            names.remove("hf_assisted")
+            log.info("skipping hf_assisted: %s", skipped["hf_assisted"])
+        else:
+            log.info("hf_assisted: %s", why)
     if not names:
         return [], skipped
-    from treedec.models.checkpoint import resolve_path
 
     path = resolve_path(cfg.model.path)
     try:
@@ -119,11 +135,39 @@ def build_peers(cfg: DictConfig, target, eos_ids: list[int]) -> tuple[list[Metho
             methods.append(hf_method(name, model, n, eos_ids,
                                      prompt_lookup_num_tokens=int(bench.prompt_lookup_num_tokens)))
         elif name == "hf_assisted":
-            assistant = load_hf(resolve_path(bench.assistant_path), target.dtype, target.device)
-            m = hf_method(name, model, n, eos_ids, assistant_model=assistant)
-            m.info["assistant_path"] = str(bench.assistant_path)
+            small = _load_assistant(assistant, model, target, skipped)
+            if small is None:
+                continue
+            m = hf_method(name, model, n, eos_ids, assistant_model=small)
+            m.info.update(assistant_path=str(assistant), assistant_layers=small.config.num_hidden_layers)
             methods.append(m)
     return methods, skipped
+
+
+def _assistant_dir(value: str, skipped: dict[str, str]):
+    """The assistant's directory, or None with the reason in ``skipped`` (a bundled one not trained yet)."""
+    from treedec.models.checkpoint import resolve_path
+
+    try:
+        return resolve_path(value)
+    except FileNotFoundError as exc:
+        skipped["hf_assisted"] = f"no assistant model: {exc}"
+        return None
+
+
+def _load_assistant(path, model, target, skipped: dict[str, str]):
+    """The assistant as a transformers model, or None (reason in ``skipped``) when it cannot assist ``model``."""
+    try:
+        small = load_hf(path, target.dtype, target.device)
+    except Exception as exc:  # a broken assistant costs its peer, not the benchmark
+        skipped["hf_assisted"] = f"transformers could not load the assistant {path}: {type(exc).__name__}: {exc}"
+    else:
+        if small.config.vocab_size == model.config.vocab_size:
+            return small
+        skipped["hf_assisted"] = (f"the assistant {path} has vocab_size {small.config.vocab_size}, the target "
+                                  f"{model.config.vocab_size}: assisted generation needs the same tokenizer")
+    log.warning("skipping hf_assisted: %s", skipped["hf_assisted"])
+    return None
 
 
 __all__ = ["PEERS", "ForwardCounter", "build_peers", "hf_method", "load_hf"]

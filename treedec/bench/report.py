@@ -18,7 +18,7 @@ def _identical(e: dict) -> str:
     if v is None:
         return "n/a (sampled)" if not e.get("greedy", True) else "–"
     if v:
-        return "yes"
+        return f"yes (= {e['checked_against']})" if e.get("checked_against") else "yes"
     n, ties = len(e.get("mismatches") or []), e.get("tie_flips", 0)
     if n and ties == n:
         return f"no: {n} prompt(s) part at a numerical tie (top-2 logits within rounding)"
@@ -51,16 +51,29 @@ def markdown(metrics: dict) -> str:
         lines.append(f"| {name} | {_f(e['tokens_per_s'], '.1f')} | {_f(e['tau'], '.2f')} | "
                      f"{_f(e['speedup'], '.2f')}× | {_f(e['speedup_over_tau'], '.2f')} | {_identical(e)} | "
                      f"{e['new_tokens']} |")
-    # Where the time of treedec's methods goes (the median pass, by phase).
+    # Where the time of treedec's methods goes (the median pass, by phase), and what one step costs in ops.
     rows = [(n, e) for n, e in metrics["methods"].items() if e.get("family") == "treedec"]
     phases = [p for p in PHASES if any(p in e["time_split"] for _, e in rows)]
+    compiled = any("compile_s" in e for _, e in rows)
     if rows and phases:
-        lines += ["", "Time split of the median pass (% of wall time; phases timed by the decoder itself):", "",
-                  "| method | " + " | ".join(phases) + " | total s |", "|---|" + "---:|" * (len(phases) + 1)]
+        extra = ["total s", "host reads/step", "aten ops/step"] + (["compile s"] if compiled else [])
+        lines += ["", "Time split of the median pass (% of wall time; phases timed by the decoder itself), and per "
+                  "decoding step the host reads and aten ops of one untimed run on the first prompt:", "",
+                  "| method | " + " | ".join(phases + extra) + " |", "|---|" + "---:|" * (len(phases) + len(extra))]
         for n, e in rows:
             ts, total = e["time_split"], e["time_split"].get("total") or 0.0
             cells = [f"{100 * ts.get(p, 0.0) / total:.0f}%" if total else "–" for p in phases]
-            lines.append(f"| {n} | " + " | ".join(cells) + f" | {total:.2f} |")
+            cells += [f"{total:.2f}", _f(e.get("host_reads_per_step"), ".1f"), _f(e.get("aten_ops_per_step"), ".0f")]
+            if compiled:
+                cells.append(_f(e.get("compile_s"), ".1f"))
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        if compiled:
+            lines += ["", "compile s: the first warm-up run of a compiled method (compilation included); it is "
+                          "never part of tok/s."]
+        leaked = [n for n, e in rows if e.get("graphs_compiled_in_timed_runs")]
+        if leaked:
+            lines += ["", "**Compiled during the timed runs** (their tok/s includes compilation): "
+                      + ", ".join(leaked)]
     if metrics.get("skipped"):
         lines += ["", "Skipped: " + "; ".join(f"`{k}`: {v}" for k, v in metrics["skipped"].items())]
     if metrics.get("failures"):

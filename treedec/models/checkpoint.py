@@ -24,7 +24,13 @@ from treedec.models.config import SUPPORTED_ARCHITECTURES, LlamaConfig
 from treedec.models.llama import Transformer, rope_inv_freq
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-BUNDLED = {"tiny-code": ASSETS / "tiny-code"}
+BUNDLED = {"tiny-code": ASSETS / "tiny-code", "tiny-code-assistant": ASSETS / "tiny-code-assistant"}
+# How each bundled model is made, for the error when it is missing.
+_BUNDLED_HOW = {
+    "tiny-code": "python -m treedec.pretrain export_dir=bundled",
+    "tiny-code-assistant": ("python -m treedec.pretrain model_arch=tiny_code_assistant paths.tokenizer=tiny-code "
+                            "export_dir=bundled"),
+}
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -82,13 +88,14 @@ def resolve_device(device: torch.device | str | None = "auto") -> torch.device:
 
 
 def resolve_path(name_or_path: str | os.PathLike) -> Path:
-    """Map ``"tiny-code"`` to the bundled directory; check that a directory exists."""
+    """Map a bundled name (``"tiny-code"``, ``"tiny-code-assistant"``) to its directory; check that a directory exists."""
     name = str(name_or_path)
     if name in BUNDLED:
         path = BUNDLED[name]
         if not (path / "config.json").is_file():
+            how = _BUNDLED_HOW.get(name, "python -m treedec.pretrain")
             raise FileNotFoundError(
-                f"the bundled model {name!r} is not at {path}: it is trained by `python -m treedec.pretrain` "
+                f"the bundled model {name!r} is not at {path}: it is trained by `{how}` "
                 f"(which writes it there), or pass the path of a local Hugging Face directory instead"
             )
         return path
