@@ -76,7 +76,7 @@ def weights(path):
     return torch.load(path, weights_only=True, map_location="cpu")["state_dict"]
 
 
-def test_kill9_then_rerun_resumes_to_the_same_step(killed_and_resumed, corpus, tokenizer, tmp_path):  # noqa: F811
+def test_kill9_then_rerun_ends_bit_identical_to_an_uninterrupted_run(killed_and_resumed, corpus, tokenizer, tmp_path):  # noqa: F811
     from treedec.pretrain import run as pretrain
 
     run, killed, metrics = killed_and_resumed
