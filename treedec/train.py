@@ -50,7 +50,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     from treedec.models.tokenizer import load_tokenizer
     from treedec.training.callbacks import (atomic_dir, build_trainer, bundled_dir, export_path, seconds,
                                             stop_reason, time_budget, use_hint, write_json)
-    from treedec.training.data import heldout_prompts
+    from treedec.training.data import frequent_tokens, heldout_prompts
     from treedec.training.draft import DraftModule, SpeculativeEvalCallback
 
     t0 = time.time()
@@ -93,6 +93,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
         head = DraftHead(module.head.config).bind(module.target).to(resolve_dtype(cfg.export_dtype))
         head.load_state_dict(module.head.state_dict())
         head.config.target = str(cfg.target)
+        if int(cfg.draft_vocab_size):
+            head.restrict_vocab(frequent_tokens(dm.train_set, int(cfg.draft_vocab_size), head.config.vocab_size))
         atomic_dir(export, head.save)
         log.info("exported the draft head to %s; use it: %s", export, use_hint("draft", export, str(cfg.target)))
     max_time = cfg.trainer.get("max_time")

@@ -140,3 +140,35 @@ def test_policies_that_need_more_tokens_than_the_vocabulary_fail_up_front():
         SpeculativeDecoder(target, draft, DynamicPolicy(10, 2, 9))
     with pytest.raises(TreeError, match="vocabulary has only 8"):
         SpeculativeDecoder(target, draft, StaticPolicy(choices=[[0], [8]]))
+
+
+@pytest.mark.parametrize("policy", ["static", "dynamic", "static_sampled"])
+def test_a_reduced_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(policy):
+    target, draft = make_pair(9)
+    allowed = torch.arange(0, 64, 3)  # 22 of the 64 tokens
+    draft.restrict_vocab(allowed)
+    make = {"static": lambda: StaticPolicy(shape="balanced_2x3"), "dynamic": lambda: DynamicPolicy(12, 3, 3),
+            "static_sampled": lambda: StaticPolicy(shape="balanced_2x3", sample_drafts=True)}[policy]
+    seen = []
+    params = SamplingParams(1.0) if policy == "static_sampled" else SamplingParams()
+    dec = SpeculativeDecoder(target, draft, make(), params)
+    g = torch.Generator().manual_seed(0)
+    out = dec.generate([1, 2, 3], 60, generator=g, hook=lambda s: seen.append(s.tree.tokens[0, 1:].clone()))
+    assert bool(torch.isin(torch.cat(seen), allowed).all())
+    if policy != "static_sampled":
+        assert out.tokens[0] == greedy_reference(target, [1, 2, 3], 60)
+    else:
+        q = seen and dec.drafter.head.to_target_probs(torch.full((1, 22), 1 / 22))
+        assert float(q[0, ~torch.isin(torch.arange(64), allowed)].sum()) == 0.0
+
+
+def test_draft_vocabulary_is_saved_with_the_head(tmp_path):
+    from treedec.models.draft import DraftHead
+
+    target, draft = make_pair(9)
+    draft.restrict_vocab([5, 1, 7])
+    draft.save(tmp_path)
+    back = DraftHead.load(tmp_path, target=target)
+    assert back.vocab_ids.tolist() == [5, 1, 7] and back.logits(torch.zeros(1, 32 * 2)).shape[-1] == 3
+    with pytest.raises(ValueError, match="distinct token ids"):
+        draft.restrict_vocab([1, 1])

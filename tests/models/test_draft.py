@@ -56,12 +56,13 @@ def test_fingerprint_ignores_dtype_but_not_weights():
     assert target_fingerprint(t) != fp
 
 
-def test_bind_casts_the_head_to_the_targets_dtype():
-    target = small_target().to(torch.bfloat16)
-    head = DraftHead(DraftConfig.for_target(target.config)).bind(target)
-    assert head.fc.weight.dtype == torch.bfloat16
-    feat = head(torch.tensor([[1, 2]]), torch.randn(1, 2, 32), head.new_cache(1, 8), torch.arange(2)[None])
-    assert head.logits(feat).dtype == torch.bfloat16
+@pytest.mark.parametrize("head_dtype,target_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_a_head_of_another_dtype_than_its_target_drafts(head_dtype, target_dtype):
+    target = small_target().to(target_dtype)
+    head = DraftHead(DraftConfig.for_target(target.config)).to(head_dtype).bind(target)
+    feats = torch.randn(1, 2, 32, dtype=target_dtype)
+    feat = head(torch.tensor([[1, 2]]), feats, head.new_cache(1, 8), torch.arange(2)[None])
+    assert feat.dtype == head_dtype and head.logits(feat).dtype == target_dtype
 
 
 def test_feature_layers_must_exist_in_the_target():

@@ -26,7 +26,7 @@ class Drafter:
         self.head = head
         self.cache = head.new_cache(batch, max_len)
         self.root_feat: torch.Tensor | None = None  # [B, H]
-        self.root_logits: torch.Tensor | None = None  # [B, V] (model dtype)
+        self.root_logits: torch.Tensor | None = None  # [B, K] over the draft vocabulary (model dtype)
         self.root_tokens: torch.Tensor | None = None  # [B]
 
     @property
@@ -59,8 +59,13 @@ class Drafter:
         self.cache.advance(list(n_host))
 
     def root_topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs [B, k], tokens [B, k]) of the root's k most likely children."""
-        return topk_logp(self.root_logits, k)
+        """(log-probs [B, k], target token ids [B, k]) of the root's k most likely children."""
+        return self.topk(self.root_logits, k)
+
+    def topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, target token ids) of the k most likely draft tokens of ``logits`` [..., K]."""
+        logp, idx = topk_logp(logits, k)
+        return logp, self.head.to_target_ids(idx)
 
     def expand(self, tokens: torch.Tensor, parent_feats: torch.Tensor, depth: int,
                anc_rows: torch.Tensor, n_prev: int) -> tuple[torch.Tensor, torch.Tensor]:

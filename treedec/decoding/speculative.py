@@ -37,7 +37,7 @@ class SpeculativeDecoder(Decoder):
         ``generate`` pays the compile time."""
         self.target, self.draft, self.policy, self.sampling = target, draft.bind(target), policy, sampling
         self.eos = normalize_eos(eos_ids, target.config.eos_ids)
-        policy.validate(target.config.vocab_size)
+        policy.validate(draft.config.draft_vocab_size or target.config.vocab_size)
         self.compile, self._verify = compile, None
 
     # --------------------------------------------------------------------------------- the loop

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treedec.decoding.sampling import SamplingParams, sample, target_probs
+from treedec.decoding.sampling import SamplingParams, greedy_pick, sample, target_probs
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Acceptance:
 def node_choices(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """The target's pick at every node [B, T]: argmax (greedy) or one draw from p (sampling)."""
     if params.greedy:
-        return logits.argmax(-1)
+        return greedy_pick(logits)
     return sample(target_probs(logits, params), generator)
 
 

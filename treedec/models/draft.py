@@ -9,6 +9,7 @@ shared and frozen, and never written into the draft checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ class DraftConfig:
     feature_layers: list[int] = field(default_factory=lambda: [-1])  # -1: the final normed hidden state
     target: str = ""  # what it was trained for (informational)
     target_fingerprint: str = ""  # target_fingerprint() of the target it was trained with ("" = unknown)
+    draft_vocab_size: int = 0  # > 0: draft only over these most frequent target tokens (buffer vocab_ids); 0: all
 
     @classmethod
     def for_target(cls, cfg: LlamaConfig, target: str = "", **overrides) -> "DraftConfig":
@@ -93,10 +95,16 @@ class DraftHead(nn.Module):
         self.layer = DecoderLayer(cfg.layer_config())
         self.layer.input_layernorm = nn.Identity()  # EAGLE skips the first input norm
         self.register_buffer("inv_freq", rope_inv_freq(cfg.layer_config()), persistent=False)
+        if cfg.draft_vocab_size:
+            self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab_size))
         self._target: tuple[Transformer, ...] = ()
+        self._lm_weight: torch.Tensor | None = None  # the LM head's rows of the draft vocabulary
 
     def bind(self, target: Transformer) -> "DraftHead":
-        """Share the target's embedding and LM head, on its device and in its dtype.
+        """Share the target's embedding and LM head, on the target's device.
+
+        The head keeps its own dtype (inputs and outputs are cast at its boundaries), so an
+        fp32 head may draft for a bf16 target: on CPUs its small matmuls are faster in fp32.
 
         A vocabulary, width or feature-layer mismatch is a clear error; a head trained for
         another target of the same shape (fingerprints differ) decodes correctly but accepts
@@ -121,11 +129,39 @@ class DraftHead(nn.Module):
                     f"but is bound to a different target (fingerprint {fp}) of the same shape: output stays exact, "
                     "but expect little acceleration (tau near 1); train a head for this target with `python -m treedec.train`",
                     stacklevel=2)
-        w = self.fc.weight
-        if w.dtype != target.dtype or w.device != target.device:
-            self.to(device=target.device, dtype=target.dtype)
+        if self.fc.weight.device != target.device:
+            self.to(device=target.device)
         self._target = (target,)  # a tuple keeps the target out of this module's parameters
+        self._lm_weight = target.lm_head.weight[self.vocab_ids].detach() if dc.draft_vocab_size else None
         return self
+
+    def restrict_vocab(self, token_ids: torch.Tensor) -> "DraftHead":
+        """Draft only over ``token_ids`` (e.g. the target's most frequent tokens, as EAGLE-3 does).
+
+        The draft's LM head then multiplies by a K-row slice of the target's, which is most of a
+        small head's cost per depth; tokens outside the set are never drafted (verification,
+        and so the output, is unchanged). Saved with the head.
+        """
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size or \
+                ids.unique().numel() != ids.numel():
+            raise ValueError(f"a draft vocabulary needs distinct token ids in [0, {self.config.vocab_size})")
+        self.config.draft_vocab_size = ids.numel()
+        self.register_buffer("vocab_ids", ids.to(self.fc.weight.device))
+        if self._target:
+            self.bind(self.target)
+        return self
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices (what :meth:`logits` ranks) -> target token ids."""
+        return self.vocab_ids[ids] if self.config.draft_vocab_size else ids
+
+    def to_target_probs(self, q: torch.Tensor) -> torch.Tensor:
+        """A distribution over the draft vocabulary [..., K] -> over the target's [..., V] (zeros outside)."""
+        if not self.config.draft_vocab_size:
+            return q
+        out = q.new_zeros(*q.shape[:-1], self.config.vocab_size)
+        return out.scatter_(-1, self.vocab_ids.expand(*q.shape[:-1], -1), q)
 
     @property
     def target(self) -> Transformer:
@@ -147,7 +183,8 @@ class DraftHead(nn.Module):
         Logits cost a vocabulary-wide matmul, so they are asked for apart: :meth:`logits`.
         """
         t = self.target
-        x = self.fc(torch.cat((t.model.embed_tokens(tokens), features.to(self.fc.weight.dtype)), dim=-1))
+        dt = self.fc.weight.dtype
+        x = self.fc(torch.cat((t.model.embed_tokens(tokens).to(dt), features.to(dt)), dim=-1))
         B, T = tokens.shape
         cache.check_room(T)
         if mask is None:
@@ -155,12 +192,12 @@ class DraftHead(nn.Module):
             mask = prefix_tree_mask(chain, cache.lengths, max(cache.host_lengths) + T)[:, None]
         cos, sin = rope_cos_sin(position_ids, self.inv_freq)
         backend = "eager" if t.attn_backend == "eager" else "sdpa"  # one small layer: a dense mask is cheapest
-        return self.layer(x, cos, sin, cache, 0, None, mask, backend)
+        return self.layer(x, cos.to(dt), sin.to(dt), cache, 0, None, mask, backend)
 
     def logits(self, feat: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the vocabulary for predicted features (the target's shared LM head)."""
-        t = self.target
-        return t.lm_head(feat.to(t.lm_head.weight.dtype))
+        """Draft logits for predicted features: over the draft vocabulary (all of the target's by default)."""
+        w = self.target.lm_head.weight if self._lm_weight is None else self._lm_weight
+        return torch.nn.functional.linear(feat.to(w.dtype), w)
 
     def forward_train(self, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal pass from position 0 without a cache (training): same maths as :meth:`forward` on a chain."""
@@ -182,6 +219,9 @@ class DraftHead(nn.Module):
         path.mkdir(parents=True, exist_ok=True)
         (path / DRAFT_CONFIG).write_text(json.dumps(asdict(self.config), indent=2))
         save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(path / DRAFT_WEIGHTS))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(path / DRAFT_WEIGHTS, 0o666 & ~umask)  # safetensors writes 0600; shared heads must stay readable
 
     @classmethod
     def load(cls, path: str | Path, target: Transformer | None = None, dtype=None, device=None) -> "DraftHead":
@@ -207,5 +247,6 @@ class DraftHead(nn.Module):
             raise ValueError(f"draft weights in {path} do not fit {DRAFT_CONFIG}: {e}") from e
         if missing or unexpected:
             raise ValueError(f"draft weights in {path} do not match its config: missing {missing}, unexpected {unexpected}")
-        head = head.to(device=device or "cpu", dtype=dtype or next(iter(state.values())).dtype)
+        head = head.to(device=device or "cpu", dtype=dtype or state["fc.weight"].dtype)
+        head.layer.fuse()  # inference: one matmul for q/k/v and one for gate/up (file names unchanged)
         return head.bind(target) if target is not None else head

@@ -99,6 +99,7 @@ class TrainSchema(JobSchema):
     target_dtype: str = "bfloat16"
     draft: Any = None  # DraftConfig overrides
     init_from: Optional[str] = None
+    draft_vocab_size: int = 0  # > 0: export with the training data's K most frequent tokens as draft vocabulary
     optim: DraftOptimSchema = field(default_factory=DraftOptimSchema)
     eval: EvalSchema = field(default_factory=EvalSchema)
     paths: TrainPathsSchema = field(default_factory=TrainPathsSchema)

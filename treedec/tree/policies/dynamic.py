@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from treedec.decoding.sampling import SamplingParams
-from treedec.tree.policies.base import ForestAncestry, TreePolicy, ancestry, topk_logp
+from treedec.tree.policies.base import ForestAncestry, TreePolicy, ancestry
 from treedec.tree.tree import Tree, TreeError
 
 
@@ -48,7 +48,7 @@ class DynamicPolicy(TreePolicy):
             anc_rows = forest.add(parent_inputs, k)
             feat, logits = drafter.expand(all_tok.gather(1, frontier), front_feat, depth=d - 1,
                                           anc_rows=anc_rows, n_prev=n_prev)
-            child_score, child_tok = topk_logp(logits, k)  # [B, k, k]
+            child_score, child_tok = drafter.topk(logits, k)  # [B, k, k]
             cum = all_score.gather(1, frontier)[:, :, None] + child_score
             toks.append(child_tok.reshape(B, k * k))
             scores.append(cum.reshape(B, k * k))

@@ -13,7 +13,7 @@ import torch
 
 from treedec.decoding.sampling import SamplingParams, target_probs
 from treedec.tree.layout import ancestor_matrix
-from treedec.tree.policies.base import TreePolicy, topk_logp
+from treedec.tree.policies.base import TreePolicy
 from treedec.tree.shapes import load_shape
 from treedec.tree.tree import Tree, TreeError
 
@@ -84,19 +84,20 @@ class StaticPolicy(TreePolicy):
         scores = torch.zeros(B, T, device=dev)
         sampled = self.sample_drafts and params is not None and not params.greedy
         probs_out = torch.zeros(B, T, drafter.vocab_size, device=dev) if sampled else None
-        logits = drafter.root_logits[:, None]  # [B, n_expanded, V]: children logits of the last depth's expanded nodes
+        logits = drafter.root_logits[:, None]  # [B, n_expanded, K]: children logits of the last depth's expanded nodes
         feat = drafter.root_feat[:, None]  # [B, n_expanded, H]: the feature those children read
         parent_ids = torch.zeros(1, dtype=torch.long, device=dev)  # tree ids of the last depth's expanded nodes
         for st in steps:
             nodes, slot, rank = st["nodes"], st["slot"], st["rank"]
             if sampled:
-                q = target_probs(logits, params)  # [B, n, V]
-                probs_out[:, parent_ids] = q
+                q = target_probs(logits, params)  # [B, n, K] over the draft vocabulary
+                probs_out[:, parent_ids] = drafter.head.to_target_probs(q)
                 picks = torch.multinomial(q.flatten(0, 1), st["k"], replacement=True, generator=generator)
                 picks = picks.view(B, -1, st["k"])
                 logp = torch.log_softmax(logits.float(), dim=-1).gather(2, picks)
+                picks = drafter.head.to_target_ids(picks)
             else:
-                logp, picks = topk_logp(logits, st["k"])  # [B, n, k]
+                logp, picks = drafter.topk(logits, st["k"])  # [B, n, k]
             tokens[:, nodes] = picks[:, slot, rank]
             scores[:, nodes] = scores[:, st["parent"]] + logp[:, slot, rank]
             if st["n_grow"]:
