@@ -207,7 +207,7 @@ def test_numerical_ties_are_reported_but_only_real_mismatches_fail():
              "peer": {"mismatches": [{"logit_gap": 3.0, "ulp": 0.0625}]}}
     failures = classify_mismatches(table, tie_ulps=1.0)
     assert failures == ["differs", "differs"]  # "real" and "unknown"; ties and peers do not fail
-    assert table["tied"]["tie_flips"] == 2 and table["real"]["tie_flips"] == 1
+    assert table["tied"]["tie_flips"] == 2 and table["real"]["tie_flips"] == 1 and table["peer"]["tie_flips"] == 0
     assert classify_mismatches({"tied": entry([0.0])}, tie_ulps=0.0) == []  # an exact tie is a tie even at 0
     assert classify_mismatches({"tied": entry([0.01])}, tie_ulps=0.0) == ["differs"]
 

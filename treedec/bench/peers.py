@@ -107,9 +107,10 @@ def build_peers(cfg: DictConfig, target, eos_ids: list[int],
     if "hf_assisted" in names:
         value, why = assistant_path(bench.get("assistant_path"), cfg.model.path)
         why = assistant_note or why
-        assistant = value and _assistant_dir(value, skipped)
         if value is None:
             skipped["hf_assisted"] = why
+        else:
+            assistant = _assistant_dir(value, skipped)
         if assistant is None:
             names.remove("hf_assisted")
             log.info("skipping hf_assisted: %s", skipped["hf_assisted"])
