@@ -95,7 +95,7 @@ def make_random(T, style, seed):
 
 # ------------------------------------------------------------------ construction
 
-EXAMPLE = [[0], [1], [2], [0, 0], [0, 1], [2, 0]]  # the tree of DESIGN.md §1
+EXAMPLE = [[0], [1], [2], [0, 0], [0, 1], [2, 0]]  # the tree of docs/design.md §1
 
 
 def test_from_choices_design_example():

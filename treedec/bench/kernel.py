@@ -2,7 +2,7 @@
 
 Times each backend on one decode-time verification step (a random tree of T nodes over a
 prefix of L cached tokens) and reports the median latency beside the achieved KV bandwidth,
-because the op is memory-bound (DESIGN.md §6): per layer it must read
+because the op is memory-bound (design §1): per layer it must read
 2 · (L + T) · Hkv · D · bytes of K/V per batch row, and little else.
 
 Backends are timed through their implementations directly (inputs validated once up
