@@ -133,3 +133,20 @@ def test_draft_tree_equals_draft_branches(policy, monkeypatch):
                     f = f2[:, 0]
                 ref = torch.log_softmax(d.head.logits(f)[0].float(), -1)
                 assert torch.allclose(ref, logp[b], atol=1e-4), (b, i)
+
+
+def test_dynamic_scores_follow_the_sampling_temperature():
+    """Scores are draft log-probs at the sampling temperature: cold sampling keeps the top path's
+    score near 0, hot sampling spreads it; the drafted tokens of the root's children do not change."""
+    from treedec.decoding.sampling import SamplingParams
+
+    d = primed_drafter(3)
+    with torch.inference_mode():
+        cold = DynamicPolicy(6, 1, 5).draft(d, SamplingParams(0.2))
+        base = DynamicPolicy(6, 1, 5).draft(d)
+        hot = DynamicPolicy(6, 1, 5).draft(d, SamplingParams(2.0))
+    assert torch.equal(cold.tokens, base.tokens) and torch.equal(hot.tokens, base.tokens)
+    best = lambda t: t.scores[:, 1:].max(1).values  # noqa: E731
+    assert bool((best(cold) > best(base)).all()) and bool((best(base) > best(hot)).all())
+    want = torch.log_softmax(d.root_logits.float() / 0.2, -1).topk(5).values
+    assert torch.allclose(cold.scores[:, 1:].sort(1, descending=True).values, want, atol=1e-4)

@@ -58,13 +58,13 @@ class Drafter:
         self.root_tokens = root_tokens
         self.cache.advance(list(n_host))
 
-    def root_topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def root_topk(self, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs [B, k], target token ids [B, k]) of the root's k most likely children."""
-        return self.topk(self.root_logits, k)
+        return self.topk(self.root_logits, k, temperature)
 
-    def topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs, target token ids) of the k most likely draft tokens of ``logits`` [..., K]."""
-        logp, idx = topk_logp(logits, k)
+    def topk(self, logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs at ``temperature``, target token ids) of the k most likely draft tokens of ``logits`` [..., K]."""
+        logp, idx = topk_logp(logits, k, temperature)
         return logp, self.head.to_target_ids(idx)
 
     def expand(self, tokens: torch.Tensor, parent_feats: torch.Tensor, depth: int,

@@ -280,6 +280,34 @@ def _tensors_for_save(model: Transformer, dtype: torch.dtype | None) -> dict[str
     return out
 
 
+def current_umask() -> int:
+    """The process umask (read without changing it where /proc tells it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: str | os.PathLike) -> None:
+    """Give a file, or a directory and everything in it, the modes a plain ``open``/``mkdir`` would have.
+
+    safetensors, ``mkstemp`` and ``mkdtemp`` create owner-only files, unreadable on a shared cluster.
+    """
+    mask, path = current_umask(), Path(path)
+    if not path.is_dir():
+        os.chmod(path, 0o666 & ~mask)
+        return
+    for d, _, files in os.walk(path):
+        os.chmod(d, 0o777 & ~mask)
+        for f in files:
+            os.chmod(os.path.join(d, f), 0o666 & ~mask)
+
+
 def save_pretrained(model: Transformer, path: str | os.PathLike, tokenizer=None, dtype: torch.dtype | str | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (+ tokenizer files) in Hugging Face layout.
 
@@ -293,6 +321,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, tokenizer=None,
     dtype = resolve_dtype(dtype) if dtype is not None else None
     tensors = _tensors_for_save(model, dtype)
     save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
+    follow_umask(path / WEIGHTS)
     if (path / INDEX).exists():  # a stale shard index would shadow the new single file
         (path / INDEX).unlink()
     cfg = model.config.to_hf()

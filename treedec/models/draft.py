@@ -9,7 +9,6 @@ shared and frozen, and never written into the draft checkpoint.
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -213,15 +212,15 @@ class DraftHead(nn.Module):
         """Write draft_config.json + draft.safetensors; a bound head records its target's fingerprint."""
         from safetensors.torch import save_file
 
+        from treedec.models.checkpoint import follow_umask
+
         if self._target:
             self.config.target_fingerprint = target_fingerprint(self.target)
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / DRAFT_CONFIG).write_text(json.dumps(asdict(self.config), indent=2))
         save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(path / DRAFT_WEIGHTS))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(path / DRAFT_WEIGHTS, 0o666 & ~umask)  # safetensors writes 0600; shared heads must stay readable
+        follow_umask(path / DRAFT_WEIGHTS)
 
     @classmethod
     def load(cls, path: str | Path, target: Transformer | None = None, dtype=None, device=None) -> "DraftHead":

@@ -46,6 +46,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgre
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 
+from treedec.models.checkpoint import follow_umask
+
 log = logging.getLogger("treedec.training")
 LOCK_NAME = ".lock"
 
@@ -136,29 +138,6 @@ def export_path(export_dir: str | None, bundled: Path) -> Path | None:
     if path.exists() and not path.is_dir():
         raise JobError(f"export_dir={export_dir} is a file; pass a directory (it is created if missing)")
     return path
-
-
-def current_umask() -> int:
-    """The process umask (read without changing it where /proc tells it)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def follow_umask(root: Path) -> None:
-    """Give ``root`` and everything in it the modes a plain ``open``/``mkdir`` would have: writers
-    such as safetensors and ``tempfile.mkdtemp`` create owner-only files, unreadable on a shared cluster."""
-    mask = current_umask()
-    for d, dirs, files in os.walk(root):
-        os.chmod(d, 0o777 & ~mask)
-        for f in files:
-            os.chmod(os.path.join(d, f), 0o666 & ~mask)
 
 
 def _exchange(a: Path, b: Path) -> bool:

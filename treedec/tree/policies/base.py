@@ -23,14 +23,18 @@ def ancestry(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return anc
 
 
-def topk_logp(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logp(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The k most likely tokens and their log-probabilities (fp32), without a full-vocabulary copy.
 
     Top-k runs on the raw logits; the log-softmax is needed only for what is kept, so a
-    logsumexp per row replaces it.
+    logsumexp per row replaces it. ``temperature`` scores under ``softmax(logits / t)`` (the
+    order, and so the tokens, do not change).
     """
     top = logits.topk(k, dim=-1)
-    return top.values.float() - torch.logsumexp(logits, dim=-1, keepdim=True).float(), top.indices
+    if temperature == 1.0:
+        return top.values.float() - torch.logsumexp(logits, dim=-1, keepdim=True).float(), top.indices
+    lse = torch.logsumexp(logits.float() / temperature, dim=-1, keepdim=True)
+    return top.values.float() / temperature - lse, top.indices
 
 
 class ForestAncestry:

@@ -5,6 +5,9 @@ expanded, each proposing its ``top_k`` most likely children. After ``depth`` lev
 drafted node competes on cumulative log-probability and the best ``total_tokens - 1`` are
 kept. A child never scores above its parent, and ties go to the earlier (shallower) node, so
 the kept set is a connected tree; kept nodes stay in drafting order, which is topological.
+Under sampling a child is accepted with the target's probability of it at the sampling
+temperature, so the draft's log-probs are taken at that temperature too: a flat (hot)
+distribution then spreads the budget wide, a peaked (cold) one sends it deep.
 All bookkeeping is batched tensor work on the device; nothing is read back.
 """
 from __future__ import annotations
@@ -33,7 +36,8 @@ class DynamicPolicy(TreePolicy):
 
     def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Tree:
         B, k, dev = drafter.batch, self.top_k, drafter.device
-        score, tok = drafter.root_topk(k)
+        temp = 1.0 if params is None or params.greedy else float(params.temperature)
+        score, tok = drafter.root_topk(k, temp)
         # Every drafted node: token, cumulative score, parent (candidate index, -1 = root), depth, rank.
         toks, scores = [tok], [score]
         parents = [torch.full((B, k), -1, dtype=torch.long, device=dev)]
@@ -48,7 +52,7 @@ class DynamicPolicy(TreePolicy):
             anc_rows = forest.add(parent_inputs, k)
             feat, logits = drafter.expand(all_tok.gather(1, frontier), front_feat, depth=d - 1,
                                           anc_rows=anc_rows, n_prev=n_prev)
-            child_score, child_tok = drafter.topk(logits, k)  # [B, k, k]
+            child_score, child_tok = drafter.topk(logits, k, temp)  # [B, k, k]
             cum = all_score.gather(1, frontier)[:, :, None] + child_score
             toks.append(child_tok.reshape(B, k * k))
             scores.append(cum.reshape(B, k * k))
