@@ -214,10 +214,11 @@ class BenchOptionsSchema:
     seed: int = 0
     methods: List[str] = field(default_factory=lambda: ["vanilla", "chain", "static", "dynamic", "learned"])
     sampling: bool = False
+    sample_temperatures: Optional[List[float]] = field(default_factory=lambda: [0.8, 0.3])  # null: the group's
     learned_path: Optional[str] = "auto"  # auto: the tree shipped for the bundled head (treedec/bench/bundled.py)
     compile: bool = False  # also run vanilla and each tree method with compile=True (NAME_compile)
     trees: Dict[str, Any] = field(default_factory=dict)  # method name -> tree policy config (checked by _target_)
-    peers: List[str] = field(default_factory=lambda: ["hf_greedy", "hf_prompt_lookup", "hf_assisted"])
+    peers: List[str] = field(default_factory=lambda: ["hf_greedy", "hf_prompt_lookup", "hf_assisted", "hf_sample"])
     prompt_lookup_num_tokens: int = 10
     assistant_path: Optional[str] = "auto"  # auto: tiny-code-assistant for the bundled target; or a directory
     tie_ulps: float = 1.0
@@ -437,6 +438,17 @@ def _check_bench(cfg) -> None:
             raise ConfigError(f"bench.methods names {name!r}, which has no tree config under bench.trees (add "
                               f"bench.trees.{name} with a _target_). "
                               f"{unknown_key_hint(name, ['vanilla', *trees], label='Methods')}")
+    temps = _get(cfg, b + "sample_temperatures")
+    if temps is not None:
+        if not temps:
+            raise ConfigError("bench.sample_temperatures=[]: list at least one temperature (or null: the sampling "
+                              "group's own)")
+        bad = [t for t in temps if not 0 < t < float("inf")]
+        if bad:
+            raise ConfigError(f"bench.sample_temperatures has {bad[0]}: every temperature must be > 0 "
+                              f"(0 is greedy decoding, which the greedy rows already cover)")
+        if len({f"{t:g}" for t in temps}) != len(temps):  # as metrics.json names the groups
+            raise ConfigError(f"bench.sample_temperatures={list(temps)} repeats a temperature")
     from treedec.bench.peers import PEERS
 
     for name in _get(cfg, b + "peers") or []:

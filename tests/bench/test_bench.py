@@ -68,20 +68,41 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["methods"].keys() == m["methods"].keys()
     names = set(saved["methods"])
-    expected = {"vanilla", "chain", "static", "dynamic", "learned"}
-    expected |= {f"{n}_sample" for n in expected}
+    treedec = {"vanilla", "chain", "static", "dynamic", "learned"}
+    expected = set(treedec)
     if HAVE_HF:
         expected |= {"hf_greedy", "hf_prompt_lookup", "hf_assisted"}
     assert names == expected
+    # bench.sampling=true: every method sampled at both default temperatures, grouped by temperature.
+    assert list(saved["sampled"]) == ["0.8", "0.3"]
+    for t, group in saved["sampled"].items():
+        assert group["temperature"] == float(t) and group["top_p"] == 0.95 and group["top_k"] == 0
+        sampled = {f"{n}_sample" for n in treedec} | ({"hf_sample"} if HAVE_HF else set())
+        assert set(group["methods"]) == sampled, t
+        assert group["methods"]["vanilla_sample"]["speedup"] == pytest.approx(1.0)
+        for name, e in group["methods"].items():
+            assert e["identical_to_vanilla"] is None and e["greedy"] is False and e["new_tokens"] > 0, name
+            assert e["tokens_per_s"] > 0 and e["tau"] >= 1.0, name
+            base = m["sampled"][t]["methods"]["vanilla_sample"]["tokens_per_s"]
+            assert e["speedup"] == pytest.approx(e["tokens_per_s"] / base), name  # against the same temperature
+            if name == "hf_sample":
+                assert e["accept_share"] is None  # transformers' loop: not our clocks
+            elif name == "vanilla_sample":
+                assert 0.0 <= e["accept_share"] <= 1.0  # its pick of the next token
+            else:
+                assert 0.0 < e["accept_share"] <= 1.0, (name, e["time_split"])
+                assert e["accept_share"] == pytest.approx(e["time_split"]["accept"] / e["time_split"]["total"])
+                assert e["sampling"]["temperature"] == float(t), name
+    table = (tmp_path / "results.md").read_text()
+    for t in ("0.8", "0.3"):
+        section = table.split(f"### Sampled at temperature {t} ")[1].split("###")[0]
+        assert "× vanilla_sample" in section and "| dynamic_sample |" in section and "%" in section
     for name, e in saved["methods"].items():
         for key in ("tokens_per_s", "tau", "speedup", "identical_to_vanilla", "new_tokens", "time_split"):
             assert key in e, (name, key)
         assert e["tokens_per_s"] > 0 and e["tau"] >= 1.0 and e["speedup"] > 0 and e["new_tokens"] > 0
         assert e["time_split"]["total"] > 0
-        if name.endswith("_sample"):
-            assert e["identical_to_vanilla"] is None
-        else:
-            assert e["identical_to_vanilla"] is True, (name, e.get("mismatches"))
+        assert e["identical_to_vanilla"] is True, (name, e.get("mismatches"))
     assert saved["methods"]["vanilla"]["speedup"] == pytest.approx(1.0)
     assert saved["methods"]["vanilla"]["tau"] == 1.0
     assert saved["methods"]["dynamic"]["time_split"]["verify"] > 0
@@ -105,8 +126,10 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
     assert "host reads/step | aten ops/step |" in table
     row = next(ln for ln in table.splitlines() if ln.startswith("| dynamic |") and "%" in ln).split("|")
     assert float(row[-3]) == pytest.approx(saved["methods"]["dynamic"]["host_reads_per_step"], abs=0.05)
-    lines = (tmp_path / "outputs.jsonl").read_text().splitlines()
-    assert len(lines) == 2 * len(names)
+    lines = [json.loads(ln) for ln in (tmp_path / "outputs.jsonl").read_text().splitlines()]
+    n_sampled = sum(len(g["methods"]) for g in saved["sampled"].values())
+    assert len(lines) == 2 * (len(names) + n_sampled)
+    assert {ln["temperature"] for ln in lines if "temperature" in ln} == {0.8, 0.3}
 
 
 def test_mismatch_fails_the_cli_after_writing_metrics(stack, tmp_path, monkeypatch):
@@ -363,3 +386,46 @@ def test_bench_compile_runs_compiled_variants(stack, tmp_path):
         assert e["host_reads_per_step"] is None and "torch.compile" in e["op_counts"]["skipped"], name
     assert m["methods"]["chain_compile"]["checked_against"] == "vanilla_compile" and m["failures"] == []
     assert "compile s" in (tmp_path / "results.md").read_text()
+
+
+# ------------------------------------------------------------------ sampled rows: temperatures and hf_sample
+def test_sample_temperatures_option(stack, tmp_path):
+    """bench.sample_temperatures sets the sampled rows; bad lists fail before the model loads."""
+    from treedec.config_schema import ConfigError
+
+    cfg = compose_bench(stack, tmp_path, "bench.sampling=true", "bench.sample_temperatures=[0.5]", "sampling.top_p=0.9")
+    assert [(s.temperature, s.top_p) for s in harness.sample_settings(cfg)] == [(0.5, 0.9)]
+    cfg = compose_bench(stack, tmp_path, "bench.sampling=true", "bench.sample_temperatures=null",
+                        "sampling.temperature=0.7")
+    assert [s.temperature for s in harness.sample_settings(cfg)] == [0.7]  # null: the group's own
+    assert harness.sample_settings(compose_bench(stack, tmp_path)) == []  # bench.sampling=false
+    for override, needle in [("bench.sample_temperatures=[0.8,0]", r"has 0\.0: every temperature must be > 0"),
+                             ("bench.sample_temperatures=[]", r"at least one temperature"),
+                             ("bench.sample_temperatures=[0.3,0.3]", r"repeats a temperature")]:
+        with pytest.raises(ConfigError, match=needle):
+            harness.run(compose_bench(stack, tmp_path, "model.path=/nonexistent/model", "bench.sampling=true",
+                                      override))
+
+
+@pytest.mark.skipif(not HAVE_HF, reason="hf_sample needs transformers")
+def test_hf_sample_is_seeded_and_runs_only_when_sampling(stack, tmp_path):
+    from treedec.bench import peers
+
+    cfg = compose_bench(stack, tmp_path, "bench.sampling=true", "bench.sample_temperatures=[50.0]",
+                        "bench.peers=[hf_greedy,hf_sample]", "bench.max_new_tokens=16")
+    from treedec.cli import load_stack
+
+    target, tok, _ = load_stack(cfg)
+    methods, skipped = peers.build_peers(cfg, target, list(tok.eos_ids) or list(target.config.eos_ids))
+    by_name = {m.name: m for m in methods}
+    assert set(by_name) == {"hf_greedy", "hf_sample@50"} and not skipped
+    hs = by_name["hf_sample@50"]
+    assert hs.greedy is False and hs.reference == "vanilla_sample@50" and hs.info["sampling"]["top_k"] == 0
+    p = harness.Prompt("a", "", [5, 6, 7])
+    state = torch.get_rng_state()
+    runs = [hs(p, seed).tokens for seed in (3, 3, 4, 5, 6)]
+    assert torch.equal(torch.get_rng_state(), state)  # fork_rng: the process's random state is untouched
+    assert runs[0] == runs[1] and len(runs[0]) > 0  # the same seed, the same sample
+    assert any(r != runs[0] for r in runs[2:]), runs  # other seeds, other samples (T=50: the random model is peaked)
+    greedy_cfg = compose_bench(stack, tmp_path, "bench.peers=[hf_sample]")
+    assert peers.build_peers(greedy_cfg, target, [0]) == ([], {})  # nothing to match without sampled rows

@@ -20,6 +20,12 @@ Untimed, after the warm-up, each treedec method decodes the first prompt once mo
 (a dispatch mode slows a run down, so it never touches the timed passes). With
 ``bench.compile=true`` every tree method and vanilla also run compiled (``NAME_compile``); the
 first warm-up run pays the compilation and is reported as ``compile_s``, apart from tokens/s.
+
+With ``bench.sampling=true`` every treedec method (and the ``hf_sample`` peer) also runs sampled at
+each of ``bench.sample_temperatures`` (top-k/top-p from the ``sampling`` group), as ``NAME_sample@T``;
+each prompt's generator is seeded with ``bench.seed + i``. Speedups are against ``vanilla_sample@T``
+(the same temperature), outputs are not compared (they are random), and metrics.json groups these
+rows by temperature under ``sampled`` (:func:`group_sampled`).
 """
 from __future__ import annotations
 
@@ -160,6 +166,20 @@ def measure_ops(call: Callable[..., object]) -> dict:
             "top_ops_total": dict(c.ops.most_common(8))}
 
 
+def sampled_name(base: str, temperature: float) -> str:
+    """The unique name of a sampled row: ``chain_sample@0.8`` (metrics.json shows ``chain_sample`` under 0.8)."""
+    return f"{base}@{temperature:g}"
+
+
+def temperature_key(temperature: float) -> str:
+    """How metrics.json's ``sampled`` section names a temperature group: ``"0.8"``."""
+    return f"{temperature:g}"
+
+
+def _reference(sampling) -> str:
+    return "vanilla" if sampling.greedy else sampled_name("vanilla_sample", sampling.temperature)
+
+
 def vanilla_method(name: str, target, max_new_tokens: int, sampling, eos_ids, compile: bool = False,
                    reference: str | None = None) -> Method:
     from treedec.decoding import vanilla
@@ -174,7 +194,7 @@ def vanilla_method(name: str, target, max_new_tokens: int, sampling, eos_ids, co
             return dec.generate(p.ids, max_new_tokens, generator=gen, **kw)
         return vanilla.generate(target, p.ids, max_new_tokens, sampling=sampling, eos_ids=eos_ids, generator=gen, **kw)
 
-    ref = reference or ("vanilla" if sampling.greedy else "vanilla_sample")
+    ref = reference or _reference(sampling)
     return Method(name, "treedec", sampling.greedy, lambda p, seed: run_output(call(p, seed, timing=True)),
                   {"policy": None, "sampling": _sampling_dict(sampling), "compile": compile}, reference=ref,
                   ops_fn=lambda p, seed: measure_ops(lambda **kw: call(p, seed, **kw)), compiled=compile)
@@ -192,7 +212,7 @@ def speculative_method(name: str, target, draft, policy, max_new_tokens: int, sa
 
     info = {"policy": type(policy).__name__, "tree_size": policy.max_size, "tree_depth": policy.max_depth,
             "sampling": _sampling_dict(sampling), "compile": compile}
-    ref = reference or ("vanilla" if sampling.greedy else "vanilla_sample")
+    ref = reference or _reference(sampling)
     return Method(name, "treedec", sampling.greedy, lambda p, seed: run_output(call(p, seed, timing=True)), info,
                   reference=ref, ops_fn=lambda p, seed: measure_ops(lambda **kw: call(p, seed, **kw)),
                   compiled=compile)
@@ -200,6 +220,26 @@ def speculative_method(name: str, target, draft, policy, max_new_tokens: int, sa
 
 def _sampling_dict(s) -> dict:
     return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
+
+
+def sample_settings(cfg: DictConfig) -> list:
+    """The SamplingParams of the sampled rows: one per ``bench.sample_temperatures`` (null: the group's own
+    temperature), with the ``sampling`` group's top-k and top-p; empty when ``bench.sampling`` is false."""
+    from dataclasses import replace
+
+    from treedec.config_schema import instantiate_checked
+
+    if not cfg.bench.sampling:
+        return []
+    base = instantiate_checked(cfg.sampling, "sampling")
+    temps = cfg.bench.get("sample_temperatures")
+    if temps is None:
+        if base.greedy:
+            log.warning("bench.sampling=true, bench.sample_temperatures=null and the sampling group is greedy "
+                        "(temperature 0): no sampled rows; pick sampling=sample or list temperatures")
+            return []
+        return [base]
+    return [replace(base, temperature=float(t)) for t in temps]
 
 
 def method_names(bench: DictConfig) -> list[str]:
@@ -257,13 +297,7 @@ def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None
     names = method_names(bench)
     policies = build_policies(cfg) if policies is None else policies
     compiled = bool(bench.get("compile"))
-    sampled = None
-    if bench.sampling:
-        sampled = instantiate_checked(cfg.sampling, "sampling")
-        if sampled.greedy:
-            log.warning("bench.sampling=true but the sampling group is greedy (temperature 0): the sampled variants "
-                        "would repeat the greedy ones, so they are skipped; pick sampling=sample")
-            sampled = None
+    settings = sample_settings(cfg)
     methods, skipped = [], {}
     for name in names:
         if name == "vanilla":
@@ -272,8 +306,8 @@ def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None
                 # Eager and compiled kernels round differently: in fp32 a difference is a bug, in bf16 it is reported.
                 methods.append(vanilla_method("vanilla_compile", target, n, greedy, eos_ids, compile=True))
                 methods[-1].lossless = target.dtype == torch.float32
-            if sampled is not None:
-                methods.append(vanilla_method("vanilla_sample", target, n, sampled, eos_ids))
+            for s in settings:
+                methods.append(vanilla_method(sampled_name("vanilla_sample", s.temperature), target, n, s, eos_ids))
             continue
         if name == "learned" and not bench.learned_path:
             skipped[name] = why["learned"]
@@ -286,10 +320,10 @@ def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None
             methods.append(speculative_method(f"{name}_compile", target, draft,
                                               instantiate_checked(bench.trees[name], f"bench.trees.{name}"), n,
                                               greedy, eos_ids, compile=True, reference="vanilla_compile"))
-        if sampled is not None:
-            methods.append(speculative_method(f"{name}_sample", target, draft,
+        for s in settings:  # its own policy object per row, as for the compiled variants
+            methods.append(speculative_method(sampled_name(f"{name}_sample", s.temperature), target, draft,
                                               instantiate_checked(bench.trees[name], f"bench.trees.{name}"), n,
-                                              sampled, eos_ids))
+                                              s, eos_ids))
     return methods, skipped
 
 
@@ -482,6 +516,10 @@ def summarize(methods: list[Method], prompts: list[Prompt], timing: dict[str, di
             entry["aten_ops_per_step"] = ops.get("aten_ops_per_step")
             entry["host_reads_per_step"] = ops.get("host_reads_per_step")
             entry["op_counts"] = ops
+        # The accept phase's share of wall time (vanilla: its pick of the next token); a peer's loop has no clocks.
+        total = entry["time_split"]["total"]
+        entry["accept_share"] = (entry["time_split"].get("accept", 0.0) / total
+                                 if m.family == "treedec" and total > 0 else None)
         acc = sum((o.accepted for o in outs), Counter())
         if acc:
             entry["accepted_hist"] = {int(k): v for k, v in sorted(acc.items())}
@@ -566,6 +604,24 @@ def classify_mismatches(table: dict, tie_ulps: float) -> list[str]:
     return failures
 
 
+def group_sampled(table: dict, methods: list[Method]) -> tuple[dict, dict]:
+    """Split the summary into (greedy rows, sampled rows by temperature).
+
+    The second is ``{"0.8": {"temperature", "top_k", "top_p", "reference", "methods": {"vanilla_sample": ...}}}``,
+    rows named without their ``@T`` suffix, in run order.
+    """
+    greedy, sampled = {}, {}
+    for m in methods:
+        s = m.info.get("sampling") or {}
+        if m.greedy or not s:
+            greedy[m.name] = table[m.name]
+            continue
+        group = sampled.setdefault(temperature_key(s["temperature"]), {**s, "reference": "vanilla_sample",
+                                                                       "methods": {}})
+        group["methods"][m.name.rsplit("@", 1)[0]] = table[m.name]
+    return greedy, sampled
+
+
 # --------------------------------------------------------------------------- entry
 def run(cfg: DictConfig) -> dict:
     """Run the benchmark described by a composed ``bench`` config; write metrics.json, results.md, plots."""
@@ -610,13 +666,15 @@ def run(cfg: DictConfig) -> dict:
     failures = classify_mismatches(table, float(bench.tie_ulps))
     if bench.strict_peers:
         failures += [e["failure_message"] for e in table.values() if e.get("failure_message") and not e.get("lossless_check")]
+    greedy_rows, sampled_rows = group_sampled(table, methods)
     machine = machine_info(target)
     try:
         machine["loadavg_start"], machine["loadavg_end"] = load_start, list(os.getloadavg())
     except OSError:
         pass
     metrics = {
-        "methods": table,
+        "methods": greedy_rows,
+        **({"sampled": sampled_rows} if sampled_rows else {}),
         "machine": machine,
         "prompts": {"n": len(prompts), "source": str(bench.prompts) if bench.prompts else prompt_source_name(bench),
                     "ids": [p.id for p in prompts], "prompt_tokens": [len(p.ids) for p in prompts],
@@ -627,8 +685,9 @@ def run(cfg: DictConfig) -> dict:
     }
     write_text_atomic(run_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     write_text_atomic(run_dir / "outputs.jsonl", "".join(
-        json.dumps({"method": m.name, "prompt": p.id, "new_tokens": len(o.tokens), "tokens": o.tokens,
-                    "text": tok.decode(o.tokens)}) + "\n"
+        json.dumps({"method": m.name.rsplit("@", 1)[0], "prompt": p.id,
+                    **({} if m.greedy else {"temperature": m.info["sampling"]["temperature"]}),
+                    "new_tokens": len(o.tokens), "tokens": o.tokens, "text": tok.decode(o.tokens)}) + "\n"
         for m in methods for p, o in zip(prompts, timing[m.name]["outputs"])))
     md = report.markdown(metrics)
     write_text_atomic(run_dir / "results.md", md)
@@ -642,5 +701,5 @@ def run(cfg: DictConfig) -> dict:
 
 
 __all__ = ["Method", "OutputMismatch", "Prompt", "RunOutput", "build_methods", "build_policies", "count_method_ops",
-           "first_difference", "load_prompts", "machine_info", "measure_ops", "method_names", "resolve_auto", "run",
-           "summarize", "time_methods"]
+           "first_difference", "group_sampled", "load_prompts", "machine_info", "measure_ops", "method_names",
+           "resolve_auto", "run", "sample_settings", "sampled_name", "summarize", "temperature_key", "time_methods"]

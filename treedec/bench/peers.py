@@ -7,6 +7,10 @@
   the tokenizer). ``bench.assistant_path=auto`` (the default) uses the bundled 2-layer
   ``tiny-code-assistant`` (trained by treedec's own ``pretrain``) with the bundled target; a
   missing or unloadable assistant, or one of another vocabulary, is skipped with the reason. Lossless greedy.
+* ``hf_sample``: ``model.generate(do_sample=True, temperature=T, top_p=..., top_k=...)`` at the settings
+  of treedec's sampled rows, one row per ``bench.sample_temperatures`` (only with ``bench.sampling=true``).
+  Each prompt's call runs under ``torch.manual_seed(bench.seed + i)`` inside ``torch.random.fork_rng``,
+  so a pass is reproducible and the process's own random state is left alone.
 
 The target's directory is loaded with ``AutoModelForCausalLM.from_pretrained`` in the same
 dtype and on the same device as treedec's model (the bundled ``tiny-code`` is a Hugging Face
@@ -21,11 +25,11 @@ import warnings
 import torch
 from omegaconf import DictConfig
 
-from treedec.bench.harness import Method, Prompt, RunOutput
+from treedec.bench.harness import Method, Prompt, RunOutput, sample_settings, sampled_name
 
 log = logging.getLogger("treedec.bench")
 
-PEERS = ("hf_greedy", "hf_prompt_lookup", "hf_assisted")
+PEERS = ("hf_greedy", "hf_prompt_lookup", "hf_assisted", "hf_sample")
 
 
 def load_hf(path, dtype: torch.dtype, device):
@@ -54,17 +58,25 @@ class ForwardCounter:
         self.n += 1
 
 
-def hf_method(name: str, model, max_new_tokens: int, eos_ids: list[int], **extra) -> Method:
+def hf_method(name: str, model, max_new_tokens: int, eos_ids: list[int], sampling=None, **extra) -> Method:
+    """A ``model.generate`` peer: greedy, or with ``sampling`` (SamplingParams) sampled and seeded per call."""
     counter = ForwardCounter(model)
     pad = eos_ids[0] if eos_ids else 0
-    kwargs = dict(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids),
-                  pad_token_id=pad, **extra)
+    sample = sampling is not None and not sampling.greedy
+    # top_k is always passed: transformers' own default (50) would otherwise cut what treedec keeps.
+    mode = (dict(do_sample=True, temperature=float(sampling.temperature), top_p=float(sampling.top_p),
+                 top_k=int(sampling.top_k)) if sample else dict(do_sample=False))
+    kwargs = dict(num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids), pad_token_id=pad,
+                  **mode, **extra)
+    devices = [model.device] if model.device.type == "cuda" else []
 
     def fn(p: Prompt, seed: int) -> RunOutput:
         ids = torch.tensor([p.ids], device=model.device)
         counter.n = 0
-        with torch.inference_mode(), warnings.catch_warnings():
+        with torch.inference_mode(), warnings.catch_warnings(), torch.random.fork_rng(devices=devices):
             warnings.simplefilter("ignore")  # generation-config deprecation chatter, not ours to fix
+            if sample:
+                torch.manual_seed(int(seed))
             out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
         toks = out[0, ids.shape[1]:].tolist()
         # A batch of one is never padded after EOS, but cut at the first EOS to be safe.
@@ -76,7 +88,11 @@ def hf_method(name: str, model, max_new_tokens: int, eos_ids: list[int], **extra
         return RunOutput(toks, max(fw, 1), len(toks), fw, {})
 
     info = {"policy": None, "peer": name, **{k: v for k, v in extra.items() if k != "assistant_model"}}
-    return Method(name, "peer", True, fn, info)
+    if not sample:
+        return Method(name, "peer", True, fn, info)
+    info["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
+    return Method(sampled_name(name, sampling.temperature), "peer", False, fn, info,
+                  reference=sampled_name("vanilla_sample", sampling.temperature))
 
 
 def build_peers(cfg: DictConfig, target, eos_ids: list[int],
@@ -91,6 +107,10 @@ def build_peers(cfg: DictConfig, target, eos_ids: list[int],
     if unknown:
         raise ValueError(f"bench.peers names {unknown[0]!r}; the peers are {', '.join(PEERS)}")
     skipped: dict[str, str] = {}
+    settings = sample_settings(cfg) if "hf_sample" in names else []
+    if "hf_sample" in names and not settings:  # a greedy run: the sampled peer has nothing to match
+        names.remove("hf_sample")
+        log.info("hf_sample runs only with bench.sampling=true (one row per bench.sample_temperatures)")
     if not names:
         return [], skipped
     try:
@@ -135,6 +155,8 @@ def build_peers(cfg: DictConfig, target, eos_ids: list[int],
         elif name == "hf_prompt_lookup":
             methods.append(hf_method(name, model, n, eos_ids,
                                      prompt_lookup_num_tokens=int(bench.prompt_lookup_num_tokens)))
+        elif name == "hf_sample":
+            methods += [hf_method(name, model, n, eos_ids, sampling=s) for s in settings]
         elif name == "hf_assisted":
             small = _load_assistant(assistant, model, target, skipped)
             if small is None:

@@ -28,6 +28,35 @@ def _identical(e: dict) -> str:
     return f"**NO** (from token {first.get('position')} of {first.get('prompt')}{gap})"
 
 
+def all_rows(metrics: dict) -> dict[str, dict]:
+    """Greedy rows, then every sampled row as ``NAME@T`` (for plots)."""
+    rows = dict(metrics["methods"])
+    for t, group in (metrics.get("sampled") or {}).items():
+        rows.update({f"{n}@{t}": e for n, e in group["methods"].items()})
+    return rows
+
+
+def _pct(x) -> str:
+    return "–" if x is None else f"{100 * x:.1f}%"
+
+
+def sampled_tables(sampled: dict) -> list[str]:
+    """One table per temperature: τ, tok/s, × vanilla_sample at that temperature, the accept phase's share."""
+    lines = []
+    for t, g in sampled.items():
+        top_k = g.get("top_k") or "off"
+        lines += ["", f"### Sampled at temperature {t} (top-p {g.get('top_p')}, top-k {top_k})", "",
+                  "Seeded per prompt; outputs are random, so they are not compared with vanilla. Speedups are against "
+                  f"`vanilla_sample` at temperature {t}; accept: the accept phase's share of wall time.", "",
+                  "| method | tok/s | τ | × vanilla_sample | speedup ÷ τ | accept | new tokens |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for name, e in g["methods"].items():
+            lines.append(f"| {name} | {_f(e['tokens_per_s'], '.1f')} | {_f(e['tau'], '.2f')} | "
+                         f"{_f(e['speedup'], '.2f')}× | {_f(e['speedup_over_tau'], '.2f')} | "
+                         f"{_pct(e.get('accept_share'))} | {e['new_tokens']} |")
+    return lines
+
+
 def markdown(metrics: dict) -> str:
     """The results table plus a header naming the model, the prompts and the machine."""
     cfg, mach, pr = metrics.get("config", {}), metrics.get("machine", {}), metrics.get("prompts", {})
@@ -74,6 +103,8 @@ def markdown(metrics: dict) -> str:
         if leaked:
             lines += ["", "**Compiled during the timed runs** (their tok/s includes compilation): "
                       + ", ".join(leaked)]
+    if metrics.get("sampled"):
+        lines += sampled_tables(metrics["sampled"])
     if metrics.get("skipped"):
         lines += ["", "Skipped: " + "; ".join(f"`{k}`: {v}" for k, v in metrics["skipped"].items())]
     if metrics.get("failures"):
@@ -92,7 +123,7 @@ def plots(metrics: dict, out_dir: str | Path) -> list[Path]:
         log.info("matplotlib is not installed: no plots (pip install matplotlib)")
         return []
     out_dir = Path(out_dir)
-    ms = metrics["methods"]
+    ms = all_rows(metrics)
     names = list(ms)
     colors = ["#4c72b0" if ms[n].get("family") == "treedec" else "#dd8452" for n in names]
     written = []
@@ -108,7 +139,8 @@ def plots(metrics: dict, out_dir: str | Path) -> list[Path]:
         if "vanilla" in ms:
             ax.axhline(ms["vanilla"]["tokens_per_s"], color="gray", lw=0.8, ls="--")
         ax.set_ylabel("tokens / s (median)")
-        ax.set_title("throughput (blue: treedec, orange: transformers); label: speedup vs vanilla", fontsize=9)
+        ax.set_title("throughput (blue: treedec, orange: transformers); label: speedup vs vanilla "
+                     "(NAME@T: vs vanilla_sample@T)", fontsize=9)
         ax.tick_params(axis="x", rotation=30, labelsize=8)
         fig.tight_layout()
         fig.savefig(out_dir / "tokens_per_s.png", dpi=120)
@@ -146,4 +178,4 @@ def plots(metrics: dict, out_dir: str | Path) -> list[Path]:
     return written
 
 
-__all__ = ["markdown", "plots"]
+__all__ = ["all_rows", "markdown", "plots", "sampled_tables"]
