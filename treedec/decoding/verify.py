@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treedec.decoding.sampling import SamplingParams, greedy_pick, sample, target_probs
+from treedec.decoding.sampling import SamplingParams, next_token, sample, target_probs
 
 
 @dataclass
@@ -39,9 +39,7 @@ class Acceptance:
 
 def node_choices(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """The target's pick at every node [B, T]: argmax (greedy) or one draw from p (sampling)."""
-    if params.greedy:
-        return greedy_pick(logits)
-    return sample(target_probs(logits, params), generator)
+    return next_token(logits, params, generator)
 
 
 def accept_paths(tree, choice: torch.Tensor, max_depth: int) -> Acceptance:
