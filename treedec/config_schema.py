@@ -84,8 +84,8 @@ class StaticTreeSchema:
 class DynamicTreeSchema:
     _target_: str = "treedec.tree.policies.DynamicPolicy"
     total_tokens: int = 16  # as conf/tree/dynamic.yaml
-    depth: int = 5
-    top_k: int = 4
+    depth: int = 6
+    top_k: int = 2
 
 
 @dataclass
