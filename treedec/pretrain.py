@@ -64,18 +64,9 @@ def tokenizer_file(value: str | Path) -> Path:
 
 def run(cfg: DictConfig) -> dict:
     """Pretrain (or resume, or, when the run dir holds a finished job, report) and return ``metrics.json``."""
-    from treedec.training.callbacks import finished_metrics, job
-    from treedec.training.schema import check_job_config
+    from treedec.training.callbacks import run_job
 
-    check_job_config(cfg, "pretrain")  # every key and value, before anything loads
-    with job(cfg) as run_dir:
-        done = finished_metrics(run_dir, cfg.trainer)
-        if done is not None:
-            log.warning("the job in %s already finished (step %s, %s): nothing to do; its metrics.json and export "
-                        "stay as they are (raise trainer.max_steps to train on, or pick a new hydra.run.dir)",
-                        run_dir, done.get("steps"), run_dir / "metrics.json")
-            return done
-        return _pretrain(cfg, run_dir)
+    return run_job(cfg, "pretrain", _pretrain)
 
 
 def _pretrain(cfg: DictConfig, run_dir: Path) -> dict:

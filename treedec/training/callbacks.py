@@ -358,6 +358,21 @@ def stop_reason(trainer: L.Trainer) -> str:
     return "other"
 
 
+def run_job(cfg: DictConfig, name: str, body: Callable[[DictConfig, Path], dict]) -> dict:
+    """Check every option, hold the run dir, and run ``body(cfg, run_dir)`` unless the job there already finished."""
+    from treedec.training.schema import check_job_config
+
+    check_job_config(cfg, name)  # every key and value, before anything loads
+    with job(cfg) as run_dir:
+        done = finished_metrics(run_dir, cfg.trainer)
+        if done is not None:
+            log.warning("the job in %s already finished (step %s, %s): nothing to do; its metrics.json and export "
+                        "stay as they are (raise trainer.max_steps to train on, or pick a new hydra.run.dir)",
+                        run_dir, done.get("steps"), run_dir / "metrics.json")
+            return done
+        return body(cfg, run_dir)
+
+
 def finished_metrics(run_dir: str | os.PathLike, trainer_cfg: DictConfig) -> dict | None:
     """The ``metrics.json`` of a run dir whose job already ended where this config would end it, else None.
 
