@@ -60,19 +60,17 @@ def test_entry_points_print_one_error_line(tmp_path, module, args, needle):
     assert "Traceback" not in done.stderr and not (tmp_path / "run" / "metrics.json").exists()
 
 
-def test_readme_results_command_points_at_the_file_calibrate_writes():
-    """The README's "Results" bench command reads bench.learned_path: the calibrate command above it must write it."""
-    import re
-
+def test_readme_results_command_runs_the_shipped_learned_tree():
+    """The README's "Results" bench command has no learned_path: bench's default must find the shipped tree."""
     import yaml
+
+    from treedec.tree.policies import LearnedPolicy
 
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## Results"):]
     section = section[:section.index("\n## ", 4)]
-    run_dir = re.search(r"python -m treedec\.calibrate [^`]*hydra\.run\.dir=(\S+?)`", section)
-    learned = re.search(r"python -m treedec\.bench [^`]*bench\.learned_path=(\S+?)`", section)
-    assert run_dir and learned, "the Results section names the calibrate and bench commands"
-    conf = yaml.safe_load((ROOT / "conf" / "calibrate.yaml").read_text())
-    assert conf["out"] == "${paths.run_dir}/learned_tree.yaml"
-    assert conf["paths"]["run_dir"] == "${hydra:runtime.output_dir}"  # = hydra.run.dir for a single run
-    assert learned.group(1) == f"{run_dir.group(1)}/learned_tree.yaml"
+    assert "`python -m treedec.bench bench.num_threads=2`" in section and "learned" in section
+    conf = yaml.safe_load((ROOT / "conf" / "bench.yaml").read_text())
+    assert conf["bench"]["learned_path"] == "auto" and "learned" in conf["bench"]["methods"]
+    shipped = ROOT / "treedec" / "assets" / "tiny-code-eagle" / "learned_tree.yaml"
+    assert LearnedPolicy(str(shipped)).max_size == 48  # the tree the README's table reports
