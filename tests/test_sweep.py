@@ -11,7 +11,7 @@ from .training.test_pretrain import corpus, tokenizer  # noqa: F401  (fixtures)
 
 def test_multirun_2x2_writes_summary_and_plots(stack, tmp_path):  # noqa: F811
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "treedec.generate", "-m", "tree=dynamic", "tree.total_tokens=6,10", "tree.depth=2,3",
+    cmd = [sys.executable, "-m", "treedec.generate", "-m", "tree=dynamic", "tree.total_tokens=6,10", "tree.depth=2,3", "tree.top_k=4",
            f"model.path={stack / 'target'}", "model.dtype=float32", f"draft.path={stack / 'draft'}",
            "max_new_tokens=8", "stream=false", "compare=true", "num_threads=1", "prompt='def f(x):'",
            f"hydra.sweep.dir={sweep}"]

@@ -91,7 +91,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None, draws:
 
 
 def sample_target(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-                  draws: int = 4) -> torch.Tensor:
+                  draws: int = 2) -> torch.Tensor:
     """One draw per row from :func:`target_probs` (temperature, top-k, top-p), without a vocabulary sort.
 
     Top-p by rejection: ``draws`` candidates from the untruncated distribution; the first inside
