@@ -5,7 +5,7 @@
    code of installed third-party packages, or a prompt file: treedec/bench/prompts.py) records,
    for every verified node with children, which sibling ranks were tried
    and which was accepted, by depth: the acceptance rates ``p[depth][rank]`` of the Sequoia
-   model (SpecStats' ``rank_hits / rank_trials``, split by depth).
+   model (DecodeStats' ``rank_hits / rank_trials``, split by depth).
 2. **Timing** (``timing.enabled``): the median target verify pass for trees of each budget on
    this machine, with ``timing.prefix_len`` tokens in the KV cache, and the median draft-head
    step (one tree level).

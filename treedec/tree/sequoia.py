@@ -3,7 +3,7 @@
 The acceptance model (Sequoia's "positional acceptance"): a drafted node's children are tried
 in rank order; given that the parent was accepted and ranks ``0..r-1`` were rejected, the
 rank-``r`` child is accepted with probability ``p[r]`` (``p[d][r]`` when the rates also depend
-on the child's depth ``d``). That is exactly what :class:`~treedec.decoding.speculative.SpecStats`
+on the child's depth ``d``). That is exactly what :class:`~treedec.decoding.loop.DecodeStats`
 measures as ``rank_hits[r] / rank_trials[r]``. So a child of rank ``r`` is accepted, given its
 parent was, with probability
 
@@ -279,7 +279,7 @@ def comb_choices(top_k: int, depth: int) -> list[list[int]]:
 
 
 class AcceptanceCounts:
-    """Hits and trials by (child depth, sibling rank), the joint form of SpecStats' depth/rank counters.
+    """Hits and trials by (child depth, sibling rank), the joint form of DecodeStats' depth/rank counters.
 
     Fed with :class:`~treedec.decoding.verify.Verdict` ``tried_ranks`` entries ``(depth, n_tried, hit)``:
     at a node whose children sit at ``depth``, ranks ``0..n_tried-1`` were tried and ``hit`` (or -1)
@@ -316,7 +316,7 @@ class AcceptanceCounts:
         return out
 
     def pooled(self) -> np.ndarray:
-        """Rates by rank over all depths (SpecStats' ``accept_by_rank``); 0 where never tried."""
+        """Rates by rank over all depths (DecodeStats' ``accept_by_rank``); 0 where never tried."""
         h, t = self.matrix(self.hits).sum(0), self.matrix(self.trials).sum(0)
         return np.divide(h, t, out=np.zeros(len(t)), where=t > 0)
 
@@ -333,7 +333,7 @@ class AcceptanceCounts:
 
     def as_dict(self) -> dict:
         h, t = self.matrix(self.hits), self.matrix(self.trials)
-        by_depth_h, by_depth_t = h.sum(1), t.sum(1)  # not SpecStats' depth rates: those count steps
+        by_depth_h, by_depth_t = h.sum(1), t.sum(1)  # not DecodeStats' depth rates: those count steps
         return {
             "steps": self.steps,
             "tau": (self.accepted + self.steps) / self.steps if self.steps else 0.0,
