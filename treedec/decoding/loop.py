@@ -105,6 +105,18 @@ def normalize_eos(eos_ids, default: Sequence[int]) -> set[int]:
     return {int(t) for t in ids}
 
 
+def static_room(need: int, cap: int) -> int:
+    """Cache length for a compiled decoder: a power-of-two bucket (at least 256, at most ``cap``).
+
+    A compiled static-shape pass attends over the whole cache and compiles once per cache shape,
+    so buckets keep both the graphs few and the attention little longer than the generation.
+    """
+    size = 256
+    while size < need:
+        size *= 2
+    return max(need, min(size, cap))
+
+
 def pad_prompts(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated prompt rows -> right-padded ids [B, L] and lengths [B] on ``device``."""
     ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)

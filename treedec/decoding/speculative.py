@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from treedec.decoding.drafter import Drafter
-from treedec.decoding.loop import Decoder, DecodeStats, StepInfo, Timer, normalize_eos, pad_prompts
+from treedec.decoding.loop import Decoder, DecodeStats, StepInfo, Timer, normalize_eos, pad_prompts, static_room
 from treedec.decoding.sampling import SamplingParams, next_token
 from treedec.decoding.verify import Acceptance, accept_paths, acceptance_counts, node_choices, verify_sampling
 from treedec.models.draft import DraftHead
@@ -32,13 +32,13 @@ class SpeculativeDecoder(Decoder):
     def __init__(self, target: Transformer, draft: DraftHead, policy: TreePolicy,
                  sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] | int | None = None,
                  compile: bool = False):
-        """``compile``: verify with a ``torch.compile``d static-shape target pass (one graph per
-        tree size, over a context-sized cache; the draft head stays eager). The first
-        ``generate`` pays the compile time."""
+        """``compile``: verify with a ``torch.compile``d static-shape target pass (a graph per tree
+        size and cache bucket, see :func:`~treedec.decoding.loop.static_room`; the draft head stays
+        eager). The first ``generate`` of a bucket pays the compile time."""
         self.target, self.draft, self.policy, self.sampling = target, draft.bind(target), policy, sampling
         self.eos = normalize_eos(eos_ids, target.config.eos_ids)
         policy.validate(draft.config.draft_vocab_size or target.config.vocab_size)
-        self.compile, self._verify = compile, None
+        self.compile, self._verify, self._room = compile, None, 0
 
     # --------------------------------------------------------------------------------- the loop
     def _prefill(self, rows: list[list[int]], max_new_tokens: int, generator) -> list[int]:
@@ -48,8 +48,8 @@ class SpeculativeDecoder(Decoder):
         # A row's cache may run max_depth past its budget on its last step (the path is committed whole);
         # after that it is frozen, so its tree is still written (and ignored) at the same slots.
         room = Lmax + max_new_tokens + pol.max_depth + 2
-        if self.compile:  # one cache shape for every call, so the compiled verify never recompiles
-            room = max(room, tgt.config.context_length)
+        if self.compile:  # cache lengths in buckets that only grow, so the compiled verify compiles rarely
+            room = self._room = max(static_room(room, tgt.config.context_length + pol.max_depth + 2), self._room)
             if self._verify is None:
                 from treedec.models.compile import compile_forward
 

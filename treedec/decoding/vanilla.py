@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from treedec.decoding.loop import (Decoder, GenerateResult, StepInfo, Timer, check_context, normalize_eos,
-                                   normalize_prompts, pad_prompts)
+                                   normalize_prompts, pad_prompts, static_room)
 from treedec.decoding.sampling import SamplingParams, next_token
 from treedec.models.cache import KVCache
 
@@ -38,7 +38,7 @@ class VanillaDecoder(Decoder):
         tgt = self.target
         B, need = len(rows), max(len(r) for r in rows) + max_new_tokens
         if self.compile and not self._given:
-            need = tgt.config.context_length  # one cache shape, so the compiled step never recompiles
+            need = static_room(need, tgt.config.context_length)  # few cache shapes: few graphs
         if self.cache is None or self.cache.batch != B or self.cache.max_len < need:
             if self._given:
                 raise ValueError(f"the cache given holds batch {self.cache.batch} x {self.cache.max_len} slots; "
@@ -88,8 +88,8 @@ def generate(
 
     ``eos_ids``: None uses the model config's EOS ids; pass ``[]`` to never stop early.
     ``cache``: an existing :class:`KVCache` to reuse (batch and length must fit; it is reset).
-    ``compile``: ``torch.compile`` the decode step with static shapes (a context-sized cache, one
-    graph); the first call pays the compile time, later calls with the same decoder reuse it.
+    ``compile``: ``torch.compile`` the decode step with static shapes (the cache sized in
+    power-of-two buckets, a graph per bucket); the first call of a bucket pays the compile time.
     """
     dec = VanillaDecoder(model, sampling, eos_ids, cache=cache, compile=compile)
     return dec.generate(prompt_ids, max_new_tokens, generator=generator, stream=stream, hook=hook, timing=timing)
