@@ -84,7 +84,7 @@ class StaticTreeSchema:
 class DynamicTreeSchema:
     _target_: str = "treedec.tree.policies.DynamicPolicy"
     total_tokens: int = 16  # as conf/tree/dynamic.yaml
-    depth: int = 6
+    depth: int = 5
     top_k: int = 2
 
 

@@ -34,56 +34,66 @@ class DynamicPolicy(TreePolicy):
         self.max_inputs = top_k * (depth - 1)
         self.max_rank = top_k - 1
 
+    def _constants(self, B: int, dev) -> dict:
+        """Index tensors every step needs, made once per (batch, device): depth and rank of each candidate."""
+        key = (B, str(dev))
+        if getattr(self, "_const_key", None) != key:
+            k, D = self.top_k, self.max_depth
+            depth = [1] * k + [d for d in range(2, D + 1) for _ in range(k * k)]
+            rank = list(range(k)) + list(range(k)) * (k * (D - 1))
+            t = torch.tensor([depth, rank], device=dev)
+            self._const = dict(depth=t[0].expand(B, -1), rank=t[1].expand(B, -1),
+                               first=torch.arange(k, device=dev).expand(B, k),
+                               slots=torch.arange(1, self.total_tokens, device=dev).expand(B, -1))
+            self._const_key = key
+        return self._const
+
     def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Tree:
         B, k, dev = drafter.batch, self.top_k, drafter.device
+        c = self._constants(B, dev)
         temp = 1.0 if params is None or params.greedy else float(params.temperature)
-        score, tok = drafter.root_topk(k, temp)
-        # Every drafted node: token, cumulative score, parent (candidate index, -1 = root), depth, rank.
-        toks, scores = [tok], [score]
-        parents = [torch.full((B, k), -1, dtype=torch.long, device=dev)]
-        frontier = torch.arange(k, device=dev).expand(B, k)  # candidate ids of nodes to expand next
+        n_all = k + (self.max_depth - 1) * k * k
+        # Every drafted node (candidate): token, cumulative score, parent candidate (-1 = root).
+        toks = torch.empty(B, n_all, dtype=torch.long, device=dev)
+        scores = torch.empty(B, n_all, device=dev)
+        parents = torch.empty(B, n_all, dtype=torch.long, device=dev)
+        scores[:, :k], toks[:, :k] = drafter.root_topk(k, temp)
+        parents[:, :k] = -1
+        frontier = c["first"]  # candidate ids of nodes to expand next
         front_feat = drafter.root_feat[:, None].expand(-1, k, -1)  # the feature each frontier node reads
         forest = ForestAncestry(B, max(self.max_inputs, 1), dev)
         parent_inputs = None  # drafter-input ids of the frontier's parents (None: children of the root)
         n_cand = k
         for d in range(2, self.max_depth + 1):
-            all_tok, all_score = torch.cat(toks, 1), torch.cat(scores, 1)
             n_prev = forest.n
             anc_rows = forest.add(parent_inputs, k)
-            feat, logits = drafter.expand(all_tok.gather(1, frontier), front_feat, depth=d - 1,
+            feat, logits = drafter.expand(toks.gather(1, frontier), front_feat, depth=d - 1,
                                           anc_rows=anc_rows, n_prev=n_prev)
             child_score, child_tok = drafter.topk(logits, k, temp)  # [B, k, k]
-            cum = all_score.gather(1, frontier)[:, :, None] + child_score
-            toks.append(child_tok.reshape(B, k * k))
-            scores.append(cum.reshape(B, k * k))
-            parents.append(frontier[:, :, None].expand(B, k, k).reshape(B, k * k))
+            cum = (scores.gather(1, frontier)[:, :, None] + child_score).reshape(B, k * k)
+            new = slice(n_cand, n_cand + k * k)
+            toks[:, new], scores[:, new] = child_tok.reshape(B, k * k), cum
+            parents[:, new] = frontier[:, :, None].expand(B, k, k).reshape(B, k * k)
             if d < self.max_depth:
-                best = torch.sort(cum.reshape(B, k * k), dim=1, descending=True, stable=True).indices[:, :k]
+                best = torch.sort(cum, dim=1, descending=True, stable=True).indices[:, :k]
                 src = best // k  # which frontier slot each new frontier node came from
                 front_feat = feat.gather(1, src[:, :, None].expand(-1, -1, feat.shape[-1]))
                 parent_inputs = n_prev + src
                 frontier = n_cand + best
             n_cand += k * k
-        return self._rerank(drafter.root_tokens, torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1))
-
-    def _depth_rank(self, B: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
-        """Depth and sibling rank of every candidate, by construction (a host-side constant)."""
-        k = self.top_k
-        depth = [1] * k + [d for d in range(2, self.max_depth + 1) for _ in range(k * k)]
-        rank = list(range(k)) + list(range(k)) * (k * (self.max_depth - 1))
-        t = torch.tensor([depth, rank], device=dev)
-        return t[0].expand(B, -1), t[1].expand(B, -1)
+        return self._rerank(drafter.root_tokens, toks, scores, parents)
 
     def _rerank(self, root, toks, scores, parents) -> Tree:
         B, dev = toks.shape[0], toks.device
-        depths, ranks = self._depth_rank(B, dev)
+        c = self._constants(B, dev)
+        depths, ranks = c["depth"], c["rank"]
         keep = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : self.total_tokens - 1]
         keep = keep.sort(dim=1).values  # drafting order is topological
         pick = lambda t: t.gather(1, keep)  # noqa: E731
         # Map a candidate's parent id to its position in the kept tree (+1 for the root; -1 -> root 0).
         pos = torch.full((B, toks.shape[1] + 1), -1, dtype=torch.long, device=dev)
         pos[:, 0] = 0
-        pos.scatter_(1, keep + 1, torch.arange(1, keep.shape[1] + 1, device=dev).expand(B, -1))
+        pos.scatter_(1, keep + 1, c["slots"])
         new_par = pos.gather(1, pick(parents) + 1)  # connected by construction: never -1 (tests check it)
         z = lambda dtype: torch.zeros(B, 1, dtype=dtype, device=dev)  # noqa: E731
         par = torch.cat([z(torch.long) - 1, new_par], 1)
