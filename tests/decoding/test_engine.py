@@ -94,8 +94,11 @@ def test_hook_sees_every_pass_with_its_verdicts():
     oracle = OraclePolicy(StaticPolicy(shape="eagle_mc_sim_7b_63"), [ref], p_hit=0.9)
     seen = []
     res = SpeculativeDecoder(target, draft, oracle).generate([5, 6], 50, stream=oracle.stream, hook=seen.append)
-    assert len(seen) == res.stats.steps
+    assert len(seen) == res.stats.steps and [s.index for s in seen] == list(range(1, len(seen) + 1))
     assert [t for s in seen for t in s.tokens[0]][: 49] == ref[1:50]
+    passes = []
+    vanilla.generate(target, [5, 6], 10, hook=passes.append)
+    assert [s.index for s in passes] == list(range(1, 10)) and [s.tokens[0][0] for s in passes] == ref[1:10]
     for s in seen:
         tried = s.tried_ranks(0)
         assert len(tried) >= 1 and tried[0][0] == 1

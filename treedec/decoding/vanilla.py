@@ -51,6 +51,7 @@ class VanillaDecoder(Decoder):
         logits = tgt(ids, cache, logits=(lens - 1)[:, None]).logits[:, 0]
         cache.rollback(lens_host)
         self._tok = next_token(logits, self.sampling, generator)
+        self._index = 0
         if self.compile and self._fwd is None:
             from treedec.models.compile import compile_forward
 
@@ -68,7 +69,8 @@ class VanillaDecoder(Decoder):
         self._tok = next_token(logits, self.sampling, generator)
         toks = self._tok.tolist()  # the one host read per step
         timer.lap("accept")
-        return StepInfo(0, active, [[t] for t in toks], [1] * len(toks)), 1
+        self._index += 1
+        return StepInfo(self._index, active, [[t] for t in toks], [1] * len(toks)), 1
 
 
 def generate(
