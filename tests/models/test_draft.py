@@ -96,3 +96,16 @@ def test_unbound_head_says_how_to_fix():
     head = DraftHead(DraftConfig.for_target(small_target().config))
     with pytest.raises(RuntimeError, match="bind"):
         head(torch.tensor([[1]]), torch.zeros(1, 1, 32), head.new_cache(1, 4), torch.zeros(1, 1, dtype=torch.long))
+
+
+def test_multi_layer_features_are_refused_until_the_decoder_feeds_them():
+    head = DraftHead(DraftConfig.for_target(small_target().config, feature_layers=[0]))
+    with pytest.raises(ValueError, match="feature_layers=\\[-1\\]"):
+        head.bind(small_target())
+
+
+def test_rope_frequencies_stay_fp32_in_a_bf16_head():
+    head = DraftHead(DraftConfig.for_target(small_target().config)).to(torch.bfloat16)
+    assert head.inv_freq.dtype == torch.float32 and head.fc.weight.dtype == torch.bfloat16
+    fresh = DraftHead(DraftConfig.for_target(small_target().config))
+    assert torch.equal(head.inv_freq, fresh.inv_freq)

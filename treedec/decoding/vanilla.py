@@ -70,7 +70,8 @@ class VanillaDecoder(Decoder):
         toks = self._tok.tolist()  # the one host read per step
         timer.lap("accept")
         self._index += 1
-        return StepInfo(self._index, active, [[t] for t in toks], [1] * len(toks)), 1
+        return StepInfo(self._index, active, [[t] if a else [] for t, a in zip(toks, active)],
+                        [int(a) for a in active]), 1
 
 
 def generate(

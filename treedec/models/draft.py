@@ -120,6 +120,9 @@ class DraftHead(nn.Module):
         if bad:
             raise ValueError(f"draft head reads feature layers {dc.feature_layers}, but the target has "
                              f"{tc.num_hidden_layers} layers (valid: -1 for the final hidden state, or 0..{tc.num_hidden_layers - 1})")
+        if list(dc.feature_layers) != [-1]:
+            raise ValueError(f"draft head reads feature layers {dc.feature_layers}: the decoder feeds EAGLE-1/2 heads "
+                             "the final hidden state only (feature_layers=[-1]); multi-layer (EAGLE-3) heads are not supported yet")
         if dc.target_fingerprint:
             fp = target_fingerprint(target)
             if fp != dc.target_fingerprint:
@@ -167,6 +170,12 @@ class DraftHead(nn.Module):
         if not self._target:
             raise RuntimeError("draft head is not bound to a target: call draft.bind(target) first")
         return self._target[0]
+
+    def _apply(self, fn, recurse: bool = True):
+        """Keep the RoPE frequencies in fp32 whatever dtype the head moves to (as the target does)."""
+        out = super()._apply(fn, recurse)
+        self.inv_freq = rope_inv_freq(self.config.layer_config()).to(self.fc.weight.device)
+        return out
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config

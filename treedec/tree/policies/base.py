@@ -32,7 +32,7 @@ def topk_logp(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[t
     """
     top = logits.topk(k, dim=-1)
     if temperature == 1.0:
-        return top.values.float() - torch.logsumexp(logits, dim=-1, keepdim=True).float(), top.indices
+        return top.values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True), top.indices
     lse = torch.logsumexp(logits.float() / temperature, dim=-1, keepdim=True)
     return top.values.float() / temperature - lse, top.indices
 
