@@ -113,3 +113,16 @@ def test_objective_for_optuna():
 
     assert objective({"tau": 2}, "tau") == 2.0 and objective({"tau": 2}, None) is None
     assert objective({"speedup": None}, "speedup") != objective({"speedup": None}, "speedup")  # NaN: a failed trial
+
+
+@pytest.mark.slow
+def test_generate_compile_reports_compile_time_apart(stack, tmp_path):
+    from treedec.generate import run
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="generate", overrides=overrides(stack, tmp_path, "tree=chain", "compare=true",
+                                                                  "compile=true", "stream=false"))
+    m = run(cfg)
+    assert m["identical_to_vanilla"] is True  # fp32: compiled == eager == vanilla
+    assert m["compile_s"]["speculative"] > 0 and m["compile_s"]["vanilla"] > 0
+    assert json.loads((tmp_path / "metrics.json").read_text())["compile_s"] == m["compile_s"]

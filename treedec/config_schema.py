@@ -142,6 +142,7 @@ class GenerateSchema:
     chat: bool = False
     max_new_tokens: int = 128
     compare: bool = False
+    compile: bool = False
     stream: bool = True
     seed: int = 0
     num_threads: Optional[int] = None

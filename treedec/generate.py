@@ -21,6 +21,15 @@ from treedec.cli import entry, load_stack, write_text_atomic
 log = logging.getLogger(__name__)
 
 
+def _warm_up(dec, ids: list[int], max_new_tokens: int) -> float:
+    """Seconds of one untimed run: with compile=true it compiles the graphs the timed run replays."""
+    import time
+
+    t0 = time.perf_counter()
+    dec.generate(ids, max_new_tokens)
+    return time.perf_counter() - t0
+
+
 def read_prompt(cfg: DictConfig) -> str:
     if cfg.prompt_file:
         from treedec.bench.prompts import read_text
@@ -69,22 +78,25 @@ def run(cfg: DictConfig) -> dict:
     ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True) if cfg.chat else tok.encode(text)
     if not ids:
         raise ConfigError("the prompt encodes to no tokens; pass a non-empty prompt= or prompt_file=")
-    dec = SpeculativeDecoder(target, draft, policy, sampling, eos_ids=tok.eos_ids or None)
+    eos, n_new = tok.eos_ids or None, int(cfg.max_new_tokens)
+    dec = SpeculativeDecoder(target, draft, policy, sampling, eos_ids=eos, compile=bool(cfg.compile))
+    van_dec = vanilla.VanillaDecoder(target, sampling, eos, compile=bool(cfg.compile))
+    compile_s = {"speculative": _warm_up(dec, ids, n_new), "vanilla": _warm_up(van_dec, ids, n_new) if cfg.compare
+                 else None} if cfg.compile else None  # compilation is paid here, never in tok/s
     gen = torch.Generator(device=target.device).manual_seed(int(cfg.seed))
     stream = TextStream(tok, bool(cfg.stream))
     if cfg.stream:
         sys.stdout.write(text)
-    res = dec.generate(ids, int(cfg.max_new_tokens), generator=gen, stream=stream)
+    res = dec.generate(ids, n_new, generator=gen, stream=stream)
     if cfg.stream:
         sys.stdout.write("\n")
     stats = res.stats.as_dict()
-    metrics = {"prompt_tokens": len(ids), "text": tok.decode(res.tokens[0]), **stats}
+    metrics = {"prompt_tokens": len(ids), "text": tok.decode(res.tokens[0]), **stats, "compile_s": compile_s}
     tps = stats["tokens_per_s"]
     summary = f"{stats['new_tokens']} tokens, {_fmt(tps, '.1f')} tok/s, tau {_fmt(stats['tau'], '.2f')}"
     if cfg.compare:
         gen = torch.Generator(device=target.device).manual_seed(int(cfg.seed))
-        van = vanilla.generate(target, ids, int(cfg.max_new_tokens), sampling=sampling,
-                               eos_ids=tok.eos_ids or None, generator=gen)
+        van = van_dec.generate(ids, n_new, generator=gen)
         v_tps = van.stats.tokens_per_s
         metrics["vanilla"] = {"tokens_per_s": v_tps, "new_tokens": len(van.tokens[0])}
         metrics["speedup"] = tps / v_tps if v_tps and tps is not None else None  # no tokens: no speedup
