@@ -56,7 +56,7 @@ class Drafter:
         self.root_feat = feat[rows, last]
         self.root_logits = self.head.logits(self.root_feat)
         self.root_tokens = root_tokens
-        self.cache.advance(list(n_host))
+        self.cache.advance(n_host)
 
     def root_topk(self, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs [B, k], target token ids [B, k]) of the root's k most likely children."""

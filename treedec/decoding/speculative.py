@@ -19,7 +19,7 @@ import torch
 from treedec.decoding.drafter import Drafter
 from treedec.decoding.loop import Decoder, DecodeStats, StepInfo, Timer, normalize_eos, pad_prompts, static_room
 from treedec.decoding.sampling import SamplingParams, next_token
-from treedec.decoding.verify import Acceptance, accept_paths, acceptance_counts, node_choices, verify_sampling
+from treedec.decoding.verify import Acceptance, accept_paths, acceptance_counts, emitted, node_choices, verify_sampling
 from treedec.models.draft import DraftHead
 from treedec.models.llama import Transformer
 from treedec.tree.policies.base import TreePolicy
@@ -125,8 +125,7 @@ class SpeculativeDecoder(Decoder):
         path, n, bonus = path.to(dev), n.to(dev), bonus.to(dev)
         on_path = torch.zeros(B, T, dtype=torch.bool, device=dev)
         on_path.scatter_(1, torch.where(torch.arange(depth_cap + 1, device=dev) < n[:, None], path, 0), True)
-        emit = tree.tokens.gather(1, torch.cat([path[:, 1:], path[:, :1]], 1)).scatter(1, (n - 1)[:, None], bonus[:, None])
-        return Acceptance(path, n, bonus, emit, on_path)
+        return Acceptance(path, n, bonus, emitted(tree.tokens, path, n, bonus), on_path)
 
     def _finish(self, stats: DecodeStats) -> None:
         c = self._counts.tolist()

@@ -66,9 +66,16 @@ def accept_paths(tree, choice: torch.Tensor, max_depth: int) -> Acceptance:
     path.scatter_(1, slot, torch.arange(T, device=tokens.device).expand(B, T))
     path = path[:, : max_depth + 1]
     bonus = choice[rows, best]
-    emit = tokens.gather(1, torch.cat([path[:, 1:], path[:, :1]], 1))
-    emit = emit.scatter(1, (n - 1)[:, None], bonus[:, None])
-    return Acceptance(path, n, bonus, emit, on_path)
+    return Acceptance(path, n, bonus, emitted(tokens, path, n, bonus), on_path)
+
+
+def emitted(tokens: torch.Tensor, path: torch.Tensor, n: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    """[B, D+1] tokens a step produces: the accepted children in path order, then the bonus at n - 1.
+
+    They are also the draft catch-up's tokens, one step ahead of the path's features.
+    """
+    out = tokens.gather(1, torch.cat([path[:, 1:], path[:, :1]], 1))
+    return out.scatter(1, (n - 1)[:, None], bonus[:, None])
 
 
 def acceptance_counts(tree, acc: Acceptance, active: torch.Tensor, width: int) -> torch.Tensor:
