@@ -87,7 +87,7 @@ def run(cfg: DictConfig) -> dict:
     stream = TextStream(tok, bool(cfg.stream))
     if cfg.stream:
         sys.stdout.write(text)
-    res = dec.generate(ids, n_new, generator=gen, stream=stream)
+    res = dec.generate(ids, n_new, generator=gen, stream=stream, timing=True)  # time_split in metrics.json
     if cfg.stream:
         sys.stdout.write("\n")
     stats = res.stats.as_dict()
