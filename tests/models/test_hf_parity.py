@@ -29,6 +29,10 @@ CASES = {
     "mistral": ("MistralConfig", dict(num_key_value_heads=2, max_position_embeddings=4096, sliding_window=4096)),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, max_position_embeddings=512, rope_theta=1e6)),
     "qwen2-tied": ("Qwen2Config", dict(num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)),
+    # head_dim 24 != hidden/heads (16): Qwen3 sizes heads on their own; q_norm/k_norm per head before RoPE
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=24, max_position_embeddings=512, rope_theta=1e6)),
+    "qwen3-tied-bias": ("Qwen3Config", dict(num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+                                            tie_word_embeddings=True, attention_bias=True)),
 }
 
 
@@ -91,13 +95,17 @@ def test_config_fields_mapped(tmp_path):
     hf_model("qwen2").save_pretrained(tmp_path / "q")
     hf_model("llama3-rope").save_pretrained(tmp_path / "l")
     hf_model("mistral").save_pretrained(tmp_path / "m")
-    q, l, m = (load_model(tmp_path / n).config for n in "qlm")
+    hf_model("qwen3").save_pretrained(tmp_path / "w")
+    q, l, m, w = (load_model(tmp_path / n).config for n in "qlmw")
     assert q.architecture == "Qwen2ForCausalLM" and q.qkv_bias and not q.o_bias and q.rope_theta == 1e6
+    assert not q.qk_norm and not l.qk_norm
+    assert w.architecture == "Qwen3ForCausalLM" and w.qk_norm and w.head_dim == 24 and not w.qkv_bias
     assert l.rope_theta == 500000.0 and l.rope_scaling["rope_type"] == "llama3" and l.rope_scaling["factor"] == 8.0
     assert m.architecture == "MistralForCausalLM" and m.context_length == 4096
 
 
-@pytest.mark.parametrize("case", ["llama-gqa", "llama-tied", "qwen2", "llama3-rope", "llama-attn-bias", "mistral"])
+@pytest.mark.parametrize("case", ["llama-gqa", "llama-tied", "qwen2", "llama3-rope", "llama-attn-bias", "mistral", "qwen3",
+                                  "qwen3-tied-bias"])
 def test_treedec_checkpoint_loads_in_transformers(case, tmp_path):
     """treedec random model -> treedec save_pretrained -> transformers from_pretrained: same logits."""
     cls, kw = CASES[case]
@@ -167,3 +175,35 @@ def test_bf16_greedy_matches_transformers_generate(case, tmp_path):
                            do_sample=False, pad_token_id=0)[0, 9:].tolist()
     assert len(want) == 40
     assert generate(ours, prompt, 40, eos_ids=[]).tokens[0] == want
+
+
+def test_qwen3_norms_matter_and_survive_fusion(tmp_path):
+    """The q/k norms are real weights: unit norms change the logits; fused and unfused loads agree."""
+    hf_model("qwen3").save_pretrained(tmp_path)
+    ids = ids_for(9)
+    fused, plain = load_model(tmp_path), load_model(tmp_path, fuse=False)
+    assert fused.model.layers[0].self_attn.fused and not plain.model.layers[0].self_attn.fused
+    torch.testing.assert_close(full_logits(fused, ids), full_logits(plain, ids), atol=1e-5, rtol=1e-5)
+    assert set(fused.state_dict()) == set(plain.state_dict())  # HF names either way
+    with torch.no_grad():
+        for layer in plain.model.layers:
+            layer.self_attn.q_norm.weight.fill_(1.0)
+    assert (full_logits(plain, ids) - full_logits(fused, ids)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_qwen3_speculative_greedy_equals_vanilla(seed, tmp_path):
+    """Tree-masked verification with q/k norms: greedy fp32 speculative decoding is vanilla token for token."""
+    from treedec.decoding.speculative import SpeculativeDecoder
+    from treedec.decoding.vanilla import generate
+    from treedec.models.draft import DraftConfig, DraftHead
+    from treedec.tree.policies import DynamicPolicy, StaticPolicy
+
+    hf_model("qwen3", seed=seed).save_pretrained(tmp_path)
+    target = load_model(tmp_path, attn_backend="sdpa")
+    torch.manual_seed(seed)
+    draft = randomize_(DraftHead(DraftConfig.for_target(target.config)), seed).eval().bind(target)
+    prompt = ids_for(seed, B=1, T=7 + 5 * seed)[0].tolist()
+    want = generate(target, [prompt], 48, eos_ids=[]).tokens[0]
+    for policy in (DynamicPolicy(total_tokens=20, depth=5, top_k=4), StaticPolicy(shape="balanced_2x3")):
+        assert SpeculativeDecoder(target, draft, policy, eos_ids=[]).generate(prompt, 48).tokens[0] == want

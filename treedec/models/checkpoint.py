@@ -1,7 +1,7 @@
 """Hugging Face checkpoint I/O: local directories in, Hugging Face directories out.
 
 ``load_model`` reads a local HF directory (``config.json`` + ``model.safetensors``, or a
-sharded ``model.safetensors.index.json``) of a Llama, Mistral or Qwen2 causal LM, or
+sharded ``model.safetensors.index.json``) of a Llama, Mistral, Qwen2 or Qwen3 causal LM, or
 ``"tiny-code"``, the model bundled at ``treedec/assets/tiny-code/``. ``save_pretrained``
 writes a directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 

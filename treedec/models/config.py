@@ -1,4 +1,4 @@
-"""Model configuration for the Llama family (Llama 2/3, Mistral, Qwen2), mapped from HF config.json."""
+"""Model configuration for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3), mapped from HF config.json."""
 from __future__ import annotations
 
 import types
@@ -6,7 +6,9 @@ import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3"}
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "head_dim", "max_position_embeddings")  # must be >= 1 where given
 
@@ -78,6 +80,7 @@ class LlamaConfig:
     qkv_bias: bool = False  # Qwen2 (and Llama's attention_bias)
     o_bias: bool = False  # Llama's attention_bias also biases o_proj
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k (weight [head_dim]) before RoPE
     tie_word_embeddings: bool = False
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
@@ -125,9 +128,10 @@ class LlamaConfig:
         kw["architecture"] = arch
         if arch == "Qwen2ForCausalLM":
             kw["qkv_bias"] = True
-        elif d.get("attention_bias"):
+        elif d.get("attention_bias"):  # Llama and Qwen3: q, k, v and o biased alike
             kw["qkv_bias"] = kw["o_bias"] = True
         kw["mlp_bias"] = bool(d.get("mlp_bias", False))
+        kw["qk_norm"] = arch == "Qwen3ForCausalLM"
         rp = d.get("rope_parameters")  # transformers >= 5 folds rope_theta and rope_scaling into one dict
         if isinstance(rp, dict) and "rope_theta" not in d:
             rp = dict(rp)
@@ -148,9 +152,10 @@ class LlamaConfig:
         # A sliding window is exact full attention as long as the sequence fits in it: keep it as a context limit.
         window = d.get("sliding_window")
         uses_window = d.get("use_sliding_window", arch == "MistralForCausalLM")
-        if uses_window and window and (arch != "Qwen2ForCausalLM" or d.get("max_window_layers", 0) < d.get("num_hidden_layers", 0)):
+        qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        if uses_window and window and (not qwen or d.get("max_window_layers", 0) < d.get("num_hidden_layers", 0)):
             kw["extra"]["sliding_window"] = window
-            if arch == "Qwen2ForCausalLM":
+            if qwen:
                 kw["extra"].update(use_sliding_window=True, max_window_layers=d.get("max_window_layers"))
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; the Llama family uses 'silu'")
@@ -158,12 +163,14 @@ class LlamaConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict that `transformers` loads as the same architecture."""
-        d = {k: v for k, v in asdict(self).items() if k not in ("qkv_bias", "o_bias", "mlp_bias", "architecture", "extra")}
-        model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
-        d.update(architectures=[self.architecture], model_type=model_type[self.architecture], hidden_act="silu")
+        d = {k: v for k, v in asdict(self).items()
+             if k not in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "architecture", "extra")}
+        d.update(architectures=[self.architecture], model_type=MODEL_TYPES[self.architecture], hidden_act="silu")
+        if self.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+            d.update(attention_bias=self.qkv_bias)
         if self.architecture == "LlamaForCausalLM":
-            d.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
-        if self.architecture in ("MistralForCausalLM", "Qwen2ForCausalLM"):
+            d.update(mlp_bias=self.mlp_bias)
+        if self.architecture in ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
             d.update(sliding_window=None, use_sliding_window=False)
         d.update(self.extra)
         return d
