@@ -1,4 +1,4 @@
-"""One compact Llama-family transformer (Llama 2/3, Mistral, Qwen2) with tree-aware attention.
+"""One compact Llama-family transformer (Llama 2/3, Mistral, Qwen2, Qwen3) with tree-aware attention.
 
 Every forward pass is "T new tokens after each row's cached prefix, arranged as a tree":
 a prompt or a plain decoding step is simply a chain. Attention goes through
@@ -164,11 +164,14 @@ class Attention(_Fusable):
         self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # Qwen3: each head's q and k RMS-normalised after the split, before RoPE
+            self.q_norm, self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps), RMSNorm(self.hd, cfg.rms_norm_eps)
         self._init_hooks()
 
     def _qkv(self, x, cos, sin):
         B, T, _ = x.shape
-        if self.fused:  # rotate q and k heads together: one RoPE instead of two
+        if self.fused and not self.qk_norm:  # rotate q and k heads together: one RoPE instead of two
             qkv = self.qkv_proj(x).view(B, T, self.nh + 2 * self.nkv, self.hd).transpose(1, 2)
             qk, v = qkv.split([self.nh + self.nkv, self.nkv], dim=1)
             q, k = apply_rope(qk, cos, sin).split([self.nh, self.nkv], dim=1)
@@ -177,6 +180,8 @@ class Attention(_Fusable):
         q = q.view(B, T, self.nh, self.hd).transpose(1, 2)
         k = k.view(B, T, self.nkv, self.hd).transpose(1, 2)
         v = v.view(B, T, self.nkv, self.hd).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, bits, mask, backend: str):
