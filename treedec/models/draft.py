@@ -44,6 +44,9 @@ class DraftConfig:
     target: str = ""  # what it was trained for (informational)
     target_fingerprint: str = ""  # target_fingerprint() of the target it was trained with ("" = unknown)
     draft_vocab_size: int = 0  # > 0: draft only over these most frequent target tokens (buffer vocab_ids); 0: all
+    fc_bias: bool = True  # EAGLE-1/2's fc has a bias unless its config says "bias": false (head_formats.py)
+    qkv_bias: bool = False  # the layer's q/k/v biases (published Qwen2 heads)
+    o_bias: bool = False
 
     @classmethod
     def for_target(cls, cfg: LlamaConfig, target: str = "", **overrides) -> "DraftConfig":
@@ -60,7 +63,8 @@ class DraftConfig:
                            intermediate_size=self.intermediate_size, num_hidden_layers=1,
                            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
                            head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
-                           rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling)
+                           rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+                           qkv_bias=self.qkv_bias, o_bias=self.o_bias)
 
 
 def target_fingerprint(target: Transformer) -> str:
@@ -90,7 +94,7 @@ class DraftHead(nn.Module):
             raise ValueError(f"draft kind {cfg.kind!r} is not built yet; treedec supports 'eagle'")
         self.config = cfg
         n_feat = len(cfg.feature_layers)
-        self.fc = nn.Linear((1 + n_feat) * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.fc = nn.Linear((1 + n_feat) * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
         self.layer = DecoderLayer(cfg.layer_config())
         self.layer.input_layernorm = nn.Identity()  # EAGLE skips the first input norm
         self.register_buffer("inv_freq", rope_inv_freq(cfg.layer_config()), persistent=False)
@@ -238,6 +242,10 @@ class DraftHead(nn.Module):
         from safetensors.torch import load_file
 
         path = BUNDLED_DRAFTS.get(str(path), Path(path))
+        if not (path / DRAFT_CONFIG).is_file() and (path / "config.json").is_file():  # EAGLE / EAGLE-3 / speculators
+            from treedec.models.head_formats import load_published
+
+            return load_published(path, target, dtype=dtype, device=device)
         if not (path / DRAFT_CONFIG).is_file():
             raise FileNotFoundError(f"no draft head at {path}: expected {DRAFT_CONFIG} and {DRAFT_WEIGHTS} (train one with `python -m treedec.train`)")
         try:

@@ -1,0 +1,290 @@
+"""Published head layouts (EAGLE-1/2, EAGLE-3 / SpecForge, vLLM speculators) load through ``DraftHead.load``.
+
+Each layout is written here from its published key names with random weights, and its draft
+logits are checked against a reference forward of that layout written below in plain torch
+from the raw state dict (not through treedec's modules).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from tests.models.helpers import tiny_model
+from treedec.models.checkpoint import CheckpointError
+from treedec.models.draft import DraftHead
+
+V, H, NH, NKV, I = 97, 64, 4, 2, 112
+HD = H // NH
+HAS_EAGLE3 = importlib.util.find_spec("treedec.models.eagle3") is not None
+needs_eagle3 = pytest.mark.skipif(not HAS_EAGLE3, reason="treedec's eagle3 head kind has not landed")
+
+
+# ------------------------------------------------------------------ the reference forwards (plain torch)
+def rms(x, w, eps=1e-5):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x, theta):
+    T = x.shape[-2]
+    inv = 1.0 / theta ** (torch.arange(0, HD, 2).float() / HD)
+    ang = torch.arange(T).float()[:, None] * inv
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat((-x2, x1), -1) * sin
+
+
+def ref_attn(sd, p, x, theta):
+    T = x.shape[1]
+    lin = lambda n: F.linear(x, sd[f"{p}self_attn.{n}_proj.weight"], sd.get(f"{p}self_attn.{n}_proj.bias"))  # noqa: E731
+    q = lin("q").view(1, T, NH, HD).transpose(1, 2)
+    k = lin("k").view(1, T, NKV, HD).transpose(1, 2).repeat_interleave(NH // NKV, 1)
+    v = lin("v").view(1, T, NKV, HD).transpose(1, 2).repeat_interleave(NH // NKV, 1)
+    s = rope(q, theta) @ rope(k, theta).transpose(-1, -2) / math.sqrt(HD)
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    out = (s.softmax(-1) @ v).transpose(1, 2).reshape(1, T, NH * HD)
+    return F.linear(out, sd[f"{p}self_attn.o_proj.weight"])
+
+
+def ref_mlp(sd, p, x):
+    g, u = (F.linear(x, sd[f"{p}mlp.{n}_proj.weight"]) for n in ("gate", "up"))
+    return F.linear(F.silu(g) * u, sd[f"{p}mlp.down_proj.weight"])
+
+
+def ref_eagle(sd, target, tokens, feats, theta=10000.0):
+    """EAGLE-1/2: fc(cat(embed, feature)) -> layer without input norm -> the target's LM head."""
+    x = F.linear(torch.cat((target.model.embed_tokens.weight[tokens], feats), -1), sd["fc.weight"], sd.get("fc.bias"))
+    x = x + ref_attn(sd, "layers.0.", x, theta)
+    x = x + ref_mlp(sd, "layers.0.", rms(x, sd["layers.0.post_attention_layernorm.weight"]))
+    return x @ target.lm_head.weight.T
+
+
+def ref_eagle3(sd, p, target, tokens, low_mid_high, theta=10000.0):
+    """EAGLE-3: f = fc(cat(l, m, h)); attn(cat(input_norm(embed), hidden_norm(f))) + f; mlp; lm_head(norm)."""
+    f = F.linear(low_mid_high, sd["fc.weight"])
+    e = rms(target.model.embed_tokens.weight[tokens], sd[f"{p}input_layernorm.weight"])
+    x = f + ref_attn(sd, p, torch.cat((e, rms(f, sd[f"{p}hidden_norm.weight"])), -1), theta)
+    x = x + ref_mlp(sd, p, rms(x, sd[f"{p}post_attention_layernorm.weight"]))
+    return rms(x, sd["norm.weight"]) @ sd["lm_head.weight"].T
+
+
+# ------------------------------------------------------------------ published directories
+def rnd(*shape, g, scale=0.08):
+    return scale * torch.randn(*shape, generator=g)
+
+
+def layer_sd(p, g, width, qkv_bias=False, eagle3=False):
+    sd = {f"{p}self_attn.q_proj.weight": rnd(NH * HD, width, g=g), f"{p}self_attn.k_proj.weight": rnd(NKV * HD, width, g=g),
+          f"{p}self_attn.v_proj.weight": rnd(NKV * HD, width, g=g), f"{p}self_attn.o_proj.weight": rnd(H, NH * HD, g=g),
+          f"{p}mlp.gate_proj.weight": rnd(I, H, g=g), f"{p}mlp.up_proj.weight": rnd(I, H, g=g),
+          f"{p}mlp.down_proj.weight": rnd(H, I, g=g), f"{p}post_attention_layernorm.weight": 1 + rnd(H, g=g, scale=0.2)}
+    if qkv_bias:
+        sd.update({f"{p}self_attn.{n}_proj.bias": rnd(w, g=g, scale=0.1) for n, w in (("q", NH * HD), ("k", NKV * HD),
+                                                                                       ("v", NKV * HD))})
+    if eagle3:
+        sd.update({f"{p}{n}.weight": 1 + rnd(H, g=g, scale=0.2) for n in ("input_layernorm", "hidden_norm")})
+    return sd
+
+
+def layer_cfg(**kw):
+    return dict(hidden_size=H, intermediate_size=I, num_attention_heads=NH, num_key_value_heads=NKV, vocab_size=V,
+                max_position_embeddings=512, rms_norm_eps=1e-5, hidden_act="silu", num_hidden_layers=1, **kw)
+
+
+def write(path, cfg, sd, bin_file=False):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    if bin_file:
+        torch.save(sd, path / "pytorch_model.bin")
+    else:
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def eagle_dir(path, seed=0, bias=True, qwen2=False, bin_file=False, embed=None):
+    g = torch.Generator().manual_seed(seed)
+    sd = {"fc.weight": rnd(H, 2 * H, g=g), **layer_sd("layers.0.", g, H, qkv_bias=qwen2)}
+    if bias:
+        sd["fc.bias"] = rnd(H, g=g, scale=0.1)
+    if embed is not None:
+        sd["embed_tokens.weight"] = embed
+    arch = "Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"
+    cfg = layer_cfg(architectures=[arch], bias=bias, rope_theta=10000.0)
+    return write(path, cfg, sd, bin_file), sd
+
+
+def draft_vocab(K, seed):
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:K].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    return ids, ids - torch.arange(K), t2d
+
+
+def eagle3_dir(path, seed=0, prefix="midlayer.", K=40, speculators=False, **cfg_kw):
+    g = torch.Generator().manual_seed(seed)
+    ids, d2t, t2d = draft_vocab(K, seed)
+    sd = {"fc.weight": rnd(H, 3 * H, g=g), **layer_sd(prefix, g, 2 * H, eagle3=True),
+          "norm.weight": 1 + rnd(H, g=g, scale=0.2), "lm_head.weight": rnd(K, H, g=g, scale=0.3), "d2t": d2t, "t2d": t2d}
+    if speculators:
+        cfg = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "draft_vocab_size": K,
+               "norm_before_residual": False, "transformer_layer_config": layer_cfg(model_type="llama"),
+               "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "target"}}, **cfg_kw}
+    else:  # EAGLE-3 / SpecForge: often no rope_theta at all
+        cfg = layer_cfg(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=K, **cfg_kw)
+    return write(path, cfg, sd), sd, ids
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=3, num_hidden_layers=2, rope_theta=1e6)  # theta 1e6: a head must not take the target's
+
+
+@pytest.fixture(scope="module")
+def deep_target():
+    return tiny_model(seed=4, num_hidden_layers=8, rope_theta=1e6)  # EAGLE-3's defaults: layers [2, 4, 5]
+
+
+def inputs(seed, T=11, width=H):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (1, T), generator=g), torch.randn(1, T, width, generator=g)
+
+
+@torch.inference_mode()
+def draft_logits(head, tokens, feats):
+    T = tokens.shape[1]
+    cache = head.new_cache(1, T)
+    out = head(tokens, feats, cache, torch.arange(T)[None])
+    return head.logits(out)
+
+
+# ------------------------------------------------------------------ EAGLE-1/2
+@pytest.mark.parametrize("variant", ["bias", "no_bias", "qwen2_bias", "bin"])
+def test_published_eagle_matches_reference(variant, target, tmp_path):
+    path, sd = eagle_dir(tmp_path / "h", seed=1, bias=variant != "no_bias", qwen2=variant == "qwen2_bias",
+                         bin_file=variant == "bin")
+    head = DraftHead.load(path, target=target)
+    assert head.config.kind == "eagle" and head.config.rope_theta == 10000.0
+    assert (head.fc.bias is None) == (variant == "no_bias")  # no bias: none at all, not a zero one
+    assert head.layer.self_attn.qkv_proj.bias is not None if variant == "qwen2_bias" else \
+        head.layer.self_attn.qkv_proj.bias is None
+    tokens, feats = inputs(2)
+    torch.testing.assert_close(draft_logits(head, tokens, feats), ref_eagle(sd, target, tokens, feats),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_fc_bias_matters(target, tmp_path):
+    """The bias really is applied: dropping it from the reference changes the logits."""
+    path, sd = eagle_dir(tmp_path / "h", seed=5)
+    tokens, feats = inputs(3)
+    got = draft_logits(DraftHead.load(path, target=target), tokens, feats)
+    assert (got - ref_eagle({**sd, "fc.bias": torch.zeros(H)}, target, tokens, feats)).abs().max() > 1e-3
+
+
+def test_embedding_copy_is_checked(target, tmp_path):
+    eagle_dir(tmp_path / "same", embed=target.model.embed_tokens.weight.detach().clone())
+    DraftHead.load(tmp_path / "same", target=target)  # equal to the target's: silent
+    eagle_dir(tmp_path / "other", embed=torch.randn(V, H))
+    with pytest.warns(UserWarning, match="embedding that differs"):
+        DraftHead.load(tmp_path / "other", target=target)
+
+
+# ------------------------------------------------------------------ EAGLE-3 / SpecForge / speculators
+@needs_eagle3
+@pytest.mark.parametrize("layout", ["midlayer", "layers0", "speculators"])
+def test_published_eagle3_matches_reference(layout, deep_target, tmp_path):
+    prefix = "midlayer." if layout == "midlayer" else "layers.0."
+    path, sd, ids = eagle3_dir(tmp_path / "h", seed=6, prefix=prefix, speculators=layout == "speculators",
+                               **({"eagle_aux_hidden_state_layer_ids": [1, 3, 6]} if layout == "speculators" else {}))
+    head = DraftHead.load(path, target=deep_target)
+    c = head.config
+    assert c.kind == "eagle3" and c.rope_theta == 10000.0 and c.draft_vocab_size == 40
+    assert c.feature_layers == ([1, 3, 6] if layout == "speculators" else [2, 4, 5])
+    assert torch.equal(head.vocab_ids.cpu(), ids)
+    tokens, low_mid_high = inputs(7, width=3 * H)
+    with torch.inference_mode():
+        got = draft_logits(head, tokens, head.project(low_mid_high))
+    want = ref_eagle3(sd, prefix, deep_target, tokens, low_mid_high)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(head.to_target_ids(got.argmax(-1)), want.argmax(-1) + sd["d2t"][want.argmax(-1)])
+
+
+@needs_eagle3
+def test_eagle3_rope_is_the_heads_own(deep_target, tmp_path):
+    path, sd, _ = eagle3_dir(tmp_path / "h", seed=8, rope_theta=5e5)
+    head = DraftHead.load(path, target=deep_target)
+    assert head.config.rope_theta == 5e5
+    tokens, lmh = inputs(9, width=3 * H)
+    with torch.inference_mode():
+        got = draft_logits(head, tokens, head.project(lmh))
+    torch.testing.assert_close(got, ref_eagle3(sd, "midlayer.", deep_target, tokens, lmh, theta=5e5), atol=1e-4, rtol=1e-4)
+    assert (got - ref_eagle3(sd, "midlayer.", deep_target, tokens, lmh)).abs().max() > 1e-4
+
+
+# ------------------------------------------------------------------ errors
+def test_wrong_hidden_size_names_both(tmp_path):
+    path, _ = eagle_dir(tmp_path / "h")
+    small = tiny_model(seed=0, hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(ValueError, match=r"hidden 64.*does not fit.*hidden 32"):
+        DraftHead.load(path, target=small)
+
+
+def test_wrong_vocab_names_both(tmp_path):
+    path, _ = eagle_dir(tmp_path / "h")
+    with pytest.raises(ValueError, match=r"vocab 97.*vocab 50"):
+        DraftHead.load(path, target=tiny_model(seed=0, vocab_size=50))
+
+
+def test_layer_ids_beyond_the_target(target, deep_target, tmp_path):
+    path, _, _ = eagle3_dir(tmp_path / "ids", speculators=True, eagle_aux_hidden_state_layer_ids=[2, 4, 9])
+    with pytest.raises(ValueError, match=r"reads target layers \[2, 4, 9\].*8 layers"):
+        DraftHead.load(path, target=deep_target)
+    path, _, _ = eagle3_dir(tmp_path / "default")
+    with pytest.raises(ValueError, match="load it with its target"):
+        DraftHead.load(path)  # EAGLE-3's default layers need the target's depth
+
+
+def test_pickle_only_file_refused(tmp_path):
+    path, sd = eagle_dir(tmp_path / "h", bin_file=True)
+    torch.save({**sd, "extra": Unpicklable()}, path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="never unpickles"):
+        DraftHead.load(path)
+    (path / "pytorch_model.bin").rename(path / "model.pt")
+    with pytest.raises(FileNotFoundError, match="model.pt"):
+        DraftHead.load(path)
+
+
+class Unpicklable:
+    """A class instance in a weights file: what ``weights_only`` must refuse."""
+
+
+def test_missing_and_unexpected_keys_listed(target, tmp_path):
+    path, sd = eagle_dir(tmp_path / "missing")
+    save_file({k: v for k, v in sd.items() if "down_proj" not in k}, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \['layer.mlp.down_proj.weight'\]"):
+        DraftHead.load(path, target=target)
+    path, sd = eagle_dir(tmp_path / "bias", bias=False)
+    save_file({**sd, "fc.bias": torch.zeros(H)}, str(path / "model.safetensors"))  # config says "bias": false
+    with pytest.raises(ValueError, match=r"unexpected tensors \['fc.bias'\]"):
+        DraftHead.load(path, target=target)
+
+
+def test_t2d_must_agree_with_d2t(deep_target, tmp_path):
+    path, sd, _ = eagle3_dir(tmp_path / "h")
+    t2d = sd["t2d"].clone()
+    t2d[int((~t2d).nonzero()[0])] = True
+    save_file({**sd, "t2d": t2d}, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="t2d"):
+        DraftHead.load(path, target=deep_target)
+
+
+def test_target_directory_is_not_a_head(tmp_path):
+    from treedec.models.checkpoint import save_pretrained
+
+    save_pretrained(tiny_model(seed=0), tmp_path)
+    with pytest.raises(ValueError, match="2-layer model, not a 1-layer EAGLE head"):
+        DraftHead.load(tmp_path)

@@ -1,0 +1,217 @@
+"""Published draft-head layouts -> treedec heads (``DraftHead.load`` calls :func:`load_published`).
+
+A directory with a ``config.json`` and no ``draft_config.json`` is a head trained elsewhere.
+Its layout is told by the config:
+
+* ``eagle``: EAGLE-1/2 as published (e.g. EAGLE-LLaMA3-Instruct-8B): a 1-layer
+  ``LlamaForCausalLM``/``Qwen2ForCausalLM`` config (``"bias"``: whether ``fc`` has one, default
+  true as in EAGLE), keys ``fc.*`` ([H, 2H], embedding first), ``layers.0.*`` without an input norm.
+  The LM head is the target's.
+* ``eagle3``: EAGLE-3 as published and SpecForge exports (``LlamaForCausalLMEagle3``, or a config
+  with ``draft_vocab_size``): ``fc.weight`` [H, 3H], ``midlayer.*`` (or ``layers.0.*``),
+  ``norm``, ``lm_head`` [K, H], ``d2t``/``t2d``. RoPE is the head's own (EAGLE's default theta
+  10000 when the config names none, never the target's); feature layers default to EAGLE-3's
+  [2, L//2, L-3] of the target.
+* ``speculators``: vLLM speculators EAGLE-3 (``speculators_model_type: eagle3``): the layer's
+  config under ``transformer_layer_config``, layer ids in ``eagle_aux_hidden_state_layer_ids``.
+
+Weights come from ``model.safetensors`` (or a sharded index), or ``pytorch_model.bin`` through
+``torch.load(weights_only=True)``; nothing else is ever unpickled. A head that does not fit its
+target, or whose tensors do not match its layout, is an error naming both.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from treedec.models.checkpoint import INDEX, WEIGHTS, CheckpointError, _open
+from treedec.models.config import LlamaConfig
+from treedec.models.draft import DraftConfig, DraftHead
+from treedec.models.llama import Transformer
+
+PICKLE = "pytorch_model.bin"
+LAYOUTS = ("eagle", "eagle3", "speculators")
+# Buffers and tensors a published head may carry that treedec recomputes or takes from the target.
+_SKIP = ("rotary_emb.inv_freq", "verifier_lm_head.weight", "verifier_norm.weight")
+_LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def detect(raw: dict) -> str:
+    """The layout of a head's config.json: eagle | eagle3 | speculators (an error otherwise)."""
+    kind = raw.get("speculators_model_type")
+    if kind is not None:
+        if kind != "eagle3":
+            raise ValueError(f"speculators_model_type={kind!r}: treedec loads speculators 'eagle3' heads only")
+        return "speculators"
+    archs = raw.get("architectures") or ["LlamaForCausalLM"]
+    if any("Eagle3" in a for a in archs) or "draft_vocab_size" in raw:
+        return "eagle3"
+    if raw.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"config.json describes a {raw.get('num_hidden_layers')}-layer model, not a 1-layer EAGLE head "
+                         "(a target model directory? pass it as model.path, and the head as draft.path)")
+    return "eagle"
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a head directory: safetensors, or ``pytorch_model.bin`` with ``weights_only=True``."""
+    if (path / INDEX).is_file() or (path / WEIGHTS).is_file():
+        files = ([path / WEIGHTS] if (path / WEIGHTS).is_file() else
+                 sorted({path / f for f in json.loads((path / INDEX).read_text())["weight_map"].values()}))
+        out = {}
+        for f in files:
+            with _open(f) as sf:
+                out.update({k: sf.get_tensor(k) for k in sf.keys()})
+        return out
+    if (path / PICKLE).is_file():
+        try:
+            return torch.load(path / PICKLE, map_location="cpu", weights_only=True)
+        except Exception as e:  # weights_only refuses anything but tensors and plain containers
+            raise CheckpointError(f"{path / PICKLE} holds more than plain tensors ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:200]}); treedec never unpickles objects: convert it to "
+                                  f"{WEIGHTS} with safetensors where you trust the file") from e
+    found = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
+    raise FileNotFoundError(f"{path} has config.json but no {WEIGHTS} or {PICKLE} (found: {found}); treedec reads "
+                            f"safetensors, or {PICKLE} as plain tensors, never other pickle files")
+
+
+def _layer_config(raw: dict, path: Path) -> LlamaConfig:
+    """The head layer's LlamaConfig (Qwen2 heads: q/k/v biases); the head's own RoPE settings."""
+    arch = "Qwen2ForCausalLM" if any("Qwen2" in a for a in raw.get("architectures") or []) else "LlamaForCausalLM"
+    if raw.get("model_type") == "qwen3" or any("Qwen3" in a for a in raw.get("architectures") or []):
+        raise ValueError(f"{path}: a Qwen3-layer head (q/k norms in the draft layer) is not supported yet; "
+                         "treedec loads Llama- and Qwen2-layer heads")
+    d = {k: v for k, v in raw.items() if k not in ("architectures", "num_hidden_layers")}
+    d.setdefault("rope_theta", 10000.0)  # EAGLE's rotary default: never the target's theta
+    try:
+        cfg = LlamaConfig.from_hf({**d, "architectures": [arch], "num_hidden_layers": 1})
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path / 'config.json'}: {e}") from e
+    if raw.get("qkv_bias") is not None:  # some EAGLE Qwen2 heads say so explicitly
+        cfg.qkv_bias = bool(raw["qkv_bias"])
+    return cfg
+
+
+def _feature_layers(raw: dict, target: Transformer | None, path: Path) -> list[int]:
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        if target is None:
+            raise ValueError(f"{path} is an EAGLE-3 head whose config does not name its feature layers: load it with "
+                             "its target (DraftHead.load(path, target=model)) to use EAGLE-3's [2, L//2, L-3]")
+        L = target.config.num_hidden_layers
+        ids = [2, L // 2, L - 3]
+    if len(ids) != 3:
+        raise ValueError(f"{path}: an EAGLE-3 head fuses 3 target layers, its config names {ids}")
+    if target is not None and not all(0 <= i < target.config.num_hidden_layers for i in ids):
+        raise ValueError(f"{path} reads target layers {ids}, but the target has {target.config.num_hidden_layers} "
+                         f"layers (0..{target.config.num_hidden_layers - 1}): the head was trained for a deeper model")
+    return [int(i) for i in ids]
+
+
+def _vocab_ids(state: dict, K: int, V: int, path: Path) -> torch.Tensor | None:
+    """d2t (draft index -> target id offset) as target ids; t2d, where given, must mark the same set."""
+    d2t = state.pop("d2t", None)
+    t2d = state.pop("t2d", None)
+    ids = torch.arange(K) if d2t is None else torch.arange(K) + d2t.long()
+    if ids.numel() != K or int(ids.min()) < 0 or int(ids.max()) >= V or ids.unique().numel() != K:
+        raise ValueError(f"{path}: d2t maps the {K}-token draft vocabulary outside the target's {V} tokens "
+                         "(or twice onto one token); the head belongs to another tokenizer")
+    if t2d is not None:
+        mark = torch.zeros(V, dtype=torch.bool)
+        mark[ids] = True
+        if t2d.shape != (V,) or not torch.equal(t2d.bool(), mark):
+            raise ValueError(f"{path}: t2d {tuple(t2d.shape)} does not mark the tokens d2t maps to; the file is corrupt")
+    return None if K == V and torch.equal(ids, torch.arange(K)) else ids
+
+
+def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftConfig, dict[str, torch.Tensor], str]:
+    """(treedec DraftConfig, treedec state dict, layout) of a published head directory."""
+    path = Path(path)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON ({e})") from e
+    layout = detect(raw)
+    src = {k: v for k, v in read_weights(path).items() if not k.endswith(_SKIP)}
+    layer_raw = raw
+    if layout == "speculators":
+        layer_raw = {**raw.get("transformer_layer_config", {}), **{k: raw[k] for k in ("draft_vocab_size",) if k in raw}}
+        if not raw.get("transformer_layer_config"):
+            raise ValueError(f"{path / 'config.json'}: a speculators config needs transformer_layer_config")
+        if layer_raw.get("num_hidden_layers", 1) != 1:
+            raise ValueError(f"{path}: a {layer_raw['num_hidden_layers']}-layer speculators head; treedec loads 1-layer heads")
+        if raw.get("norm_before_fc") or "input_norm.weight" in src:
+            raise ValueError(f"{path}: norm_before_fc heads (an RMSNorm before fc) are not supported")
+    lc = _layer_config(layer_raw, path)
+    embed = src.pop("embed_tokens.weight", src.pop("model.embed_tokens.weight", None))
+    prefix = "midlayer." if any(k.startswith("midlayer.") for k in src) else "layers.0."  # EAGLE-3/SGLang name it so
+    state: dict[str, torch.Tensor] = {}
+    for k in list(src):  # the layer: published prefix -> treedec's "layer."
+        if k.startswith(prefix):
+            state["layer." + k[len(prefix):]] = src.pop(k)
+    common = dict(target=str(path), qkv_bias=lc.qkv_bias, o_bias=lc.o_bias)
+    if layout == "eagle":
+        bias = bool(raw.get("bias", True))  # EAGLE's loader: config "bias", default true
+        cfg = DraftConfig.for_target(lc, fc_bias=bias, **common)
+        names = ["fc.weight"] + (["fc.bias"] if bias else [])
+    else:
+        if raw.get("target_hidden_size") not in (None, lc.hidden_size):
+            raise ValueError(f"{path}: target_hidden_size {raw['target_hidden_size']} != the head's hidden_size "
+                             f"{lc.hidden_size}; treedec's EAGLE-3 head reads features of its own width")
+        if layout == "speculators" and raw.get("norm_before_residual", True):  # vLLM's default when absent
+            raise ValueError(f"{path}: norm_before_residual=true (the residual is the normed feature) is not "
+                             "supported by treedec's EAGLE-3 head yet")
+        K = int(layer_raw.get("draft_vocab_size") or lc.vocab_size)
+        ids = _vocab_ids(src, K, lc.vocab_size, path)
+        cfg = DraftConfig.for_target(lc, kind="eagle3", feature_layers=_feature_layers(raw, target, path),
+                                     draft_vocab_size=0 if ids is None else K, **common)
+        if ids is not None:
+            state["vocab_ids"] = ids
+        names = ["fc.weight", "norm.weight", "lm_head.weight"]
+    for n in names:
+        if n in src:
+            state[n] = src.pop(n)
+    if src:
+        raise ValueError(f"{path} ({layout} layout): unexpected tensors {sorted(src)[:8]}"
+                         f"{' ...' if len(src) > 8 else ''}; they have no place in treedec's head (e.g. fc.bias with "
+                         f"\"bias\": false in config.json, or a layer treedec does not build)")
+    _check_fits(path, cfg, target, embed)
+    return cfg, state, layout
+
+
+def _check_fits(path: Path, cfg: DraftConfig, target: Transformer | None, embed: torch.Tensor | None) -> None:
+    if target is None:
+        return
+    tc = target.config
+    if (tc.vocab_size, tc.hidden_size) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"the draft head at {path} (vocab {cfg.vocab_size}, hidden {cfg.hidden_size}) does not fit "
+                         f"the target (vocab {tc.vocab_size}, hidden {tc.hidden_size}): use the head published for "
+                         "this target")
+    if embed is not None:
+        own = target.model.embed_tokens.weight.detach().float().cpu()
+        if embed.shape != own.shape or not torch.allclose(embed.float(), own, atol=1e-2, rtol=1e-2):
+            warnings.warn(f"the draft head at {path} carries an embedding that differs from the target's; treedec "
+                          "uses the target's (output stays exact, acceptance may drop)", stacklevel=3)
+
+
+def load_published(path: str | Path, target: Transformer | None = None, dtype=None, device=None) -> DraftHead:
+    """A published head as a treedec :class:`DraftHead` (fused, bound to ``target`` when given)."""
+    cfg, state, layout = convert(path, target)
+    head = DraftHead(cfg)
+    try:
+        missing, unexpected = head.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor whose shape does not fit the config
+        raise ValueError(f"{path} ({layout} layout): the weights do not fit its config.json: {e}") from e
+    if missing or unexpected:
+        raise ValueError(f"{path} ({layout} layout) does not hold a whole head: missing {sorted(missing)}, "
+                         f"unexpected {sorted(unexpected)}")
+    head = head.to(device=device or "cpu", dtype=dtype or state["fc.weight"].dtype).eval()
+    head.layer.fuse()
+    return head.bind(target) if target is not None else head
+
+
+__all__ = ["LAYOUTS", "convert", "detect", "load_published", "read_weights"]
