@@ -1,6 +1,16 @@
-"""Test-wide setup: the Triton interpreter must be on before any kernel is defined."""
+"""Test-wide setup and the session fixtures every test directory shares.
+
+* the Triton interpreter must be on before any kernel is defined (no GPU);
+* ``corpus``, ``tokenizer``: a synthetic ``*.py`` corpus and the BPE trained on its train split
+  (val_fraction 0.2), built once per session;
+* ``tiny_target``, ``tiny_head``: a random target and an untrained draft head bound to it
+  (:func:`tests.helpers.make_pair`), shared read-only: a test that changes weights builds its own.
+
+``pytest -m "not slow"`` is the quick loop; CI runs everything.
+"""
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -9,3 +19,36 @@ if not torch.cuda.is_available():
 # Tiny models are dominated by dispatch overhead, and a second thread only adds contention
 # when the machine is shared (e.g. with a training job): keep the suite single-threaded.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    from tests.helpers import write_corpus
+
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(corpus, tmp_path_factory):
+    """``(tokenizer.json path, tokenizers.Tokenizer)``: vocabulary 384, ``<|endoftext|>`` = 0."""
+    from treedec.data.tokenizer_train import train_tokenizer
+
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    return path, train_tokenizer(corpus, vocab_size=384, val_fraction=0.2, out=path)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    from tests.helpers import make_pair
+
+    return make_pair(seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_pair):
+    return tiny_pair[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_head(tiny_pair):
+    return tiny_pair[1]

@@ -15,13 +15,13 @@ from treedec.models.draft import DraftConfig, DraftHead
 from treedec.models.llama import Transformer
 from treedec.tree.shapes import SHAPE_DIR
 
-from .training.test_pretrain import TINY_ARCH, corpus, tokenizer  # noqa: F401  (fixtures)
+from tests.helpers import TINY_ARCH
 
 CONF = str(SHAPE_DIR.parents[1])
 
 
 @pytest.fixture(scope="module")
-def stack(tokenizer, tmp_path_factory):  # noqa: F811
+def stack(tokenizer, tmp_path_factory):
     torch.manual_seed(0)
     target = Transformer(LlamaConfig(**{**TINY_ARCH, "max_position_embeddings": 256}), "sdpa")
     root = tmp_path_factory.mktemp("stack")

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 from .test_generate import stack  # noqa: F401  (fixture)
-from .training.test_pretrain import corpus, tokenizer  # noqa: F401  (fixtures)
 
 
 def test_multirun_2x2_writes_summary_and_plots(stack, tmp_path):  # noqa: F811

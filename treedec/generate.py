@@ -32,7 +32,7 @@ def _warm_up(dec, ids: list[int], max_new_tokens: int) -> float:
 
 def read_prompt(cfg: DictConfig) -> str:
     if cfg.prompt_file:
-        from treedec.bench.prompts import read_text
+        from treedec.data.prompts import read_text
 
         return sys.stdin.read() if cfg.prompt_file == "-" else read_text(cfg.prompt_file, "prompt_file")
     return str(cfg.prompt)

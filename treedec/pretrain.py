@@ -32,10 +32,10 @@ log = logging.getLogger(__name__)
 def export_hf(module, tokenizer_path: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Write ``module.model`` as a Hugging Face directory with its tokenizer and generation config.
 
-    Atomic (:func:`treedec.training.callbacks.atomic_dir`): ``out_dir`` is the old directory or the
+    Atomic (:func:`treedec.training.trainer.atomic_dir`): ``out_dir`` is the old directory or the
     complete new one, never a half-written one; the files follow the umask."""
     from treedec.models.checkpoint import save_pretrained
-    from treedec.training.callbacks import atomic_dir
+    from treedec.training.trainer import atomic_dir
 
     model = module.model
     cfg = model.config
@@ -49,22 +49,9 @@ def export_hf(module, tokenizer_path: str | Path, out_dir: str | Path, dtype: st
     return atomic_dir(out_dir, write)
 
 
-def tokenizer_file(value: str | Path) -> Path:
-    """``paths.tokenizer``: a tokenizer.json (trained there when missing), or the name or directory of a
-    model whose tokenizer.json is reused as it is (``paths.tokenizer=tiny-code``: the bundled one)."""
-    from treedec.models.checkpoint import BUNDLED, resolve_path
-
-    path = Path(str(value)).expanduser()
-    if str(value) in BUNDLED or path.is_dir():
-        path = resolve_path(value) / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"paths.tokenizer={value}: {path} does not exist")
-    return path
-
-
 def run(cfg: DictConfig) -> dict:
     """Pretrain (or resume, or, when the run dir holds a finished job, report) and return ``metrics.json``."""
-    from treedec.training.callbacks import run_job
+    from treedec.training.trainer import run_job
 
     return run_job(cfg, "pretrain", _pretrain)
 
@@ -72,9 +59,11 @@ def run(cfg: DictConfig) -> dict:
 def _pretrain(cfg: DictConfig, run_dir: Path) -> dict:
     import torch
 
-    from treedec.training.callbacks import (build_trainer, bundled_dir, export_path, seconds, stop_reason,
-                                            time_budget, use_hint, write_json)
+    from treedec.data.tokenizer_train import tokenizer_file
+    from treedec.models.paths import bundled_dir, export_path
     from treedec.training.lm import CausalLMModule
+    from treedec.training.schedule import seconds, time_budget
+    from treedec.training.trainer import build_trainer, stop_reason, use_hint, write_json
 
     t0 = time.time()
     arch = OmegaConf.to_container(cfg.model_arch, resolve=True)

@@ -5,7 +5,7 @@ from treedec.decoding import vanilla
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.tree.policies import StaticPolicy
 
-from .helpers import OraclePolicy, greedy_reference, make_pair
+from tests.helpers import OraclePolicy, greedy_reference, make_pair
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from treedec.profiling import count_ops
 from treedec.tree import TreeError
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
 
-from .helpers import OraclePolicy, greedy_reference, make_pair
+from tests.helpers import OraclePolicy, greedy_reference, make_pair
 
 POLICIES = {
     "chain": lambda: ChainPolicy(4),

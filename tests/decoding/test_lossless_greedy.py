@@ -5,7 +5,7 @@ import torch
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
 
-from .helpers import OraclePolicy, greedy_reference, make_pair
+from tests.helpers import OraclePolicy, greedy_reference, make_pair
 
 POLICIES = {
     "chain": lambda: ChainPolicy(depth=4),

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import treedec.models.checkpoint as ckpt
-from tests.models.helpers import full_logits, tiny_model
+from tests.helpers import full_logits, tiny_model
 from treedec.models import SUPPORTED_ARCHITECTURES, load_model
 from treedec.models.checkpoint import CheckpointError, save_pretrained
 from treedec.models.tokenizer import Tokenizer, load_tokenizer, save_tokenizer

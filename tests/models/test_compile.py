@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from tests.models.helpers import tiny_model
+from tests.helpers import tiny_model
 from treedec.profiling import count_ops
 from treedec.tree import Tree
 

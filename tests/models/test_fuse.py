@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.helpers import full_logits, tiny_config, tiny_model
+from tests.helpers import full_logits, tiny_config, tiny_model
 from treedec.models import load_model
 from treedec.models.checkpoint import save_pretrained
 from treedec.models.draft import DraftConfig, DraftHead

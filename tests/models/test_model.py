@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.helpers import full_logits, tiny_model
+from tests.helpers import full_logits, tiny_model
 from treedec.tree import Tree
 from treedec.tree.layout import pack_bits
 

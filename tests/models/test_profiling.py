@@ -37,7 +37,7 @@ def test_count_ops_restores_tolist_on_error():
 
 
 def _forward_counts(n_layers: int, backend: str, ragged: bool, given: bool):
-    from tests.models.helpers import tiny_model
+    from tests.helpers import tiny_model
     from treedec.tree import Tree
 
     model = tiny_model(seed=n_layers, backend=backend, num_hidden_layers=n_layers)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.helpers import full_logits, tiny_model
+from tests.helpers import full_logits, tiny_model
 from treedec.decoding.sampling import SamplingParams
 from treedec.decoding.vanilla import generate
 

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from treedec.models.checkpoint import ASSETS
+from treedec.models.paths import ASSETS
 
 
 def test_assistant_shares_the_targets_tokenizer_and_context():
@@ -29,7 +29,7 @@ def test_assistant_shares_the_targets_tokenizer_and_context():
     text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n"
     assert ta.encode(text) == tt.encode(text)
     # trained: on held-out stdlib files it predicts far better than chance (ln 8192 = 9.0 nats)
-    from treedec.training.data import read_source, split_files, stdlib_root
+    from treedec.data.corpus import read_source, split_files, stdlib_root
 
     model = load_model(path, dtype=torch.float32)
     losses = []

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .test_pretrain import TINY_ARCH, corpus, tokenizer  # noqa: F401  (fixtures)
+from tests.helpers import TINY_ARCH
 
 REPO = Path(__file__).resolve().parents[2]
 DDP = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=bf16-mixed",
@@ -58,7 +58,7 @@ def assert_one_model_two_data_streams(sync_path) -> None:
 
 
 @pytest.fixture(scope="module")
-def pretrained_ddp(corpus, tokenizer, tmp_path_factory):  # noqa: F811
+def pretrained_ddp(corpus, tokenizer, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp_pretrain")
     arch = [f"model_arch.{k}={v}" for k, v in TINY_ARCH.items()] + ["model_arch.head_dim=8"]
     out = run_ddp("treedec.pretrain", arch + [
@@ -96,7 +96,7 @@ def test_pretrain_ddp_two_cpu_processes(pretrained_ddp):
 
 
 @pytest.mark.slow
-def test_train_draft_ddp_two_cpu_processes(pretrained_ddp, corpus):  # noqa: F811
+def test_train_draft_ddp_two_cpu_processes(pretrained_ddp, corpus):
     """The draft module holds its frozen target outside its parameters: DDP wraps the head alone."""
     ptmp, _ = pretrained_ddp
     tmp = ptmp.parent / (ptmp.name + "_draft")
@@ -127,11 +127,11 @@ def test_train_draft_ddp_two_cpu_processes(pretrained_ddp, corpus):  # noqa: F81
                    for k in state["state_dict"])
 
 
-def test_ranks_above_zero_wait_for_rank_zeros_tokenizer(corpus, tokenizer, tmp_path, monkeypatch):  # noqa: F811
+def test_ranks_above_zero_wait_for_rank_zeros_tokenizer(corpus, tokenizer, tmp_path, monkeypatch):
     """srun/torchrun start every rank at once: rank 1 must not train a tokenizer of its own."""
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-    from treedec.training.data import StdlibCodeDataModule, wait_for_rank_zero
+    from treedec.data.datamodules import StdlibCodeDataModule, wait_for_rank_zero
 
     monkeypatch.setattr(rank_zero_only, "rank", 1)
     tok_path = tmp_path / "tok" / "tokenizer.json"

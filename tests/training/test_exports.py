@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from .test_job_safety import compose_cfg, tree_hashes
-from .test_pretrain import TINY_ARCH, corpus, tokenizer  # noqa: F401  (fixtures)
+from tests.helpers import TINY_ARCH
 
 
-def tiny_pretrain(corpus, tok_path, run_dir, *extra):  # noqa: F811
+def tiny_pretrain(corpus, tok_path, run_dir, *extra):
     arch = [f"model_arch.{k}={v}" for k, v in TINY_ARCH.items()] + ["model_arch.head_dim=8"]
     return compose_cfg("pretrain", arch + [
         f"paths.run_dir={run_dir}", f"paths.tokenizer={tok_path}", "num_threads=1", f"data.root={corpus}",
@@ -24,11 +24,11 @@ def tiny_pretrain(corpus, tok_path, run_dir, *extra):  # noqa: F811
         "trainer.enable_model_summary=false", "optim.time_budget_s=null", "optim.warmup_steps=1", *extra])
 
 
-def test_readme_commands_export_into_the_run_dir_and_leave_the_assets_alone(corpus, tokenizer, tmp_path,  # noqa: F811
+def test_readme_commands_export_into_the_run_dir_and_leave_the_assets_alone(corpus, tokenizer, tmp_path,
                                                                             caplog):
     """`python -m treedec.pretrain` and `python -m treedec.train` with their defaults (tiny settings)."""
-    from treedec.models.checkpoint import ASSETS
     from treedec.models.draft import DraftHead
+    from treedec.models.paths import ASSETS
     from treedec.pretrain import run as pretrain
     from treedec.train import run as train
 
@@ -53,14 +53,14 @@ def test_readme_commands_export_into_the_run_dir_and_leave_the_assets_alone(corp
     assert tree_hashes(ASSETS) == before  # the shipped model and head are untouched
 
 
-def test_export_dir_bundled_replaces_the_asset_atomically(corpus, tokenizer, tmp_path, monkeypatch):  # noqa: F811
-    import treedec.models.checkpoint as ckpt
+def test_export_dir_bundled_replaces_the_asset_atomically(corpus, tokenizer, tmp_path, monkeypatch):
+    import treedec.models.paths as paths
     from treedec.models import load_model
     from treedec.pretrain import run as pretrain
 
     assets = tmp_path / "assets"
     assets.mkdir()
-    monkeypatch.setattr(ckpt, "ASSETS", assets)
+    monkeypatch.setattr(paths, "ASSETS", assets)
     old_umask = os.umask(0o022)
     try:
         m = pretrain(tiny_pretrain(corpus, tokenizer[0], tmp_path / "first", "export_dir=bundled"))
@@ -89,7 +89,7 @@ def test_export_dir_bundled_replaces_the_asset_atomically(corpus, tokenizer, tmp
     assert not (tmp_path / "second" / "metrics.json").exists()
 
 
-def test_export_dtype_aliases_reach_the_files(corpus, tokenizer, tmp_path):  # noqa: F811
+def test_export_dtype_aliases_reach_the_files(corpus, tokenizer, tmp_path):
     """`export_dtype=bf16` used to train fully and then fail on `torch.bf16`."""
     from safetensors import safe_open
 
@@ -102,8 +102,8 @@ def test_export_dtype_aliases_reach_the_files(corpus, tokenizer, tmp_path):  # n
 
 
 def test_paths_tokenizer_names_a_model_to_reuse_its_tokenizer(tmp_path):
-    from treedec.models.checkpoint import ASSETS
-    from treedec.pretrain import tokenizer_file
+    from treedec.data.tokenizer_train import tokenizer_file
+    from treedec.models.paths import ASSETS
 
     assert tokenizer_file("tiny-code") == ASSETS / "tiny-code" / "tokenizer.json"
     assert tokenizer_file(ASSETS / "tiny-code") == ASSETS / "tiny-code" / "tokenizer.json"

@@ -8,11 +8,11 @@ import lightning as L
 import pytest
 import torch
 
-from treedec.training.data import JsonlDataModule, StdlibCodeDataModule
+from treedec.data.datamodules import JsonlDataModule, StdlibCodeDataModule
 
 from .test_draft_training import target_dir  # noqa: F401  (fixtures)
 from .test_jsonl import chat_file  # noqa: F401
-from .test_pretrain import TINY_ARCH, corpus, tokenizer  # noqa: F401
+from tests.helpers import TINY_ARCH
 
 
 def fast_dev_trainer(tmp_path, precision="bf16-mixed", callbacks=()):
@@ -21,7 +21,7 @@ def fast_dev_trainer(tmp_path, precision="bf16-mixed", callbacks=()):
                      callbacks=list(callbacks))
 
 
-def stdlib_dm(corpus, tokenizer, tmp_path):  # noqa: F811
+def stdlib_dm(corpus, tokenizer, tmp_path):
     return StdlibCodeDataModule(str(tokenizer[0]), root=str(corpus), seq_len=32, batch_size=4, val_fraction=0.2,
                                 cache_dir=str(tmp_path / "cache"), max_val_windows=2)
 
@@ -30,7 +30,7 @@ def finite(metrics, *keys) -> bool:
     return all(k in metrics and math.isfinite(float(metrics[k])) for k in keys)
 
 
-def test_causal_lm_fast_dev_run(corpus, tokenizer, tmp_path):  # noqa: F811
+def test_causal_lm_fast_dev_run(corpus, tokenizer, tmp_path):
     from treedec.training.lm import CausalLMModule
 
     module = CausalLMModule(TINY_ARCH, warmup_steps=1, max_steps=1)
@@ -44,7 +44,7 @@ def test_causal_lm_fast_dev_run(corpus, tokenizer, tmp_path):  # noqa: F811
 
 
 @pytest.mark.parametrize("data", ["stdlib", "chat"])
-def test_draft_fast_dev_run(data, target_dir, corpus, tokenizer, chat_file, tmp_path):  # noqa: F811
+def test_draft_fast_dev_run(data, target_dir, corpus, tokenizer, chat_file, tmp_path):
     from treedec.training.draft import DraftModule, SpeculativeEvalCallback
 
     if data == "stdlib":

@@ -18,9 +18,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from treedec.config_schema import ConfigError
-from treedec.training.callbacks import (JobError, ResumeState, RunDirLock, atomic_dir, export_path, finished_metrics,
-                                        rng_states, set_rng_states)
-from treedec.training.data import RandomWindowSampler, ResumableLoader
+from treedec.data.datamodules import EpochSampler, ResumableLoader
+from treedec.models.paths import export_path
+from treedec.training.trainer import (JobError, ResumeState, RunDirLock, atomic_dir, finished_metrics, rng_states,
+                                      set_rng_states)
 from treedec.tree.shapes import SHAPE_DIR
 
 CONF = str(SHAPE_DIR.parents[1])
@@ -40,7 +41,7 @@ def tree_hashes(root: Path) -> dict[str, str]:
 # ------------------------------------------------------------------------------------------- lock
 HOLD = """
 import sys, time
-from treedec.training.callbacks import RunDirLock
+from treedec.training.trainer import RunDirLock
 lock = RunDirLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 time.sleep(120)
@@ -75,7 +76,7 @@ def test_lock_without_flock_checks_the_recorded_pid(tmp_path, monkeypatch, caplo
     monkeypatch.setattr(fcntl, "flock", no_flock)
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        from treedec.training.callbacks import _proc_stat
+        from treedec.training.trainer import _proc_stat
 
         start = _proc_stat(live.pid)[19]
         (tmp_path / ".lock").write_text(json.dumps({"pid": live.pid, "host": socket.gethostname(), "start": start}))
@@ -96,7 +97,7 @@ def test_resumable_loader_continues_mid_epoch_and_only_in_that_epoch():
     data = torch.arange(100)
 
     def loader():
-        return ResumableLoader(data, batch_size=4, sampler=RandomWindowSampler(100, 40, seed=1), drop_last=True,
+        return ResumableLoader(data, batch_size=4, sampler=EpochSampler(100, 40, seed=1), drop_last=True,
                                generator=torch.Generator().manual_seed(0))
 
     ref = loader()
@@ -179,16 +180,16 @@ def test_exports_follow_the_umask(tmp_path, umask, file_mode, dir_mode):
 
 
 def test_export_paths_inside_the_assets_need_export_dir_bundled(tmp_path):
-    from treedec.models.checkpoint import ASSETS
+    from treedec.models.paths import ASSETS
 
     bundled = ASSETS / "tiny-code-eagle"
     assert export_path("bundled", bundled) == bundled
     assert export_path(None, bundled) is None
     assert export_path(str(tmp_path / "x"), bundled) == tmp_path / "x"
-    with pytest.raises(JobError, match="inside the package's assets.*export_dir=bundled"):
+    with pytest.raises(ValueError, match="inside the package's assets.*export_dir=bundled"):
         export_path(str(ASSETS / "tiny-code"), bundled)
     (tmp_path / "f").write_text("")
-    with pytest.raises(JobError, match="is a file"):
+    with pytest.raises(ValueError, match="is a file"):
         export_path(str(tmp_path / "f"), bundled)
 
 

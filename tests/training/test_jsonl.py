@@ -9,10 +9,13 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from treedec.models.tokenizer import Tokenizer
-from treedec.training.data import ChatRenderer, JsonlDataModule, parse_record, spans_to_mask, tokenize_jsonl
+from treedec.data.chat import ChatRenderer, spans_to_mask
+from treedec.data.corpus import parse_record
+from treedec.data.datamodules import JsonlDataModule
+from treedec.data.token_cache import tokenize_jsonl
 
 from .test_draft_training import CONF, target_dir  # noqa: F401  (fixtures)
-from .test_pretrain import TINY_ARCH, corpus, tokenizer  # noqa: F401
+from tests.helpers import TINY_ARCH
 
 CHATML = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
           "{% if add_generation_prompt %}<|endoftext|>assistant\n{% endif %}")
@@ -38,7 +41,7 @@ def chat_file(tmp_path_factory):
 
 
 @pytest.mark.parametrize("template", ["fallback", CHATML])
-def test_chat_mask_covers_assistant_turns_only(tokenizer, template):  # noqa: F811
+def test_chat_mask_covers_assistant_turns_only(tokenizer, template):
     tok = Tokenizer(tokenizer[1])
     msgs = parse_record(conversation(7), "t")[1]
     text, spans = ChatRenderer(tok, template)(msgs)
@@ -55,7 +58,7 @@ def test_chat_mask_covers_assistant_turns_only(tokenizer, template):  # noqa: F8
     assert len(spans) == 2 and all(text[s:e].startswith(r) for (s, e), r in zip(spans, replies))
 
 
-def test_chat_batches_and_cache(chat_file, tokenizer, tmp_path):  # noqa: F811
+def test_chat_batches_and_cache(chat_file, tokenizer, tmp_path):
     tok = Tokenizer(tokenizer[1])
     dm = JsonlDataModule(str(chat_file), str(tokenizer[0]), seq_len=64, batch_size=4, val_fraction=0.25,
                          cache_dir=str(tmp_path))
@@ -80,7 +83,7 @@ def test_chat_batches_and_cache(chat_file, tokenizer, tmp_path):  # noqa: F811
     assert again == dm.token_dir and (again / "train.tokens.bin").stat().st_mtime_ns == mtime
 
 
-def test_text_lines_give_windows(tokenizer, tmp_path):  # noqa: F811
+def test_text_lines_give_windows(tokenizer, tmp_path):
     rows = [{"text": f"def f{i}(a):\n    return a * {i}\n"} for i in range(60)]
     dm = JsonlDataModule(str(write_jsonl(tmp_path / "t.jsonl", rows)), str(tokenizer[0]), seq_len=16, batch_size=4,
                          val_fraction=0.2, cache_dir=str(tmp_path))
@@ -90,7 +93,7 @@ def test_text_lines_give_windows(tokenizer, tmp_path):  # noqa: F811
     assert dm.meta["format"] == "text" and dm.eval_prompts(2, 8)
 
 
-def test_clear_errors(tokenizer, tmp_path):  # noqa: F811
+def test_clear_errors(tokenizer, tmp_path):
     tp = str(tokenizer[0])
 
     def load(rows):
@@ -109,7 +112,7 @@ def test_clear_errors(tokenizer, tmp_path):  # noqa: F811
         load([{"prompt": "x"}])
 
 
-def test_masked_loss_ignores_masked_positions(target_dir):  # noqa: F811
+def test_masked_loss_ignores_masked_positions(target_dir):
     from treedec.training.draft import DraftModule
 
     torch.manual_seed(0)
@@ -156,7 +159,7 @@ def test_masked_loss_ignores_masked_positions(target_dir):  # noqa: F811
             m.losses({"input_ids": ids, "loss_mask": full, "attention_mask": ~att}, 0.0)
 
 
-def test_train_on_chat_jsonl(target_dir, chat_file, tmp_path):  # noqa: F811
+def test_train_on_chat_jsonl(target_dir, chat_file, tmp_path):
     from treedec.train import run
 
     ovr = [f"target={target_dir}", "target_dtype=float32", "export_dir=null", f"paths.run_dir={tmp_path / 'run'}",

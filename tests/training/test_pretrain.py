@@ -1,57 +1,18 @@
 """Pretraining pipeline on a tiny synthetic corpus: data module, tokenizer, Lightning steps, export."""
 from __future__ import annotations
 
-import textwrap
-
 import numpy as np
 import pytest
 import torch
 
+from tests.helpers import TINY_ARCH
+from treedec.data.corpus import corpus_files, split_of
+from treedec.data.datamodules import StdlibCodeDataModule
+from treedec.data.prompts import heldout_prompts
+from treedec.data.token_cache import open_tokens, tokenize_corpus
+from treedec.data.tokenizer_train import EOS
 from treedec.models.config import LlamaConfig
 from treedec.models.llama import Transformer
-from treedec.training.data import (EOS, StdlibCodeDataModule, corpus_files, heldout_prompts, open_tokens,
-                                   split_of, tokenize_corpus, train_tokenizer)
-
-TINY_ARCH = dict(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=0,
-                 eos_token_id=0)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    for i in range(40):
-        d = root / ("pkg" if i % 2 else "") / f"mod{i}.py"
-        d.parent.mkdir(parents=True, exist_ok=True)
-        d.write_text(textwrap.dedent(f'''\
-            """Module {i}."""
-            import os
-
-
-            def add_{i}(a, b):
-                """Add two numbers."""
-                return a + b + {i}
-
-
-            class Thing{i}:
-                def __init__(self, value):
-                    self.value = value
-
-                def get(self):
-                    return self.value * {i % 7}
-            '''))
-    for skipped in ("test/test_x.py", "tests/test_y.py", "site-packages/z.py", "idlelib/idle_test/t.py"):
-        (root / skipped).parent.mkdir(parents=True, exist_ok=True)
-        (root / skipped).write_text("SKIPPED = True\n")
-    (root / "bad.py").write_bytes(b"x = '\xff\xfe'\n")  # invalid utf-8 is replaced, not fatal
-    return root
-
-
-@pytest.fixture(scope="module")
-def tokenizer(corpus, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok = train_tokenizer(corpus, vocab_size=384, val_fraction=0.2, out=path)
-    return path, tok
 
 
 def test_corpus_listing_and_split(corpus):

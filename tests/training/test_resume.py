@@ -17,17 +17,17 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from treedec.training.callbacks import JobError, find_resume_checkpoint
+from treedec.training.trainer import JobError, find_resume_checkpoint
 from treedec.tree.shapes import SHAPE_DIR
 
-from .test_pretrain import TINY_ARCH, corpus, tokenizer  # noqa: F401  (fixtures)
+from tests.helpers import TINY_ARCH
 
 CONF = str(SHAPE_DIR.parents[1])
 REPO = SHAPE_DIR.parents[2]
 STEPS = 12
 
 
-def overrides(corpus, tok_path, cache, steps=STEPS):  # noqa: F811
+def overrides(corpus, tok_path, cache, steps=STEPS):
     arch = [f"model_arch.{k}={v}" for k, v in TINY_ARCH.items()] + ["model_arch.head_dim=8"]
     return arch + [
         "export_dir=null", "num_threads=1", "ckpt_every_n_steps=2", "log_every=2", f"data.root={corpus}",
@@ -43,7 +43,7 @@ def compose_pretrain(ovr):
 
 
 @pytest.fixture(scope="module")
-def killed_and_resumed(corpus, tokenizer, tmp_path_factory):  # noqa: F811
+def killed_and_resumed(corpus, tokenizer, tmp_path_factory):
     """`python -m treedec.pretrain ...` SIGKILLed after its first checkpoints, then the same command again."""
     tmp = tmp_path_factory.mktemp("resume")
     run, marker = tmp / "run", tmp / "paused"
@@ -76,7 +76,7 @@ def weights(path):
     return torch.load(path, weights_only=True, map_location="cpu")["state_dict"]
 
 
-def test_kill9_then_rerun_ends_bit_identical_to_an_uninterrupted_run(killed_and_resumed, corpus, tokenizer, tmp_path):  # noqa: F811
+def test_kill9_then_rerun_ends_bit_identical_to_an_uninterrupted_run(killed_and_resumed, corpus, tokenizer, tmp_path):
     from treedec.pretrain import run as pretrain
 
     run, killed, metrics = killed_and_resumed
@@ -96,7 +96,7 @@ def test_kill9_then_rerun_ends_bit_identical_to_an_uninterrupted_run(killed_and_
     assert len(rows) > 2  # the CSV log continues in the same file
 
 
-def test_rerunning_a_finished_job_leaves_it_alone(killed_and_resumed, corpus, tokenizer, caplog):  # noqa: F811
+def test_rerunning_a_finished_job_leaves_it_alone(killed_and_resumed, corpus, tokenizer, caplog):
     from treedec.pretrain import run as pretrain
 
     run, _, metrics = killed_and_resumed
@@ -108,7 +108,7 @@ def test_rerunning_a_finished_job_leaves_it_alone(killed_and_resumed, corpus, to
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files} == files
 
 
-def test_truncated_last_ckpt_falls_back_to_an_intact_one(killed_and_resumed, corpus, tokenizer,  # noqa: F811
+def test_truncated_last_ckpt_falls_back_to_an_intact_one(killed_and_resumed, corpus, tokenizer,
                                                          tmp_path, caplog):
     from treedec.pretrain import run as pretrain
 
@@ -144,7 +144,7 @@ def test_requeue_has_exactly_one_owner(monkeypatch):
     from lightning.fabric.plugins.environments import SLURMEnvironment
     from omegaconf import OmegaConf
 
-    from treedec.training.callbacks import requeue_plugins
+    from treedec.training.trainer import requeue_plugins
 
     cfg = OmegaConf.create({"requeue": "auto"})
     for var in ("SLURM_NTASKS", "SLURM_JOB_NAME", "SUBMITIT_EXECUTOR"):

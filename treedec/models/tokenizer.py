@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from treedec.models.checkpoint import resolve_path
+from treedec.models.paths import resolve_path
 
 TOKENIZER_FILE = "tokenizer.json"
 

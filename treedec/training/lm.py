@@ -11,12 +11,12 @@ import math
 import time
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 
 from treedec.models.config import LlamaConfig
 from treedec.models.llama import Transformer
+from treedec.training.schedule import WallTimeScheduled
 
 
 def _plain(x: Any) -> Any:
@@ -35,21 +35,7 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def cosine_with_warmup(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float,
-                       time_frac: float = 0.0) -> float:
-    """LR multiplier: linear warm-up to 1, then cosine decay to ``min_lr_ratio``.
-
-    Decay progress is the larger of the step fraction ``(step - warmup) / (total - warmup)``
-    and ``time_frac`` (elapsed / time budget), so a run capped by wall time still ends on the floor.
-    """
-    if step < warmup_steps:
-        return (step + 1) / max(1, warmup_steps)
-    t = max((step - warmup_steps) / max(1, total_steps - warmup_steps), time_frac)
-    t = min(1.0, t)
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
-
-
-class CausalLMModule(L.LightningModule):
+class CausalLMModule(WallTimeScheduled):
     """Next-token cross-entropy on ``[B, seq_len + 1]`` token windows.
 
     ``arch``: LlamaConfig keyword arguments (HF names: vocab_size, hidden_size, ...).
@@ -72,8 +58,6 @@ class CausalLMModule(L.LightningModule):
         self.model = Transformer(self.config, attn_backend="sdpa")
         self._init_weights(init_std)
         self._last_step_time: float | None = None
-        self._elapsed_base = 0.0  # training wall time of earlier jobs (restored from the checkpoint)
-        self._t_start: float | None = None
 
     def _init_weights(self, std: float) -> None:
         """GPT-2/Llama-style init: N(0, std), residual output projections scaled by 1/sqrt(2 * layers)."""
@@ -121,34 +105,8 @@ class CausalLMModule(L.LightningModule):
                  sync_dist=True)  # DDP: the mean over all ranks' batches
         return loss
 
-    # ------------------------------------------------------------ LR schedule (wall-time aware)
-    @property
-    def train_elapsed_s(self) -> float:
-        return self._elapsed_base + (time.time() - self._t_start if self._t_start is not None else 0.0)
-
-    def lr_multiplier(self, step: int | None = None) -> float:
-        hp = self.hparams
-        step = self.global_step if step is None else step
-        frac = self.train_elapsed_s / hp.time_budget_s if hp.time_budget_s else 0.0
-        return cosine_with_warmup(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio, frac)
-
-    def on_train_start(self) -> None:
-        self._t_start = time.time()
-
-    def on_train_batch_start(self, batch, batch_idx) -> None:
-        lr = self.hparams.lr * self.lr_multiplier()
-        for opt in (self.optimizers(use_pl_optimizer=False),):
-            for g in opt.param_groups:
-                g["lr"] = lr
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["train_elapsed_s"] = float(self.train_elapsed_s)
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._elapsed_base = float(checkpoint.get("train_elapsed_s", 0.0))
-
     def configure_optimizers(self):
-        """AdamW; weight decay on matrices only. The LR is set before every step by ``lr_multiplier``."""
+        """AdamW; weight decay on matrices only. The LR is set before every step (:class:`WallTimeScheduled`)."""
         hp = self.hparams
         decay, no_decay = [], []
         for _, p in self.model.named_parameters():
@@ -157,4 +115,4 @@ class CausalLMModule(L.LightningModule):
         return torch.optim.AdamW(groups, lr=hp.lr * self.lr_multiplier(0), betas=tuple(hp.betas), fused=False)
 
 
-__all__ = ["CausalLMModule", "cosine_with_warmup"]
+__all__ = ["CausalLMModule"]

@@ -1,4 +1,7 @@
-"""The prepared GPU check: ``python -m treedec.bench.gpu --out DIR`` (one command, under 8 minutes).
+"""The prepared GPU check, run from the repo root: ``python scripts/gpu.py --out DIR`` (one command, under 8 minutes).
+
+A device script, not library code: it lives outside the ``treedec`` package and puts the repo root
+(its parent folder) on ``sys.path``, so the repo's treedec runs whether or not it is installed.
 
 Runs, each step in a subprocess with its own timeout, carrying on after a failure:
 
@@ -25,11 +28,11 @@ given with ``--wheels DIR`` (``pip install --no-index``, into a folder of the wo
 them on a machine with network access, in the repo root::
 
     echo /.whl/ >> .git/info/exclude
-    python -m treedec.bench.gpu --prepare-wheels .whl
+    python scripts/gpu.py --prepare-wheels .whl
 
 then on the GPU machine (e.g. the device tool, with ``carry: [".whl"]``)::
 
-    python3 -m treedec.bench.gpu --out $OUT --wheels .whl
+    python3 scripts/gpu.py --out $OUT --wheels .whl
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 NEEDED = ("torch", "triton", "hydra", "omegaconf", "safetensors", "tokenizers", "pytest", "jinja2")
 WHEEL_PACKAGES = ("hydra-core", "omegaconf", "antlr4-python3-runtime")
 STEPS = ("tests_attention_cuda", "kernel", "bench_triton", "bench_sdpa", "tests_attention", "kernel_tiny")
@@ -180,7 +183,8 @@ def random_stack(work: Path) -> tuple[str, str]:
     from treedec.models.config import LlamaConfig
     from treedec.models.draft import DraftConfig, DraftHead
     from treedec.models.llama import Transformer
-    from treedec.training.data import split_files, stdlib_root, train_tokenizer
+    from treedec.data.corpus import split_files, stdlib_root
+    from treedec.data.tokenizer_train import train_tokenizer
 
     corpus = work / "tok_corpus"
     root = stdlib_root()
@@ -202,7 +206,7 @@ def bench_table(metrics: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m treedec.bench.gpu", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python scripts/gpu.py", description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="folder for summary.json, summary.md, log.txt and the result files")
     ap.add_argument("--work", default=None, help="scratch folder for Hydra run dirs (default: a temp dir)")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all steps together")

@@ -1,7 +1,7 @@
-"""Prompt sets for ``python -m treedec.bench`` and ``python -m treedec.calibrate``.
+"""Prompt sets: held-out prompts and prompt files, for bench, calibrate, generate and train.
 
 * ``stdlib``: code from the validation files of the stdlib corpus the bundled model trained on
-  (:func:`treedec.training.data.heldout_prompts`): held out, but the same kind of code.
+  (:func:`heldout_prompts`; training's τ callback uses them too): held out, but the same kind of code.
 * ``third_party``: code of installed third-party packages (site-packages: numpy, torch,
   transformers, hydra, ...; never the stdlib, never treedec), which the bundled model never
   saw. The selection is deterministic for a given set of installed packages: packages in
@@ -25,6 +25,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
+
+from treedec.data.corpus import read_source, split_files, stdlib_root
+from treedec.errors import ConfigError
 
 SOURCES = ("stdlib", "third_party")
 PROMPT_KEYS = ("prompt", "text", "content", "input")
@@ -56,16 +59,12 @@ def read_text(path: str | os.PathLike, key: str) -> str:
     except UnicodeDecodeError as exc:
         bad = exc.start if bad < 0 else min(bad, exc.start)
     if bad >= 0:
-        from treedec.config_schema import ConfigError
-
         raise ConfigError(f"{key}={str(path)!r} is not UTF-8 text (binary data at byte {bad}); pass a text file")
     return text
 
 
 def read_prompt_file(path: str | os.PathLike, key: str = "prompts") -> list[PromptText]:
     """Prompts of a ``.jsonl`` file (one per line) or a text file (one prompt); errors say ``path:line``."""
-    from treedec.config_schema import ConfigError
-
     text = read_text(path, key)
     p = Path(path).expanduser()
     if p.suffix != ".jsonl":
@@ -121,11 +120,32 @@ def cut_before(lines: Sequence[str], i: int, prompt_tokens: int, count: Callable
     return text if text.endswith("\n") else text + "\n"
 
 
+def heldout_prompts(n: int = 16, prompt_tokens: int = 128, root=None, val_fraction: float = 0.03,
+                    tokenizer=None, min_context_lines: int = MIN_CONTEXT_LINES) -> list[str]:
+    """``n`` prompts from the corpus's validation files: the code before a one-line ``def`` header, header included.
+
+    Each prompt ends right after a function signature (``...:\\n``), so the model continues
+    with its docstring/body; its leading context is cut on a line boundary to at most
+    ``prompt_tokens`` tokens (:func:`token_counter`). Deterministic: the candidates are spaced
+    evenly over all validation functions in path order.
+    """
+    root = Path(root) if root else stdlib_root()
+    cands: list[tuple[str, int]] = []
+    sources = {}
+    for f in split_files(root, "validation", val_fraction):
+        lines = read_source(root, f).splitlines(keepends=True)
+        sources[f] = lines
+        cands += [(f, i) for i, ln in enumerate(lines) if i >= min_context_lines and _DEF.match(ln)]
+    if not cands:
+        return []
+    k = min(n, len(cands))
+    count = token_counter(tokenizer)
+    return [cut_before(sources[f], i, prompt_tokens, count) for f, i in (cands[int(j * len(cands) / k)] for j in range(k))]
+
+
 def stdlib_prompts(n: int, prompt_tokens: int, tokenizer=None, root=None,
                    val_fraction: float = 0.03) -> list[PromptText]:
     """``n`` held-out prompts from the stdlib corpus's validation files (what the bundled model never trained on)."""
-    from treedec.training.data import heldout_prompts
-
     texts = heldout_prompts(n, prompt_tokens, root=root, val_fraction=val_fraction, tokenizer=tokenizer)
     return [PromptText(f"heldout{i}", t) for i, t in enumerate(texts)]
 
@@ -196,8 +216,6 @@ def third_party_prompts(n: int, prompt_tokens: int, tokenizer=None, seed: int = 
     """``n`` prompts from installed third-party packages (or only ``packages``), one per package per round."""
     found = third_party_packages(dirs)
     if packages is not None:
-        from treedec.config_schema import ConfigError
-
         missing = [p for p in packages if p not in found]
         if missing:
             raise ConfigError(f"third-party package(s) {', '.join(missing)} not installed here (or not Python "
@@ -245,8 +263,6 @@ def load_prompt_set(source: str, n: int, prompt_tokens: int, tokenizer=None, see
                     val_fraction: float = 0.03, packages: Sequence[str] | None = None,
                     hint: str = "pass a prompt file instead") -> list[PromptText]:
     """``n`` prompts of a generated ``source`` (stdlib | third_party); an empty set is a clear error."""
-    from treedec.config_schema import ConfigError
-
     if source == "stdlib":
         out = stdlib_prompts(n, prompt_tokens, tokenizer, root=root, val_fraction=val_fraction)
         where = f"the validation files of {root or 'the stdlib'} (val_fraction {val_fraction})"
@@ -261,5 +277,6 @@ def load_prompt_set(source: str, n: int, prompt_tokens: int, tokenizer=None, see
     return out
 
 
-__all__ = ["PROMPT_KEYS", "SOURCES", "PromptText", "cut_before", "load_prompt_set", "read_prompt_file", "read_text",
-           "site_dirs", "stdlib_prompts", "third_party_packages", "third_party_prompts", "token_counter"]
+__all__ = ["PROMPT_KEYS", "SOURCES", "PromptText", "cut_before", "heldout_prompts", "load_prompt_set",
+           "read_prompt_file", "read_text", "site_dirs", "stdlib_prompts", "third_party_packages",
+           "third_party_prompts", "token_counter"]

@@ -1,4 +1,4 @@
-"""Prompt sets (treedec/bench/prompts.py): third-party code outside the training corpus, prompt files."""
+"""Prompt sets (treedec/data/prompts.py): third-party code outside the training corpus, prompt files."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import treedec
-from treedec.bench import prompts as P
 from treedec.config_schema import ConfigError
+from treedec.data import prompts as P
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
 TREEDEC = Path(treedec.__file__).resolve().parent

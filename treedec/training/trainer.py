@@ -1,5 +1,6 @@
 """Job plumbing shared by ``treedec.pretrain`` and ``treedec.train``: progress logging, the
-checkpointing trainer, exact resume, the run-dir lock, time budgets and atomic exports.
+checkpointing trainer, exact resume, the run-dir lock and atomic exports (time budgets and the LR
+schedule: :mod:`treedec.training.schedule`; export destinations: :mod:`treedec.models.paths`).
 
 Preemptible jobs: ``checkpoints/last.ckpt`` (and ``step<N>.ckpt``) is written every
 ``ckpt_every_n_steps`` and a re-run of the same command in the same run dir continues from the
@@ -11,7 +12,7 @@ resuming, and a truncated ``last.ckpt`` is skipped with a warning in favour of t
 one (an error when none is intact).
 
 Exact resume: the checkpoint also holds every RNG state (:class:`ResumeState`) and the position of
-the training loader within its epoch (:class:`treedec.training.data.ResumableLoader`), so a job
+the training loader within its epoch (:class:`treedec.data.datamodules.ResumableLoader`), so a job
 killed and resumed ends with the same weights, bit for bit, as one that ran through (CPU, one
 process). A run dir whose job finished (``metrics.json``) is left alone when the command is re-run
 (:func:`finished_metrics`); one live job per run dir (:class:`RunDirLock`).
@@ -47,6 +48,7 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 
 from treedec.models.checkpoint import follow_umask
+from treedec.training.schedule import seconds
 
 log = logging.getLogger("treedec.training")
 LOCK_NAME = ".lock"
@@ -95,49 +97,6 @@ class LogProgress(L.Callback):
     def on_validation_epoch_end(self, trainer, pl_module):
         if "val/loss" in trainer.callback_metrics and not trainer.sanity_checking and trainer.is_global_zero:
             log.info("step %d  val/loss %.4f", trainer.global_step, float(trainer.callback_metrics["val/loss"]))
-
-
-def seconds(max_time) -> float:
-    """Lightning's max_time "DD:HH:MM:SS" (or a dict of timedelta kwargs) in seconds."""
-    if isinstance(max_time, str):
-        d, h, m, sec = (int(x) for x in max_time.split(":"))
-        return float(((d * 24 + h) * 60 + m) * 60 + sec)
-    return datetime.timedelta(**dict(max_time)).total_seconds()
-
-
-def time_budget(optim: dict, trainer_cfg: DictConfig) -> dict:
-    """Resolve ``time_budget_s: auto`` to ``trainer.max_time`` - 60 s, so the LR ends on its floor in time."""
-    if optim.get("time_budget_s") == "auto":
-        max_time = trainer_cfg.get("max_time")
-        optim["time_budget_s"] = max(60.0, seconds(max_time) - 60.0) if max_time else None
-    return optim
-
-
-def bundled_dir(name: str) -> Path:
-    """``treedec/assets/<name>``: where a model or head shipped with treedec lives."""
-    from treedec.models.checkpoint import ASSETS
-
-    return ASSETS / name
-
-
-def export_path(export_dir: str | None, bundled: Path) -> Path | None:
-    """``null`` -> no export; ``bundled`` -> the asset directory shipped with treedec; else the path.
-
-    Any other path inside the package's assets is refused: replacing a shipped model is the
-    explicit maintainer action ``export_dir=bundled``.
-    """
-    if not export_dir:
-        return None
-    if export_dir == "bundled":
-        return bundled
-    path = Path(export_dir).expanduser()
-    assets = bundled.parent.resolve()
-    if path.resolve() == assets or assets in path.resolve().parents:
-        raise JobError(f"export_dir={export_dir} is inside the package's assets ({assets}); to replace a shipped "
-                       f"model pass export_dir=bundled (a maintainer action), else export anywhere else")
-    if path.exists() and not path.is_dir():
-        raise JobError(f"export_dir={export_dir} is a file; pass a directory (it is created if missing)")
-    return path
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -502,13 +461,13 @@ def job(cfg: DictConfig) -> Iterator[Path]:
     """Threads, seeds, the run dir and (on rank 0) its lock, for the duration of a training job."""
     import torch
 
-    from treedec.training.data import _process_rank
+    from treedec.data.datamodules import process_rank
 
     torch.set_num_threads(int(cfg.num_threads))
     L.seed_everything(int(cfg.seed), workers=True)
     run_dir = Path(cfg.paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    lock = RunDirLock(run_dir).acquire() if _process_rank() == 0 else None  # DDP ranks > 0 run inside rank 0's job
+    lock = RunDirLock(run_dir).acquire() if process_rank() == 0 else None  # DDP ranks > 0 run inside rank 0's job
     try:
         yield run_dir
     finally:

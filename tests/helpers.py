@@ -1,0 +1,146 @@
+"""The one factory of tiny models for the suite: random Llama-family targets, draft heads bound to them,
+a plain greedy reference and an oracle policy (session fixtures over them: ``tests/conftest.py``)."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import torch
+
+from treedec.models import LlamaConfig, Transformer
+from treedec.models.draft import DraftConfig, DraftHead
+from treedec.tree import Tree
+from treedec.tree.policies.base import TreePolicy
+
+# The pretraining tests' model: small enough to train a few steps in seconds on a CPU.
+TINY_ARCH = dict(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=0,
+                 eos_token_id=0)
+
+
+def tiny_config(**kw) -> LlamaConfig:
+    base = dict(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.08) -> torch.nn.Module:
+    """Weights large enough that logits are well separated; norms and biases non-trivial."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+    return model
+
+
+def tiny_model(seed: int = 0, backend: str = "sdpa", fuse: bool = True, **kw) -> Transformer:
+    """Random weights (drawn unfused, so a seed gives the same model either way), fused like ``load_model``'s."""
+    torch.manual_seed(seed)
+    model = randomize_(Transformer(tiny_config(**kw), attn_backend=backend), seed).eval()
+    return model.fuse() if fuse else model
+
+
+def make_pair(seed: int = 0, vocab: int = 64, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+              backend: str = "sdpa", ctx: int = 1024, peaked: float = 1.0):
+    """A target (default init, its LM head scaled by ``peaked``) and a random (untrained) draft head bound to it."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=ctx,
+                      rms_norm_eps=LlamaConfig.rms_norm_eps)
+    target = Transformer(cfg, backend).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(peaked)
+    draft = DraftHead(DraftConfig.for_target(cfg)).eval().bind(target)
+    return target, draft
+
+
+@torch.inference_mode()
+def full_logits(model: Transformer, ids, position_offset: int = 0) -> torch.Tensor:
+    """Logits [B, T, V] of one plain forward over ``ids`` from an empty cache."""
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]
+    cache = model.new_cache(ids.shape[0], ids.shape[1])
+    pos = None
+    if position_offset:
+        pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1) + position_offset
+    return model(ids, cache, position_ids=pos).logits
+
+
+@torch.inference_mode()
+def greedy_reference(target: Transformer, prompt: list[int], n: int) -> list[int]:
+    """Plain left-to-right greedy decoding, one token per forward."""
+    cache = target.new_cache(1, len(prompt) + n + 1)
+    logits = target(torch.tensor([prompt]), cache, logits="last").logits
+    cache.advance(len(prompt))
+    out = []
+    for _ in range(n):
+        t = int(logits[0, -1].argmax())
+        out.append(t)
+        logits = target(torch.tensor([[t]]), cache).logits
+        cache.advance(1)
+    return out
+
+
+class OraclePolicy(TreePolicy):
+    """Wraps a policy and, with probability ``p_hit``, rewrites a node on the target's own greedy path
+    to the correct token, so that long paths get accepted. Verification must stay lossless for any
+    draft tokens, so this exercises deep accepts, commits and catch-ups that a random draft never reaches."""
+
+    def __init__(self, inner: TreePolicy, references: list[list[int]], p_hit: float = 0.8, seed: int = 0):
+        self.inner, self.refs, self.p_hit = inner, references, p_hit
+        self.max_depth, self.max_size, self.max_inputs = inner.max_depth, inner.max_size, inner.max_inputs
+        self.max_rank = inner.max_rank
+        self.emitted = [0] * len(references)  # updated by the stream callback
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def stream(self, row: int, toks: list[int]) -> None:
+        self.emitted[row] += len(toks)
+
+    def draft(self, drafter, params=None, generator=None) -> Tree:
+        tree = self.inner.draft(drafter, params, generator)
+        tokens = tree.tokens.clone()
+        for b, ref in enumerate(self.refs):
+            base = self.emitted[b] - 1  # index in ref of the root token
+            good = {0}
+            for c in range(1, tree.size):
+                p, d = int(tree.parents[b, c]), int(tree.depth[b, c])
+                if p in good and base + d < len(ref) and float(torch.rand((), generator=self.rng)) < self.p_hit:
+                    tokens[b, c] = ref[base + d]
+                    good.add(c)
+        return tree.with_tokens(tokens)
+
+
+def write_corpus(root: Path, n: int = 40) -> Path:
+    """A synthetic ``*.py`` corpus: ``n`` modules, plus files the listing must skip and one invalid UTF-8 file."""
+    for i in range(n):
+        d = root / ("pkg" if i % 2 else "") / f"mod{i}.py"
+        d.parent.mkdir(parents=True, exist_ok=True)
+        d.write_text(textwrap.dedent(f'''\
+            """Module {i}."""
+            import os
+
+
+            def add_{i}(a, b):
+                """Add two numbers."""
+                return a + b + {i}
+
+
+            class Thing{i}:
+                def __init__(self, value):
+                    self.value = value
+
+                def get(self):
+                    return self.value * {i % 7}
+            '''))
+    for skipped in ("test/test_x.py", "tests/test_y.py", "site-packages/z.py", "idlelib/idle_test/t.py"):
+        (root / skipped).parent.mkdir(parents=True, exist_ok=True)
+        (root / skipped).write_text("SKIPPED = True\n")
+    (root / "bad.py").write_bytes(b"x = '\xff\xfe'\n")  # invalid utf-8 is replaced, not fatal
+    return root
