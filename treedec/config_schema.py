@@ -237,7 +237,16 @@ class BenchSchema:
     paths: PathsSchema = field(default_factory=PathsSchema)
 
 
-SCHEMAS: dict[str, type] = {"generate": GenerateSchema, "calibrate": CalibrateSchema, "bench": BenchSchema}
+@dataclass
+class ExportHeadSchema:
+    head: str = "tiny-code-eagle"  # a bundled head or a treedec head directory
+    format: str = "eagle"  # eagle | eagle3 (the head's kind): the public layout to write
+    out: str = MISSING  # the directory to create
+    dtype: Optional[str] = None  # null: the head's own
+
+
+SCHEMAS: dict[str, type] = {"generate": GenerateSchema, "calibrate": CalibrateSchema, "bench": BenchSchema,
+                            "export_head": ExportHeadSchema}
 
 
 
@@ -345,6 +354,7 @@ _RULES: dict[str, list[tuple[str, Any, str]]] = {
         ("dp.prior_strength", _ge(0), ">= 0"),
         ("timing.repeats", _ge(1), ">= 1"), ("timing.warmup", _ge(0), ">= 0"), ("timing.prefix_len", _ge(1), ">= 1"),
     ],
+    "export_head": [],
     "bench": [
         ("bench.n_prompts", _ge(1), ">= 1"), ("bench.prompt_tokens", _ge(1), ">= 1"),
         ("bench.max_new_tokens", _ge(1), ">= 1"),
@@ -457,7 +467,20 @@ def _check_bench(cfg) -> None:
             raise ConfigError(f"bench.peers names {name!r}. {unknown_key_hint(name, PEERS, label='Peers')}")
 
 
-_CHECKS = {"generate": _check_generate, "calibrate": _check_calibrate, "bench": _check_bench}
+def _check_export_head(cfg) -> None:
+    from treedec.models.checkpoint import resolve_dtype
+
+    if _get(cfg, "format") not in ("eagle", "eagle3"):
+        raise ConfigError(f"format={_get(cfg, 'format')!r}; choose eagle (an EAGLE-1/2 head) or eagle3 (an EAGLE-3 head)")
+    if _get(cfg, "dtype") is not None:
+        try:
+            resolve_dtype(_get(cfg, "dtype"))
+        except ValueError as e:
+            raise ConfigError(f"invalid dtype: {e}") from None
+
+
+_CHECKS = {"generate": _check_generate, "calibrate": _check_calibrate, "bench": _check_bench,
+           "export_head": _check_export_head}
 
 
 def validate(cfg: DictConfig, kind: str = "generate") -> None:

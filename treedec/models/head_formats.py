@@ -214,4 +214,48 @@ def load_published(path: str | Path, target: Transformer | None = None, dtype=No
     return head.bind(target) if target is not None else head
 
 
-__all__ = ["LAYOUTS", "convert", "detect", "load_published", "read_weights"]
+
+# ------------------------------------------------------------------ treedec -> published (export_head)
+def to_published(head: DraftHead, fmt: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, tensors) of a treedec head in a public layout: ``eagle`` or ``eagle3`` (SpecForge/SGLang).
+
+    The embedding (and an EAGLE-1/2 head's LM head) stay out: SGLang and vLLM share the target's.
+    """
+    c = head.config
+    if fmt not in ("eagle", "eagle3"):
+        raise ValueError(f"format={fmt!r}; treedec writes eagle (EAGLE-1/2) or eagle3 (EAGLE-3 / SpecForge)")
+    if fmt != c.kind:
+        raise ValueError(f"the head is kind {c.kind!r}, so it exports as format={c.kind} (not {fmt}): the layouts "
+                         "differ in more than names (EAGLE-3 fuses three target layers and has its own LM head)")
+    lc = c.layer_config()
+    if c.qkv_bias and not c.o_bias:
+        lc.architecture = "Qwen2ForCausalLM"  # q/k/v biases only: how EAGLE's Qwen2 heads are described
+    elif c.qkv_bias != c.o_bias:
+        raise ValueError("a head with an o_proj bias but no q/k/v biases has no public layout")
+    cfg = {**lc.to_hf(), "num_hidden_layers": 1, "tie_word_embeddings": False, "torch_dtype": str(head.fc.weight.dtype)[6:]}
+    sd = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+    out = {k: sd.pop(k) for k in ("fc.weight", "fc.bias", "norm.weight", "lm_head.weight") if k in sd}
+    ids = sd.pop("vocab_ids", None)
+    prefix = "midlayer." if fmt == "eagle3" else "layers.0."
+    out.update({prefix + k[len("layer."):]: sd.pop(k) for k in list(sd) if k.startswith("layer.")})
+    if sd:
+        raise ValueError(f"the head holds tensors the {fmt} layout has no place for: {sorted(sd)}")
+    if fmt == "eagle":
+        cfg["bias"] = c.fc_bias
+        if ids is not None:
+            warnings.warn(f"the EAGLE-1/2 layout has no draft vocabulary: the exported head drafts over all "
+                          f"{c.vocab_size} tokens instead of its {c.draft_vocab_size} (same output, a wider LM head)",
+                          stacklevel=2)
+        return cfg, out
+    K = c.draft_vocab_size or c.vocab_size
+    ids = torch.arange(K) if ids is None else ids.long()
+    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    out.update(d2t=ids - torch.arange(K), t2d=t2d)
+    layers = [int(i) for i in c.feature_layers]
+    cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=K, eagle_aux_hidden_state_layer_ids=layers,
+               eagle_config={"eagle_aux_hidden_state_layer_ids": layers, "use_aux_hidden_state": True})
+    return cfg, out
+
+
+__all__ = ["LAYOUTS", "convert", "detect", "load_published", "read_weights", "to_published"]

@@ -1,0 +1,150 @@
+"""``python -m treedec.export_head``: a treedec head written in a public layout reads back as the same head."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import randomize_, tiny_model
+from treedec.export_head import export_head
+from treedec.models.draft import DraftConfig, DraftHead
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_EAGLE3 = importlib.util.find_spec("treedec.models.eagle3") is not None
+
+
+def make_head(target, seed, **kw):
+    """A random head, fused as ``DraftHead.load`` fuses it (so that logits compare bit for bit)."""
+    torch.manual_seed(seed)
+    head = randomize_(DraftHead(DraftConfig.for_target(target.config, **kw)), seed).eval()
+    head.layer.fuse()
+    return head.bind(target)
+
+
+@torch.inference_mode()
+def head_logits(head, seed, T=9):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, head.config.vocab_size, (1, T), generator=g)
+    feats = torch.randn(1, T, head.config.hidden_size * len(head.config.feature_layers), generator=g)
+    cache = head.new_cache(1, T)
+    feats = head.project(feats) if head.config.kind == "eagle3" else feats  # EAGLE-3: fc(l, m, h) first
+    return head.logits(head(tokens, feats, cache, torch.arange(T)[None]))
+
+
+def decode(target, head, prompt):
+    from treedec.decoding.speculative import SpeculativeDecoder
+    from treedec.tree.policies import DynamicPolicy
+
+    out = SpeculativeDecoder(target, head, DynamicPolicy(total_tokens=16, depth=4, top_k=4), eos_ids=[]).generate(prompt, 40)
+    return out.tokens[0], out.stats.accepted
+
+
+@pytest.mark.parametrize("variant", ["plain", "no_fc_bias", "qkv_bias"])
+def test_eagle_round_trip(variant, tmp_path):
+    target = tiny_model(seed=1)
+    head = make_head(target, 2, fc_bias=variant != "no_fc_bias", qkv_bias=variant == "qkv_bias")
+    out = export_head(head, tmp_path / "out", "eagle")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2ForCausalLM" if variant == "qkv_bias" else "LlamaForCausalLM"]
+    assert cfg["bias"] == (variant != "no_fc_bias") and cfg["num_hidden_layers"] == 1
+    again = DraftHead.load(out, target=target)
+    assert again.config.kind == "eagle" and (again.fc.bias is None) == (variant == "no_fc_bias")
+    torch.testing.assert_close(head_logits(again, 3), head_logits(head, 3), atol=0, rtol=0)
+    prompt = list(range(3, 14))
+    assert decode(target, again, prompt) == decode(target, head, prompt)  # tokens and per-step acceptance
+
+
+def test_eagle_export_keys_are_the_published_ones(tmp_path):
+    from safetensors import safe_open
+
+    head = make_head(tiny_model(seed=1), 4)
+    out = export_head(head, tmp_path / "out", "eagle")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "fc.weight" in keys and "fc.bias" in keys and "layers.0.self_attn.q_proj.weight" in keys
+    assert all(k.startswith(("fc.", "layers.0.")) for k in keys) and not any("qkv_proj" in k for k in keys)
+    transformers = pytest.importorskip("transformers")
+    assert transformers.AutoConfig.from_pretrained(out).num_hidden_layers == 1
+
+
+def test_restricted_vocab_eagle_head_warns(tmp_path):
+    target = tiny_model(seed=1)
+    head = make_head(target, 5).restrict_vocab(torch.arange(0, 97, 2))
+    with pytest.warns(UserWarning, match="no draft vocabulary"):
+        out = export_head(head, tmp_path / "out", "eagle")
+    again = DraftHead.load(out, target=target)
+    assert again.config.draft_vocab_size == 0
+    prompt = list(range(5, 12))
+    assert decode(target, again, prompt)[0] == decode(target, head, prompt)[0]  # lossless either way
+
+
+@pytest.mark.skipif(not HAS_EAGLE3, reason="treedec's eagle3 head kind has not landed")
+def test_eagle3_round_trip(tmp_path):
+    target = tiny_model(seed=6, num_hidden_layers=4)
+    head = make_head(target, 7, kind="eagle3", feature_layers=[0, 1, 3], draft_vocab_size=40, rope_theta=5e5)
+    head.restrict_vocab(torch.randperm(97, generator=torch.Generator().manual_seed(8))[:40])
+    out = export_head(head, tmp_path / "out", "eagle3")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 40
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3] and cfg["rope_theta"] == 5e5
+    again = DraftHead.load(out, target=target)
+    assert again.config.feature_layers == [0, 1, 3] and torch.equal(again.vocab_ids, head.vocab_ids)
+    torch.testing.assert_close(head_logits(again, 9), head_logits(head, 9), atol=0, rtol=0)
+    prompt = list(range(20, 33))
+    assert decode(target, again, prompt) == decode(target, head, prompt)
+
+
+def test_format_must_match_the_kind(tmp_path):
+    head = make_head(tiny_model(seed=1), 2)
+    with pytest.raises(ValueError, match="kind 'eagle', so it exports as format=eagle"):
+        export_head(head, tmp_path / "out", "eagle3")
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_directory_rules(tmp_path):
+    head = make_head(tiny_model(seed=1), 2)
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not empty, and export_head did not make it"):
+        export_head(head, tmp_path / "theirs", "eagle")
+    assert [p.name for p in (tmp_path / "theirs").iterdir()] == ["notes.txt"]
+    out = export_head(head, tmp_path / "mine", "eagle")
+    export_head(head, out, "eagle", dtype=torch.bfloat16)  # its own earlier export: replaced whole
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "theirs"]  # no temp dirs left
+
+
+def test_cli_exports_and_reports_errors(tmp_path):
+    out = tmp_path / "exported"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "treedec.export_head", *a,  # noqa: E731
+                                     f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True,
+                                    timeout=180, cwd=ROOT)
+    done = run("head=tiny-code-eagle", "format=eagle", f"out={out}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    bundled = DraftHead.load("tiny-code-eagle")
+    again = DraftHead.load(out)
+    for k, v in again.state_dict().items():
+        if k != "vocab_ids":
+            torch.testing.assert_close(v, bundled.state_dict()[k], atol=0, rtol=0)
+    done = run("head=tiny-code-eagle", "format=eagle3", f"out={tmp_path / 'x'}")
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("Error: the head is kind 'eagle'")
+    assert not (tmp_path / "x").exists()
+
+
+def test_config_is_checked_before_loading():
+    from omegaconf import OmegaConf
+
+    from treedec.config_schema import ConfigError, validate
+
+    ok = dict(head="tiny-code-eagle", format="eagle", out="x", dtype=None)
+    validate(OmegaConf.create(ok), "export_head")
+    for bad, needle in ((dict(format="medusa"), "format='medusa'"), (dict(dtype="int8"), "invalid dtype"),
+                        (dict(outt="y"), "outt")):
+        with pytest.raises(ConfigError, match=needle):
+            validate(OmegaConf.create({**ok, **bad}), "export_head")
