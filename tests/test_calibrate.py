@@ -8,7 +8,6 @@ import yaml
 from hydra import compose, initialize_config_dir
 
 from .test_generate import CONF, overrides, stack  # noqa: F401  (fixtures)
-from .training.test_pretrain import corpus, tokenizer  # noqa: F401  (fixtures)
 
 
 def calib_overrides(stack, run_dir, *extra):  # noqa: F811
@@ -44,6 +43,12 @@ def test_calibrate_then_generate_with_learned_tree(stack, tmp_path, corpus, caps
     assert acc["steps"] == m["steps"] > 0 and len(acc["trials"][0]) == 3  # a random draft rarely gets past depth 1
     assert [f["budget"] for f in m["frontier"]] == [2, 6, 12]
     assert "tree=learned tree.path=" in capsys.readouterr().out
+    # the draft's calibration: beside the shape file, monotone per depth, the rule recorded; a diagram in the run dir
+    cal_file = cdir / "calibration.yaml"
+    assert m["calibration"] == str(cal_file) and (cdir / "reliability.png").is_file()
+    cal = yaml.safe_load(cal_file.read_text())
+    assert cal["mode"]["rule"] == "greedy" and len(cal["values"]) == 3 and cal["trials_by_depth"][0] > 0
+    assert all(b >= a for row in cal["values"] for a, b in zip(row, row[1:]))
 
     gdir = tmp_path / "gen"
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
@@ -57,6 +62,12 @@ def test_calibrate_then_generate_with_learned_tree(stack, tmp_path, corpus, caps
     from hydra.utils import instantiate
 
     assert instantiate(cfg.tree).max_size == 5
+    for extra in ([f"tree.calibration={cal_file}"], [f"tree.calibration={cal_file}", "tree.total_tokens=auto"]):
+        with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+            cfg = compose(config_name="generate", overrides=overrides(stack, gdir, "tree=dynamic", "compare=true",
+                                                                      "stream=false", *extra))
+        assert instantiate(cfg.tree).calibration is not None
+        assert generate(cfg)["identical_to_vanilla"] is True
 
     # heldout prompts from a corpus's validation split, fixed budget, no timing
     hdir = tmp_path / "heldout"
@@ -74,7 +85,7 @@ def test_probe_recovers_oracle_acceptance():
     from treedec.decoding.sampling import SamplingParams
     from treedec.tree.sequoia import AcceptanceCounts, comb_probe, expected_accepted
 
-    from .decoding.helpers import OraclePolicy, greedy_reference, make_pair
+    from tests.helpers import OraclePolicy, greedy_reference, make_pair
 
     target, draft = make_pair(seed=3)
     total = AcceptanceCounts()
@@ -82,8 +93,11 @@ def test_probe_recovers_oracle_acceptance():
         prompt = [(7 * i + j) % 64 for j in range(5)]
         ref = greedy_reference(target, prompt, 80)
         oracle = OraclePolicy(comb_probe(3, 3), [ref], p_hit=0.7, seed=i)
-        counts, _ = probe_acceptance(target, draft, oracle, SamplingParams(), [prompt], 60, [], 0,
-                                         stream=oracle.stream)
+        counts, stats, rel = probe_acceptance(target, draft, oracle, SamplingParams(), [prompt], 60, [], 0,
+                                              stream=oracle.stream)
+        conf, lab, cnt = rel.result()  # greedy edge labels (the oracle may repeat a sibling: >=)
+        assert sum(map(sum, lab)) >= sum(k * v for k, v in stats["accepted_hist"].items())
+        assert sum(cnt[0]) == 3 * stats["row_steps"]  # every step tries the root's 3 children
         for k, v in counts.hits.items():
             total.hits[k] = total.hits.get(k, 0) + v
         for k, v in counts.trials.items():
@@ -91,6 +105,9 @@ def test_probe_recovers_oracle_acceptance():
         total.steps += counts.steps
         total.accepted += counts.accepted
     assert total.pooled()[:2] == pytest.approx([0.7, 0.7], abs=0.12)
+    # distinct siblings: exactly one tried child per accepted non-final node is the target's argmax
+    _, stats, rel = probe_acceptance(target, draft, comb_probe(3, 3), SamplingParams(), [prompt], 40, [], 0)
+    assert sum(map(sum, rel.result()[1])) == sum(k * v for k, v in stats["accepted_hist"].items())
     exp_tau = expected_accepted(comb_probe(3, 3).shape, total.rates(per_depth=True)) + 1
     assert exp_tau == pytest.approx(total.as_dict()["tau"], abs=0.25)
 

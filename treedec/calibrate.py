@@ -2,7 +2,7 @@
 
 1. **Probe**: speculative decoding with a wide probe tree (default: a "comb", see
    :func:`treedec.tree.sequoia.comb_choices`) on calibration prompts (held-out stdlib code,
-   code of installed third-party packages, or a prompt file: treedec/bench/prompts.py) records,
+   code of installed third-party packages, or a prompt file: treedec/data/prompts.py) records,
    for every verified node with children, which sibling ranks were tried
    and which was accepted, by depth: the acceptance rates ``p[depth][rank]`` of the Sequoia
    model (DecodeStats' ``rank_hits / rank_trials``, split by depth).
@@ -12,7 +12,12 @@
 3. **DP**: :func:`treedec.tree.sequoia.solve` gives the tree of every budget and depth limit that
    maximises the expected accepted length; :func:`~treedec.tree.sequoia.choose` picks the budget
    and depth with the most expected tokens/s (or the fixed ``dp.budget`` / ``dp.depth``).
-4. **Output**: the shape file ``out`` (default ``<run dir>/learned_tree.yaml``; use it with
+4. **Calibration**: every edge the probe verified whose parent was accepted is binned by its draft
+   probability and depth with its outcome (greedy: argmax match; sampling: the target's processed
+   probability of the child); a per-depth isotonic map (tree/calibration.py) is fitted and written
+   as ``calibration.yaml`` beside the shape file (``tree=dynamic tree.calibration=...``), with a
+   reliability diagram ``reliability.png`` (and its bins, ``reliability.json``) in the run dir.
+5. **Output**: the shape file ``out`` (default ``<run dir>/learned_tree.yaml``; use it with
    ``tree=learned tree.path=...``), ``acceptance.json`` and ``metrics.json`` in the run dir.
 """
 from __future__ import annotations
@@ -37,8 +42,8 @@ DEFAULT_TIMING_GRID = (2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128
 
 # ------------------------------------------------------------------------------------------ prompts
 def prompt_set(cfg: DictConfig, tok) -> list:
-    """The calibration prompts (:class:`treedec.bench.prompts.PromptText`) of ``prompts.source``."""
-    from treedec.bench.prompts import load_prompt_set, read_prompt_file
+    """The calibration prompts (:class:`treedec.data.prompts.PromptText`) of ``prompts.source``."""
+    from treedec.data.prompts import load_prompt_set, read_prompt_file
 
     p = cfg.prompts
     if p.source == "file":
@@ -66,19 +71,51 @@ def encode_prompts(cfg: DictConfig, tok, texts: list[str]) -> list[list[int]]:
 
 
 # -------------------------------------------------------------------------------------------- probe
+def edge_labels(step, sampling):
+    """One step's edges -> (draft log-prob, acceptance label, child depth, tried), all [B, T] on the device.
+
+    An edge is *tried* when its parent is on the accepted path (the target's choice there is real).
+    Its label is the target's processed probability of the child at the parent (greedy: 1 for the
+    argmax, else 0): the chance the acceptance rule takes that edge, given the parent was accepted.
+    """
+    import torch
+
+    from treedec.decoding.sampling import target_probs
+
+    tree = step.tree
+    B, T = tree.tokens.shape
+    par = tree.parents.expand(B, T).clamp(min=0)
+    depth = tree.depth.expand(B, T)
+    logq = tree.scores - tree.scores.gather(1, par)
+    n = torch.tensor(step.n_accept, device=par.device)
+    path = step.path
+    on_path = torch.zeros(B, T, dtype=torch.bool, device=par.device)
+    on_path.scatter_(1, torch.where(torch.arange(path.shape[1], device=par.device) < n[:, None], path, 0), True)
+    on_path &= (n > 0)[:, None]
+    tried = on_path.gather(1, par) & (depth > 0)
+    probs = target_probs(step.logits, sampling)  # [B, T, V]
+    rows = torch.arange(B, device=par.device)[:, None]
+    label = probs[rows, par, tree.tokens]
+    return logq, label, depth, tried
+
+
 def probe_acceptance(target, draft, probe, sampling, prompts, max_new_tokens: int, eos_ids, seed: int, stream=None):
-    """Run speculative decoding with ``probe`` on each prompt -> (AcceptanceCounts, merged stats dict)."""
+    """Run speculative decoding with ``probe`` on each prompt -> (AcceptanceCounts, merged stats dict, Reliability)."""
     import torch
 
     from treedec.decoding.speculative import SpeculativeDecoder
+    from treedec.tree.calibration import Reliability
     from treedec.tree.sequoia import AcceptanceCounts
 
     counts = AcceptanceCounts()
+    reliability = Reliability(probe.max_depth, target.device)
 
-    def record(step) -> None:  # the decoder's per-step hook: what each row's walk tried
+    def record(step) -> None:  # the decoder's per-step hook: what each row's walk tried, and every edge's outcome
         for b, on in enumerate(step.active):
             if on:
                 counts.add(step.tried_ranks(b))
+        if step.tree is not None and step.tree.scores is not None:
+            reliability.add(*edge_labels(step, sampling))
 
     dec = SpeculativeDecoder(target, draft, probe, sampling, eos_ids=eos_ids)
     total = None
@@ -86,7 +123,53 @@ def probe_acceptance(target, draft, probe, sampling, prompts, max_new_tokens: in
         gen = torch.Generator(device=target.device).manual_seed(seed + i)
         s = dec.generate([ids], max_new_tokens, generator=gen, stream=stream, hook=record, timing=True).stats
         total = s if total is None else total.merge(s)
-    return counts, total.as_dict()
+    return counts, total.as_dict(), reliability
+
+
+def fit_calibration(reliability, sampling, prior_strength: float, meta: dict):
+    """The per-depth isotonic map of a probe run -> (Calibration, the measured bins for the diagram)."""
+    from treedec.tree.calibration import Calibration, fit
+
+    conf, label, count = reliability.result()
+    values = fit(conf, label, count, prior_strength=prior_strength)
+    greedy = bool(sampling.greedy)
+    mode = {"rule": "greedy" if greedy else "sampling",
+            "acceptance": "target argmax == child" if greedy else "target processed probability of the child",
+            **({} if greedy else {"temperature": float(sampling.temperature), "top_k": int(sampling.top_k),
+                                  "top_p": float(sampling.top_p)}),
+            "draft_temperature": 1.0}
+    bins = {"conf_sum": conf, "accept_sum": label, "count": count}
+    return Calibration(values, meta={**meta, "mode": mode, "trials_by_depth": [int(sum(c)) for c in count]}), bins
+
+
+def reliability_plot(cal, bins: dict, path) -> Path | None:
+    """Reliability diagram: measured acceptance vs draft confidence per depth (dots), the fitted map (lines)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib is not installed: no reliability diagram (pip install matplotlib)")
+        return None
+    fig, ax = plt.subplots(figsize=(5.2, 4.4))
+    ax.plot([0, 1], [0, 1], color="0.6", lw=0.8, ls=":", label="perfectly calibrated")
+    for d, (cs, ls, n) in enumerate(zip(bins["conf_sum"], bins["accept_sum"], bins["count"]), 1):
+        pts = [(c / k, a / k, k) for c, a, k in zip(cs, ls, n) if k]
+        if not pts:
+            continue
+        line, = ax.plot(cal.grid, cal.values[d - 1], lw=1.2, label=f"depth {d} ({int(sum(n))} edges)")
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=[8 + 40 * (p[2] / max(n)) for p in pts],
+                   color=line.get_color(), alpha=0.8)
+    ax.set_xlabel("draft probability of the edge")
+    ax.set_ylabel("measured acceptance (parent accepted)")
+    ax.set_title(f"reliability ({cal.meta['mode']['rule']})")
+    ax.set_xlim(0, 1), ax.set_ylim(0, 1.02)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
 
 
 # ------------------------------------------------------------------------------------------- timing
@@ -121,7 +204,7 @@ def time_hardware(target, draft, table, budgets, depth_limit: int, prefix_len: i
     verify: dict[int, float] = {}
     with torch.inference_mode():
         cache = target.new_cache(1, prefix_len + max(budgets) + 2)
-        pre = target(ids, cache, logits="none")
+        pre = target(ids, cache, logits="none", layer_inputs=draft.feature_layers_needed)
         cache.advance(prefix_len)
         for n in sorted(set(budgets)):
             tree = Tree.from_choices(table.choices(n, depth_limit))
@@ -133,7 +216,7 @@ def time_hardware(target, draft, table, budgets, depth_limit: int, prefix_len: i
         head = draft.bind(target)
         drafter = Drafter(head, 1, prefix_len + width + 4)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)
-        drafter.catch_up(nxt, pre.hidden, torch.tensor([prefix_len], device=dev), [prefix_len], nxt[:, -1])
+        drafter.catch_up(nxt, draft.features(pre), torch.tensor([prefix_len], device=dev), [prefix_len], nxt[:, -1])
         w_toks = torch.randint(0, V, (1, width), generator=gen).to(dev)
         feats = drafter.root_feat[:, None].expand(-1, width, -1)
         eye = torch.eye(width, dtype=torch.bool, device=dev)
@@ -165,7 +248,7 @@ def run(cfg: DictConfig) -> dict:
     prompts = encode_prompts(cfg, tok, [p.text for p in pset])
     log.info("probing acceptance: %d prompts x %d new tokens, probe tree of %d nodes (depth %d)",
              len(prompts), cfg.max_new_tokens, probe.max_size, probe.max_depth)
-    counts, probe_stats = probe_acceptance(target, draft, probe, sampling, prompts, int(cfg.max_new_tokens),
+    counts, probe_stats, reliability = probe_acceptance(target, draft, probe, sampling, prompts, int(cfg.max_new_tokens),
                                            tok.eos_ids or None, int(cfg.seed))
     if not counts.trials:
         raise RuntimeError("the probe run verified no node with children; raise max_new_tokens or check the probe")
@@ -245,8 +328,19 @@ def run(cfg: DictConfig) -> dict:
                         "date": time.strftime("%Y-%m-%d %H:%M:%S")},
     }
     out = save_learned(cfg.out, pick.choices, meta, trees)
+    from treedec.tree.calibration import save_calibration
+
+    cal, bins = fit_calibration(reliability, sampling, float(cfg.calibration.prior_strength), {
+        "draft": str(cfg.draft.path), "model": str(cfg.model.path), "prompts": len(prompts),
+        "prompt_source": str(cfg.prompts.source), "max_new_tokens": int(cfg.max_new_tokens),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S")})
+    cal_out = save_calibration(out.with_name("calibration.yaml"), cal)
+    write_text_atomic(run_dir / "reliability.json", json.dumps({**bins, "grid": cal.grid, "values": cal.values},
+                                                                indent=1) + "\n")
+    plot = reliability_plot(cal, bins, run_dir / "reliability.png")
     metrics = {
-        "out": str(out), "budget": pick.n, "depth": pick.depth, "expected_tau": pick.expected_tau,
+        "out": str(out), "calibration": str(cal_out), "reliability_plot": str(plot) if plot else None,
+        "budget": pick.n, "depth": pick.depth, "expected_tau": pick.expected_tau,
         "expected_tokens_per_s": pick.tokens_per_s if timing else None, "probe_tau": probe_stats["tau"],
         "probe_tokens_per_s": probe_stats["tokens_per_s"], "steps": counts.steps,
         "new_tokens": probe_stats["new_tokens"], "prompts": len(prompts), "frontier": frontier,
@@ -259,6 +353,7 @@ def run(cfg: DictConfig) -> dict:
     tps = f", est. {pick.tokens_per_s:.1f} tok/s" if timing else ""
     print(f"learned tree: T={pick.n} depth {pick.depth}, expected tau {pick.expected_tau:.2f}{tps} "
           f"(probe tau {probe_stats['tau']:.2f} over {counts.steps} steps) -> {out}\n"
+          f"draft calibration -> {cal_out} (tree=dynamic tree.calibration={cal_out})\n"
           f"use it: python -m treedec.generate tree=learned tree.path={out}")
     return metrics
 

@@ -83,9 +83,14 @@ class StaticTreeSchema:
 @dataclass
 class DynamicTreeSchema:
     _target_: str = "treedec.tree.policies.DynamicPolicy"
-    total_tokens: int = 16  # as conf/tree/dynamic.yaml
+    total_tokens: Any = 16  # as conf/tree/dynamic.yaml; an int or "auto" (checked by DynamicPolicy)
     depth: int = 5
     top_k: int = 2
+    calibration: Optional[str] = "auto"  # a calibration.yaml, auto (the one next to draft_path's head) or null
+    draft_path: Optional[str] = None  # conf: ${oc.select:draft.path,null}
+    max_total_tokens: int = 64  # total_tokens=auto: the largest T tried
+    min_depth: Optional[int] = None  # total_tokens=auto: the shallowest depth tried (null: depth - 2)
+    explore_every: int = 8  # total_tokens=auto: try a neighbouring (T, depth) every this many steps
 
 
 @dataclass
@@ -183,6 +188,11 @@ class TimingSchema:
 
 
 @dataclass
+class CalibrationFitSchema:
+    prior_strength: float = 2.0  # pseudo-trials shrinking a sparse confidence bin towards the identity
+
+
+@dataclass
 class CalibrateSchema:
     model: ModelSchema = field(default_factory=ModelSchema)
     draft: DraftSchema = field(default_factory=DraftSchema)
@@ -194,6 +204,7 @@ class CalibrateSchema:
     chat: bool = False
     dp: DPSchema = field(default_factory=DPSchema)
     timing: TimingSchema = field(default_factory=TimingSchema)
+    calibration: CalibrationFitSchema = field(default_factory=CalibrationFitSchema)
     out: str = MISSING
     seed: int = 0
     num_threads: Optional[int] = None
@@ -218,6 +229,7 @@ class BenchOptionsSchema:
     sample_temperatures: Optional[List[float]] = field(default_factory=lambda: [0.8, 0.3])  # null: the group's
     learned_path: Optional[str] = "auto"  # auto: the tree shipped for the bundled head (treedec/bench/bundled.py)
     compile: bool = False  # also run vanilla and each tree method with compile=True (NAME_compile)
+    dynamic_sweep: Optional[List[int]] = None  # also dynamic_T<n> (bench.trees.dynamic at total_tokens=n) per n
     trees: Dict[str, Any] = field(default_factory=dict)  # method name -> tree policy config (checked by _target_)
     peers: List[str] = field(default_factory=lambda: ["hf_greedy", "hf_prompt_lookup", "hf_assisted", "hf_sample"])
     prompt_lookup_num_tokens: int = 10
@@ -318,6 +330,10 @@ def validate_tree(node, where: str = "tree") -> None:
     if schema is None:
         return
     _merge(schema, node, where, f"{target.rsplit('.', 1)[-1]} takes: {', '.join(_fields(schema))}")
+    total = node.get("total_tokens")
+    if schema is DynamicTreeSchema and total != "auto" and (isinstance(total, bool) or not isinstance(total, int)):
+        raise ConfigError(f"invalid {where}.total_tokens={total!r}: a tree size (int, root included) or auto "
+                          "(chosen per step for the most expected tokens/s)")
     shape = node.get("shape")
     if isinstance(shape, (DictConfig, dict)):
         _merge(ShapeSchema, shape, f"{where}.shape", "a tree shape has `name` and `choices` (a list of paths)")
@@ -351,7 +367,7 @@ _RULES: dict[str, list[tuple[str, Any, str]]] = {
         ("prompts.val_fraction", lambda v: 0 < v <= 1, "in (0, 1]"),
         ("dp.max_budget", _ge(2), ">= 2 (T counts the root: a tree needs the root and one draft node)"),
         ("dp.max_depth", _ge(1), ">= 1"), ("dp.max_width", _ge(1), ">= 1 (or null: the probe's ranks)"),
-        ("dp.prior_strength", _ge(0), ">= 0"),
+        ("dp.prior_strength", _ge(0), ">= 0"), ("calibration.prior_strength", _ge(0), ">= 0"),
         ("timing.repeats", _ge(1), ">= 1"), ("timing.warmup", _ge(0), ">= 0"), ("timing.prefix_len", _ge(1), ">= 1"),
     ],
     "export_head": [],

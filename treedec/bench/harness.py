@@ -74,7 +74,7 @@ def prompt_source_name(bench: DictConfig) -> str:
 
 def load_prompts(bench: DictConfig, tokenizer) -> list[Prompt]:
     """The prompt set: ``bench.prompts`` (a file) or ``bench.n_prompts`` prompts of ``bench.prompt_source``."""
-    from treedec.bench.prompts import load_prompt_set, read_prompt_file
+    from treedec.data.prompts import load_prompt_set, read_prompt_file
 
     if bench.prompts:
         texts = read_prompt_file(bench.prompts, "bench.prompts")

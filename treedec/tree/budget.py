@@ -1,0 +1,148 @@
+"""An online, hardware-aware tree budget: each step's (T, depth) maximises expected tokens per second.
+
+Sequoia's objective, ``(1 + E[accepted | T, depth]) / step_time(rows, T, depth)``, solved online:
+
+* **Acceptance**: the dynamic policy hands over, each step, the expected accepted length of the
+  best T-node subtree of its drafted candidates for every (depth limit, T) arm (sorted calibrated
+  path acceptances, prefix sums; computed on the device). It reaches the host one step late, with
+  no extra synchronisation (:meth:`BudgetController.offer`), and is smoothed by an EMA: per context.
+* **Step time**: wall-clock between successive ``draft()`` calls (each step ends with one host read,
+  so that interval is a whole step), a per-arm EMA keyed by (rows, T, depth); arms never measured
+  are predicted by a least-squares fit ``a + b*T + c*depth`` (non-negative slopes) of the measured ones.
+* **Exploration**: every ``explore_every`` steps a neighbour of the best arm (one bucket up/down in
+  T or depth) is tried, so a machine that gets busier or text that gets easier moves the choice.
+
+T is restricted to a few buckets so ``compile=True`` builds few graphs. The clock is injectable
+(tests drive it with a synthetic step-time model).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+BUCKETS = (8, 16, 24, 32, 40, 48, 64)
+
+
+class StepTimeModel:
+    """Step seconds as f(rows, T, depth): per-arm EMA, a linear fit for arms not measured yet."""
+
+    def __init__(self, alpha: float = 0.25):
+        self.alpha = alpha
+        self.ema: dict[tuple[int, int, int], float] = {}
+        self._fit: dict[int, tuple[float, float, float]] = {}
+
+    def observe(self, rows: int, T: int, depth: int, seconds: float) -> None:
+        key = (rows, T, depth)
+        old = self.ema.get(key)
+        self.ema[key] = seconds if old is None else old + self.alpha * (seconds - old)
+        self._fit.pop(rows, None)
+
+    def _coef(self, rows: int) -> tuple[float, float, float] | None:
+        if rows not in self._fit:
+            pts = [(T, d, t) for (r, T, d), t in self.ema.items() if r == rows]
+            if not pts:
+                return None
+            X = np.array([[1.0, T, d] for T, d, _ in pts])
+            y = np.array([t for *_, t in pts])
+            coef = np.array([y.mean(), 0.0, 0.0])
+            for cols in ([0, 1, 2], [0, 1], [0, 2]):  # the fullest model whose slopes come out >= 0
+                if np.linalg.matrix_rank(X[:, cols]) < len(cols):
+                    continue
+                c = np.linalg.lstsq(X[:, cols], y, rcond=None)[0]
+                if (c[1:] >= 0).all():
+                    coef = np.zeros(3)
+                    coef[cols] = c
+                    break
+            self._fit[rows] = tuple(float(v) for v in coef)
+        return self._fit[rows]
+
+    def predict(self, rows: int, T: int, depth: int) -> float | None:
+        """Predicted seconds of a step (None before any measurement of ``rows`` rows)."""
+        t = self.ema.get((rows, T, depth))
+        if t is not None:
+            return t
+        c = self._coef(rows)
+        return None if c is None else max(c[0] + c[1] * T + c[2] * depth, 1e-9)
+
+
+class BudgetController:
+    """Chooses a (T, depth) arm per step among ``arms``; fed by the policy's draft() calls."""
+
+    def __init__(self, arms: Sequence[tuple[int, int]], explore_every: int = 8,
+                 clock: Callable[[], float] | None = None, alpha: float = 0.3):
+        if not arms:
+            raise ValueError("the auto budget needs at least one (tree size, depth) arm")
+        self.arms = sorted(set((int(T), int(d)) for T, d in arms), key=lambda a: (a[1], a[0]))
+        self.explore_every, self.alpha = explore_every, alpha
+        self.clock = clock or time.perf_counter
+        self.times = StepTimeModel()
+        self.gain: dict[tuple[int, int], float] = {}  # EMA of E[accepted] per (T, depth)
+        self.steps = 0
+        self.last: tuple[int, int] | None = None  # the arm of the step now running
+        self.history: list[tuple[int, int]] = []  # every arm chosen (bench / tests read it)
+        self._t0: float | None = None
+        self._rows = 1
+        self._owner = None
+        self._pending = None  # (curve, its arms): last step's expected-acceptance estimates
+
+    def start(self, owner, rows: int) -> tuple[int, int]:
+        """Called at the start of each draft(): close the previous step's clock, pick this step's arm.
+
+        ``owner`` identifies one generation (the drafter): a new one restarts the clock, so the
+        prefill is never counted as a step.
+        """
+        now = self.clock()
+        if owner is self._owner and self._t0 is not None and self.last is not None:
+            self.times.observe(self._rows, *self.last, now - self._t0)
+        self._owner, self._rows, self._t0 = owner, rows, now
+        self._absorb()
+        self.steps += 1
+        self.last = self.choose(rows)
+        self.history.append(self.last)
+        return self.last
+
+    def offer(self, curve, arms: Sequence[tuple[int, int]]) -> None:
+        """This step's E[accepted] of each arm in ``arms`` (a 1-d array, NaN: not drafted this step).
+
+        ``curve`` may be a host-pinned tensor being filled asynchronously: it is read at the next
+        :meth:`start`, after the step's own host read has synchronised the device.
+        """
+        self._pending = (curve, arms)
+
+    def _absorb(self) -> None:
+        if self._pending is None:
+            return
+        curve, arms = self._pending
+        self._pending = None
+        vals = curve.numpy() if hasattr(curve, "numpy") else np.asarray(curve)
+        for arm, v in zip(arms, vals.tolist()):
+            if np.isfinite(v):
+                old = self.gain.get(arm)
+                self.gain[arm] = v if old is None else old + self.alpha * (v - old)
+
+    def rate(self, rows: int, T: int, depth: int) -> float | None:
+        """Expected tokens per second of an arm (None while its acceptance or time is unknown)."""
+        g, t = self.gain.get((T, depth)), self.times.predict(rows, T, depth)
+        return None if g is None or t is None else (1.0 + g) / t
+
+    def best(self, rows: int) -> tuple[int, int]:
+        """The arm with the most expected tokens/s; the largest (deepest, widest) arm until data arrive."""
+        scored = [(r, a) for a in self.arms if (r := self.rate(rows, *a)) is not None]
+        if not scored:
+            return max(self.arms, key=lambda a: (a[1], a[0]))
+        return max(scored, key=lambda x: x[0])[1]
+
+    def choose(self, rows: int) -> tuple[int, int]:
+        """The best arm, or every ``explore_every`` steps one of its neighbours (next size or depth), in turn."""
+        T, d = self.best(rows)
+        if self.explore_every and self.steps % self.explore_every == 0:
+            sizes = sorted(t for t, dd in self.arms if dd == d)
+            depths = sorted(dd for t, dd in self.arms if t == T)
+            i, j = sizes.index(T), depths.index(d)
+            nbrs = [(sizes[i + s], d) for s in (-1, 1) if 0 <= i + s < len(sizes)]
+            nbrs += [(T, depths[j + s]) for s in (-1, 1) if 0 <= j + s < len(depths)]
+            if nbrs:
+                return nbrs[(self.steps // self.explore_every) % len(nbrs)]
+        return T, d

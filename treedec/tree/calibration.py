@@ -1,0 +1,193 @@
+"""Draft confidence -> acceptance: a monotone per-depth map, measured by ``python -m treedec.calibrate``.
+
+The dynamic policy (EAGLE-2) ranks nodes by the draft's cumulative probability, i.e. it assumes
+the draft's confidence q of an edge is the chance the target accepts it. For a small head it is
+not: the bundled head's top-1 child is accepted ~0.87 of the time at every depth while its
+confidence decays with depth, so a raw-probability tree is too shallow. A :class:`Calibration`
+maps (depth, q) to the measured acceptance of an edge given its parent was accepted.
+
+The map is isotonic (pool-adjacent-violators on binned measurements, per depth, shrunk towards
+the identity where a bin has few trials) and stored on a fixed grid of q: monotone in q by
+construction, with no parametric shape imposed (the reliability diagram of the bundled head bends
+differently at each depth, which one temperature or one Platt slope cannot follow). On the device
+it is a piecewise-linear lookup (``torch.bucketize`` on the grid): batched, no host reads.
+Values are clamped to [``FLOOR``, 1] so log-acceptance is finite and never positive: a child's
+path score never exceeds its parent's.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+import yaml
+
+from treedec.tree.tree import TreeError
+
+GRID = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+FLOOR = 1e-4  # smallest acceptance a map returns: log stays finite
+HEADER = "# Draft calibration written by `python -m treedec.calibrate`: acceptance of an edge vs the draft's probability.\n"
+
+
+def isotonic(y: Sequence[float], w: Sequence[float]) -> list[float]:
+    """Weighted least-squares non-decreasing fit of ``y`` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [value, weight, count]
+    for v, wt in zip(y, w):
+        blocks.append([float(v), float(wt), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks[-1]
+            tot = w1 + w2
+            blocks[-1] = [(v1 * w1 + v2 * w2) / tot if tot > 0 else (v1 + v2) / 2, tot, n1 + n2]
+    return [b[0] for b in blocks for _ in range(b[2])]
+
+
+def fit(conf_sum, label_sum, count, grid: Sequence[float] = GRID, prior_strength: float = 2.0) -> list[list[float]]:
+    """Per-depth isotonic maps on ``grid`` from binned measurements ``[depth][bin]`` (bins: grid intervals).
+
+    Each bin's acceptance is shrunk towards its mean confidence with ``prior_strength`` pseudo-trials
+    (an empty bin is the identity), then made non-decreasing, then read at the grid points by linear
+    interpolation between bin centres. Returns ``values[depth][grid point]`` in [FLOOR, 1].
+    """
+    nb = len(grid) - 1
+    out = []
+    for cs, ls, n in zip(conf_sum, label_sum, count):
+        if len(cs) != nb:
+            raise ValueError(f"calibration bins: expected {nb} per depth (grid {len(grid)} points), got {len(cs)}")
+        centre = [cs[i] / n[i] if n[i] else (grid[i] + grid[i + 1]) / 2 for i in range(nb)]
+        acc = [(ls[i] + prior_strength * centre[i]) / (n[i] + prior_strength) for i in range(nb)]
+        acc = isotonic(acc, [n[i] + prior_strength for i in range(nb)])
+        xs, ys = [0.0] + centre + [1.0], [0.0] + acc + [acc[-1]]  # a token the draft rules out is not accepted
+        vals = []
+        for g in grid:  # piecewise-linear through the bin centres, flat beyond the last one
+            j = next((j for j in range(1, len(xs)) if xs[j] >= g), len(xs) - 1)
+            x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
+            vals.append(y0 if x1 <= x0 else y0 + (y1 - y0) * (g - x0) / (x1 - x0))
+        run = 0.0
+        out.append([round(min(max(run := max(run, v), FLOOR), 1.0), 6) for v in vals])
+    return out
+
+
+class Calibration:
+    """A per-depth monotone map from an edge's draft probability to its acceptance probability.
+
+    ``values[d - 1]`` are the acceptances at the ``grid`` points for child depth d; depths beyond the
+    table reuse its deepest row. ``mode`` records the acceptance rule it was measured under.
+    """
+
+    def __init__(self, values: Sequence[Sequence[float]], grid: Sequence[float] = GRID,
+                 meta: Mapping[str, Any] | None = None):
+        g = [float(x) for x in grid]
+        if len(g) < 2 or g[0] != 0.0 or g[-1] != 1.0 or any(b <= a for a, b in zip(g, g[1:])):
+            raise TreeError(f"calibration grid must rise strictly from 0 to 1, got {grid}")
+        vals = [[float(v) for v in row] for row in values]
+        if not vals:
+            raise TreeError("calibration has no depths: recalibrate with `python -m treedec.calibrate`")
+        for d, row in enumerate(vals, 1):
+            if len(row) != len(g):
+                raise TreeError(f"calibration depth {d} has {len(row)} values for a grid of {len(g)} points")
+            if any(not (0.0 < v <= 1.0) for v in row) or any(b < a for a, b in zip(row, row[1:])):
+                raise TreeError(f"calibration depth {d} must be non-decreasing values in (0, 1], got {row}")
+        self.grid, self.values, self.meta = g, vals, dict(meta or {})
+        self._dev: dict = {}
+
+    @property
+    def depth(self) -> int:
+        return len(self.values)
+
+    def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = str(device)
+        if key not in self._dev:
+            self._dev = {key: (torch.tensor(self.grid, device=device), torch.tensor(self.values, device=device))}
+        return self._dev[key]
+
+    def log_accept(self, logq: torch.Tensor, depth: int) -> torch.Tensor:
+        """log of the calibrated acceptance of edges at child ``depth`` with draft log-probs ``logq`` (any shape)."""
+        grid, vals = self._tables(logq.device)
+        row = vals[min(depth, self.depth) - 1]
+        q = logq.float().exp().clamp(0.0, 1.0)
+        hi = torch.bucketize(q, grid).clamp(1, len(self.grid) - 1)
+        x0, x1 = grid[hi - 1], grid[hi]
+        y0, y1 = row[hi - 1], row[hi]
+        return torch.lerp(y0, y1, (q - x0) / (x1 - x0)).clamp(FLOOR, 1.0).log()
+
+    def __call__(self, q: float, depth: int) -> float:
+        """Host-side acceptance of one edge (tests, reports)."""
+        return math.exp(self.log_accept(torch.tensor(math.log(max(q, 1e-30))), depth).item())
+
+    def to_dict(self) -> dict:
+        return {**self.meta, "grid": self.grid, "values": self.values}
+
+
+def save_calibration(path: str | Path, cal: Calibration) -> Path:
+    """Write ``cal`` as YAML (atomic: temp file + rename)."""
+    from treedec.cli import write_text_atomic
+    from treedec.tree.policies.learned import _Dumper
+
+    return write_text_atomic(path, HEADER + yaml.dump(cal.to_dict(), Dumper=_Dumper, sort_keys=False, width=140))
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise TreeError(f"calibration file {str(p)!r} not found: `python -m treedec.calibrate` writes one "
+                        "(calibration.yaml beside learned_tree.yaml); pass tree.calibration=<that file>, auto or null")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise TreeError(f"cannot parse calibration file {p}: {e}") from e
+    if not isinstance(data, dict) or not isinstance(data.get("values"), list):
+        raise TreeError(f"calibration file {p} has no 'values' table (per depth, acceptance at each grid point)")
+    meta = {k: v for k, v in data.items() if k not in ("grid", "values")}
+    try:
+        return Calibration(data["values"], data.get("grid", GRID), meta)
+    except TreeError as e:
+        raise TreeError(f"calibration file {p}: {e}") from e
+
+
+def resolve(calibration, draft_path=None) -> Calibration | None:
+    """``tree.calibration``: a Calibration, a file, None (raw draft probabilities) or ``auto``.
+
+    ``auto`` is the ``calibration.yaml`` next to the draft head (``draft_path``: a bundled head's
+    name or a head directory) when there is one, else None.
+    """
+    if calibration is None or isinstance(calibration, Calibration):
+        return calibration
+    if str(calibration) != "auto":
+        return load_calibration(calibration)
+    if draft_path is None:
+        return None
+    from treedec.models.draft import BUNDLED_DRAFTS
+
+    head_dir = BUNDLED_DRAFTS.get(str(draft_path), Path(str(draft_path)).expanduser())
+    f = head_dir / "calibration.yaml"
+    return load_calibration(f) if f.is_file() else None
+
+
+class Reliability:
+    """Binned (confidence, acceptance) sums per child depth, accumulated on the device, read once.
+
+    ``add`` takes one verified tree's edges: the draft log-prob of each edge, its acceptance label
+    (greedy: 1 when the target's argmax at the parent is the child; sampling: the target's processed
+    probability of the child, the chance the one-draw rule accepts it), the child depth, and which
+    edges were tried (the parent was on the accepted path, so the target's choice there is real).
+    """
+
+    def __init__(self, max_depth: int, device, grid: Sequence[float] = GRID):
+        self.grid = torch.tensor(grid, device=device)
+        self.sums = torch.zeros(3, max_depth, len(grid) - 1, dtype=torch.float64, device=device)
+
+    def add(self, logq: torch.Tensor, label: torch.Tensor, depth: torch.Tensor, tried: torch.Tensor) -> None:
+        D, nb = self.sums.shape[1:]
+        q = logq.float().exp().clamp(0.0, 1.0)
+        b = torch.bucketize(q, self.grid[1:-1], right=True)  # bin i holds grid[i] <= q < grid[i + 1]
+        ok = tried & (depth >= 1) & (depth <= D)
+        flat = ((depth.clamp(1, D) - 1) * nb + b)[ok]
+        for i, v in enumerate((q[ok], label.float()[ok], torch.ones_like(q[ok]))):
+            self.sums[i].view(-1).index_add_(0, flat, v.double())
+
+    def result(self) -> tuple[list, list, list]:
+        """(confidence sums, acceptance sums, counts) as ``[depth][bin]`` lists (the one host read)."""
+        conf, label, count = self.sums.tolist()
+        return conf, label, count
