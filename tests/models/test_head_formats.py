@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from tests.models.helpers import tiny_model
+from tests.helpers import tiny_model
 from treedec.models.checkpoint import CheckpointError
 from treedec.models.draft import DraftHead
 
@@ -288,3 +288,18 @@ def test_target_directory_is_not_a_head(tmp_path):
     save_pretrained(tiny_model(seed=0), tmp_path)
     with pytest.raises(ValueError, match="2-layer model, not a 1-layer EAGLE head"):
         DraftHead.load(tmp_path)
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(norm_before_residual=True), "norm_before_residual=true"),
+    (dict(norm_before_residual=None), "norm_before_residual=true"),  # absent: vLLM's default, true
+    (dict(speculators_model_type="eagle"), "'eagle3' heads only"),
+    (dict(transformer_layer_config=layer_cfg(model_type="qwen3")), "Qwen3-layer head"),
+    (dict(target_hidden_size=2 * H), "target_hidden_size"),
+])
+def test_unsupported_variants_are_named(change, needle, deep_target, tmp_path):
+    path, _, _ = eagle3_dir(tmp_path / "h", speculators=True)
+    cfg = {**json.loads((path / "config.json").read_text()), **change}
+    (path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    with pytest.raises(ValueError, match=needle):
+        DraftHead.load(path, target=deep_target)

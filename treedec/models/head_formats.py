@@ -36,8 +36,6 @@ PICKLE = "pytorch_model.bin"
 LAYOUTS = ("eagle", "eagle3", "speculators")
 # Buffers and tensors a published head may carry that treedec recomputes or takes from the target.
 _SKIP = ("rotary_emb.inv_freq", "verifier_lm_head.weight", "verifier_norm.weight")
-_LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def detect(raw: dict) -> str:
@@ -68,11 +66,14 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         return out
     if (path / PICKLE).is_file():
         try:
-            return torch.load(path / PICKLE, map_location="cpu", weights_only=True)
+            sd = torch.load(path / PICKLE, map_location="cpu", weights_only=True)
         except Exception as e:  # weights_only refuses anything but tensors and plain containers
             raise CheckpointError(f"{path / PICKLE} holds more than plain tensors ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0][:200]}); treedec never unpickles objects: convert it to "
                                   f"{WEIGHTS} with safetensors where you trust the file") from e
+        if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+            raise CheckpointError(f"{path / PICKLE} is not a flat state dict of tensors (got {type(sd).__name__})")
+        return sd
     found = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
     raise FileNotFoundError(f"{path} has config.json but no {WEIGHTS} or {PICKLE} (found: {found}); treedec reads "
                             f"safetensors, or {PICKLE} as plain tensors, never other pickle files")
@@ -147,7 +148,8 @@ def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftC
         if raw.get("norm_before_fc") or "input_norm.weight" in src:
             raise ValueError(f"{path}: norm_before_fc heads (an RMSNorm before fc) are not supported")
     lc = _layer_config(layer_raw, path)
-    embed = src.pop("embed_tokens.weight", src.pop("model.embed_tokens.weight", None))
+    embed = src.pop("embed_tokens.weight", None)  # the target's is used; checked against it
+    _check_fits(path, lc, target, embed)
     prefix = "midlayer." if any(k.startswith("midlayer.") for k in src) else "layers.0."  # EAGLE-3/SGLang name it so
     state: dict[str, torch.Tensor] = {}
     for k in list(src):  # the layer: published prefix -> treedec's "layer."
@@ -179,11 +181,10 @@ def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftC
         raise ValueError(f"{path} ({layout} layout): unexpected tensors {sorted(src)[:8]}"
                          f"{' ...' if len(src) > 8 else ''}; they have no place in treedec's head (e.g. fc.bias with "
                          f"\"bias\": false in config.json, or a layer treedec does not build)")
-    _check_fits(path, cfg, target, embed)
     return cfg, state, layout
 
 
-def _check_fits(path: Path, cfg: DraftConfig, target: Transformer | None, embed: torch.Tensor | None) -> None:
+def _check_fits(path: Path, cfg: LlamaConfig, target: Transformer | None, embed: torch.Tensor | None) -> None:
     if target is None:
         return
     tc = target.config
