@@ -249,9 +249,22 @@ def test_context_overflow_is_a_clear_error():
             model(torch.zeros(1, 5, dtype=torch.long), small)
 
 
-def test_pack_bits_matches_tree_mask():
-    tree = random_tree(30, torch.Generator().manual_seed(0))
-    torch.testing.assert_close(tree.ancestor_bits(), pack_bits(tree.mask()))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ancestor_bits_match_the_parent_chains(seed):
+    """Packed bits against words built here from each node's parent chain (130 nodes: three words, bit 63 set)."""
+    gen = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(max(0, i - 70), i, (1,), generator=gen)) for i in range(1, 130)]
+    want = []
+    for i in range(130):
+        word, j = 0, i
+        while j >= 0:  # the node itself, then each ancestor up to the root
+            word |= 1 << j
+            j = parents[j]
+        want.append([(w - (1 << 64) if w >= 1 << 63 else w) for w in ((word >> (64 * k)) & (2**64 - 1)
+                                                                     for k in range(3))])
+    got = Tree.from_parents(parents).ancestor_bits()
+    assert got.dtype == torch.int64 and got.tolist() == want
+    assert any(w < 0 for row in want for w in row)  # some node has node 63 (or 127) as an ancestor
 
 
 # --------------------------------------------------------------------------- tree_mask input, one mask per forward

@@ -119,7 +119,9 @@ def test_train_draft_ddp_two_cpu_processes(pretrained_ddp, corpus):
     assert m["world_size"] == 2 and m["steps"] == 4
     assert all(math.isfinite(v) for v in m["val"].values()) and "val/loss" in m["val"]
     # τ: measured by rank 0 only, at steps 2 and 4 (not again at the end), once per measurement in the log
-    assert [s for s, _ in m["tau_history"]] == [2, 4] and m["tau_before"] >= 1.0 and m["tau"] >= 1.0
+    assert [s for s, _ in m["tau_history"]] == [2, 4]
+    # before training the head drafts about as well as chance; two steps on this repetitive corpus already help
+    assert 1.0 <= m["tau_before"] < 1.3 and m["tau"] > m["tau_before"]
     assert out.count("speculative tau") == 2 and out.count("exported the draft head") == 1
     state = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert state["global_step"] == 4

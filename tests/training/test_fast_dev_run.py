@@ -62,4 +62,5 @@ def test_draft_fast_dev_run(data, target_dir, corpus, tokenizer, chat_file, tmp_
     assert finite(trainer.callback_metrics, "train/loss", "train/feat_loss", "train/ce", "val/loss", "val/top1_acc")
     assert any(not torch.equal(head0[k], v) for k, v in module.head.state_dict().items())
     assert all(torch.equal(target0[k], v) for k, v in module.target.state_dict().items())  # frozen
-    assert [s for s, _ in tau.history] == [1] and tau.history[0][1] >= 1.0  # measured once, not again at the end
+    assert [s for s, _ in tau.history] == [1]  # measured once, not again at the end
+    assert 1.0 <= tau.history[0][1] < 1.5  # a one-step head is an untrained one: at most 1 of 4 tokens drafted

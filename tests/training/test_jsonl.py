@@ -171,7 +171,7 @@ def test_train_on_chat_jsonl(target_dir, chat_file, tmp_path):
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(config_name="train", overrides=ovr)
     m = run(cfg)
-    assert m["steps"] == 4 and m["tau"] >= 1.0 and 0.0 <= m["val"]["val/top1_acc"] <= 1.0
+    assert m["steps"] == 4 and 1.0 <= m["tau"] < 1.5 and 0.0 <= m["val"]["val/top1_acc"] <= 1.0  # 4 steps: untrained
 
 
 def test_pretrain_on_text_jsonl_trains_its_tokenizer(tmp_path):
