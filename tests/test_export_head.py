@@ -84,9 +84,11 @@ def test_restricted_vocab_eagle_head_warns(tmp_path):
 
 
 @pytest.mark.skipif(not HAS_EAGLE3, reason="treedec's eagle3 head kind has not landed")
-def test_eagle3_round_trip(tmp_path):
+@pytest.mark.parametrize("nbr", [False, True])
+def test_eagle3_round_trip(nbr, tmp_path):
     target = tiny_model(seed=6, num_hidden_layers=4)
-    head = make_head(target, 7, kind="eagle3", feature_layers=[0, 1, 3], draft_vocab_size=40, rope_theta=5e5)
+    head = make_head(target, 7, kind="eagle3", feature_layers=[0, 1, 3], draft_vocab_size=40, rope_theta=5e5,
+                     norm_before_residual=nbr)
     head.restrict_vocab(torch.randperm(97, generator=torch.Generator().manual_seed(8))[:40])
     out = export_head(head, tmp_path / "out", "eagle3")
     cfg = json.loads((out / "config.json").read_text())
@@ -94,6 +96,7 @@ def test_eagle3_round_trip(tmp_path):
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3] and cfg["rope_theta"] == 5e5
     again = DraftHead.load(out, target=target)
     assert again.config.feature_layers == [0, 1, 3] and torch.equal(again.vocab_ids, head.vocab_ids)
+    assert cfg["norm_before_residual"] == nbr == again.config.norm_before_residual
     torch.testing.assert_close(head_logits(again, 9), head_logits(head, 9), atol=0, rtol=0)
     prompt = list(range(20, 33))
     assert decode(target, again, prompt) == decode(target, head, prompt)

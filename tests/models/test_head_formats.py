@@ -64,11 +64,15 @@ def ref_eagle(sd, target, tokens, feats, theta=10000.0):
     return x @ target.lm_head.weight.T
 
 
-def ref_eagle3(sd, p, target, tokens, low_mid_high, theta=10000.0):
-    """EAGLE-3: f = fc(cat(l, m, h)); attn(cat(input_norm(embed), hidden_norm(f))) + f; mlp; lm_head(norm)."""
+def ref_eagle3(sd, p, target, tokens, low_mid_high, theta=10000.0, norm_before_residual=False):
+    """EAGLE-3: f = fc(cat(l, m, h)); attn(cat(input_norm(embed), hidden_norm(f))) + f; mlp; lm_head(norm).
+
+    ``norm_before_residual`` (speculators): the residual around attention is hidden_norm(f) instead of f.
+    """
     f = F.linear(low_mid_high, sd["fc.weight"])
     e = rms(target.model.embed_tokens.weight[tokens], sd[f"{p}input_layernorm.weight"])
-    x = f + ref_attn(sd, p, torch.cat((e, rms(f, sd[f"{p}hidden_norm.weight"])), -1), theta)
+    fn = rms(f, sd[f"{p}hidden_norm.weight"])
+    x = (fn if norm_before_residual else f) + ref_attn(sd, p, torch.cat((e, fn), -1), theta)
     x = x + ref_mlp(sd, p, rms(x, sd[f"{p}post_attention_layernorm.weight"]))
     return rms(x, sd["norm.weight"]) @ sd["lm_head.weight"].T
 
@@ -131,7 +135,7 @@ def eagle3_dir(path, seed=0, prefix="midlayer.", K=40, speculators=False, **cfg_
     sd = {"fc.weight": rnd(H, 3 * H, g=g), **layer_sd(prefix, g, 2 * H, eagle3=True),
           "norm.weight": 1 + rnd(H, g=g, scale=0.2), "lm_head.weight": rnd(K, H, g=g, scale=0.3), "d2t": d2t, "t2d": t2d}
     if speculators:
-        cfg = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "draft_vocab_size": K,
+        cfg = {"speculators_model_type": "eagle3", "architectures": ["Eagle3DraftModel"], "draft_vocab_size": K,
                "norm_before_residual": False, "transformer_layer_config": layer_cfg(model_type="llama"),
                "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "target"}}, **cfg_kw}
     else:  # EAGLE-3 / SpecForge: often no rope_theta at all
@@ -195,21 +199,26 @@ def test_embedding_copy_is_checked(target, tmp_path):
 
 # ------------------------------------------------------------------ EAGLE-3 / SpecForge / speculators
 @needs_eagle3
-@pytest.mark.parametrize("layout", ["midlayer", "layers0", "speculators"])
+@pytest.mark.parametrize("layout", ["midlayer", "layers0", "speculators", "speculators_nbr"])
 def test_published_eagle3_matches_reference(layout, deep_target, tmp_path):
     prefix = "midlayer." if layout == "midlayer" else "layers.0."
-    path, sd, ids = eagle3_dir(tmp_path / "h", seed=6, prefix=prefix, speculators=layout == "speculators",
-                               **({"eagle_aux_hidden_state_layer_ids": [1, 3, 6]} if layout == "speculators" else {}))
+    spec = layout.startswith("speculators")
+    nbr = layout == "speculators_nbr"  # norm_before_residual, as RedHatAI's speculators heads are trained
+    kw = dict(eagle_aux_hidden_state_layer_ids=[1, 3, 6], norm_before_residual=nbr) if spec else {}
+    path, sd, ids = eagle3_dir(tmp_path / "h", seed=6, prefix=prefix, speculators=spec, **kw)
     head = DraftHead.load(path, target=deep_target)
     c = head.config
     assert c.kind == "eagle3" and c.rope_theta == 10000.0 and c.draft_vocab_size == 40
-    assert c.feature_layers == ([1, 3, 6] if layout == "speculators" else [2, 4, 5])
+    assert c.feature_layers == ([1, 3, 6] if spec else [2, 4, 5]) and c.norm_before_residual == nbr
     assert torch.equal(head.vocab_ids.cpu(), ids)
     tokens, low_mid_high = inputs(7, width=3 * H)
     with torch.inference_mode():
         got = draft_logits(head, tokens, head.project(low_mid_high))
-    want = ref_eagle3(sd, prefix, deep_target, tokens, low_mid_high)
+    want = ref_eagle3(sd, prefix, deep_target, tokens, low_mid_high, norm_before_residual=nbr)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    if spec:  # the two residual rules really differ
+        other = ref_eagle3(sd, prefix, deep_target, tokens, low_mid_high, norm_before_residual=not nbr)
+        assert (other - want).abs().max() > 1e-3
     assert torch.equal(head.to_target_ids(got.argmax(-1)), want.argmax(-1) + sd["d2t"][want.argmax(-1)])
 
 
@@ -291,8 +300,6 @@ def test_target_directory_is_not_a_head(tmp_path):
 
 
 @pytest.mark.parametrize("change,needle", [
-    (dict(norm_before_residual=True), "norm_before_residual=true"),
-    (dict(norm_before_residual=None), "norm_before_residual=true"),  # absent: vLLM's default, true
     (dict(speculators_model_type="eagle"), "'eagle3' heads only"),
     (dict(transformer_layer_config=layer_cfg(model_type="qwen3")), "Qwen3-layer head"),
     (dict(target_hidden_size=2 * H), "target_hidden_size"),
@@ -303,3 +310,12 @@ def test_unsupported_variants_are_named(change, needle, deep_target, tmp_path):
     (path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
     with pytest.raises(ValueError, match=needle):
         DraftHead.load(path, target=deep_target)
+
+
+@needs_eagle3
+def test_speculators_norm_before_residual_defaults_to_vllms(deep_target, tmp_path):
+    path, _, _ = eagle3_dir(tmp_path / "h", speculators=True, eagle_aux_hidden_state_layer_ids=[1, 3, 6])
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["norm_before_residual"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert DraftHead.load(path, target=deep_target).config.norm_before_residual  # as vLLM reads such a config

@@ -47,6 +47,7 @@ class DraftConfig:
     fc_bias: bool = True  # EAGLE-1/2's fc has a bias unless its config says "bias": false (head_formats.py)
     qkv_bias: bool = False  # the layer's q/k/v biases (published Qwen2 heads)
     o_bias: bool = False
+    norm_before_residual: bool = False  # eagle3: the midlayer's residual is hidden_norm(h), not h (speculators heads)
 
     @classmethod
     def for_target(cls, cfg: LlamaConfig, target: str = "", **overrides) -> "DraftConfig":

@@ -13,7 +13,8 @@ Its layout is told by the config:
   10000 when the config names none, never the target's); feature layers default to EAGLE-3's
   [2, L//2, L-3] of the target.
 * ``speculators``: vLLM speculators EAGLE-3 (``speculators_model_type: eagle3``): the layer's
-  config under ``transformer_layer_config``, layer ids in ``eagle_aux_hidden_state_layer_ids``.
+  config under ``transformer_layer_config``, layer ids in ``eagle_aux_hidden_state_layer_ids``,
+  ``norm_before_residual`` (true when absent, as vLLM reads it).
 
 Weights come from ``model.safetensors`` (or a sharded index), or ``pytorch_model.bin`` through
 ``torch.load(weights_only=True)``; nothing else is ever unpickled. A head that does not fit its
@@ -164,13 +165,12 @@ def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftC
         if raw.get("target_hidden_size") not in (None, lc.hidden_size):
             raise ValueError(f"{path}: target_hidden_size {raw['target_hidden_size']} != the head's hidden_size "
                              f"{lc.hidden_size}; treedec's EAGLE-3 head reads features of its own width")
-        if layout == "speculators" and raw.get("norm_before_residual", True):  # vLLM's default when absent
-            raise ValueError(f"{path}: norm_before_residual=true (the residual is the normed feature) is not "
-                             "supported by treedec's EAGLE-3 head yet")
         K = int(layer_raw.get("draft_vocab_size") or lc.vocab_size)
         ids = _vocab_ids(src, K, lc.vocab_size, path)
+        # the residual around attention is hidden_norm(h): vLLM's default for speculators configs without the key
+        nbr = bool(raw.get("norm_before_residual", layout == "speculators"))
         cfg = DraftConfig.for_target(lc, kind="eagle3", feature_layers=_feature_layers(raw, target, path),
-                                     draft_vocab_size=0 if ids is None else K, **common)
+                                     draft_vocab_size=0 if ids is None else K, norm_before_residual=nbr, **common)
         if ids is not None:
             state["vocab_ids"] = ids
         names = ["fc.weight", "norm.weight", "lm_head.weight"]
@@ -255,7 +255,8 @@ def to_published(head: DraftHead, fmt: str) -> tuple[dict, dict[str, torch.Tenso
     out.update(d2t=ids - torch.arange(K), t2d=t2d)
     layers = [int(i) for i in c.feature_layers]
     cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=K, eagle_aux_hidden_state_layer_ids=layers,
-               eagle_config={"eagle_aux_hidden_state_layer_ids": layers, "use_aux_hidden_state": True})
+               eagle_config={"eagle_aux_hidden_state_layer_ids": layers, "use_aux_hidden_state": True},
+               norm_before_residual=c.norm_before_residual)  # vLLM reads it; EAGLE-3's own code has it false
     return cfg, out
 
 
