@@ -44,6 +44,8 @@ def ref_attn(sd, p, x, theta):
     lin = lambda n: F.linear(x, sd[f"{p}self_attn.{n}_proj.weight"], sd.get(f"{p}self_attn.{n}_proj.bias"))  # noqa: E731
     q = lin("q").view(1, T, NH, HD).transpose(1, 2)
     k = lin("k").view(1, T, NKV, HD).transpose(1, 2).repeat_interleave(NH // NKV, 1)
+    if f"{p}self_attn.q_norm.weight" in sd:  # Qwen3 layers: each head's q and k RMS-normed before RoPE
+        q, k = rms(q, sd[f"{p}self_attn.q_norm.weight"]), rms(k, sd[f"{p}self_attn.k_norm.weight"])
     v = lin("v").view(1, T, NKV, HD).transpose(1, 2).repeat_interleave(NH // NKV, 1)
     s = rope(q, theta) @ rope(k, theta).transpose(-1, -2) / math.sqrt(HD)
     s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
@@ -82,7 +84,7 @@ def rnd(*shape, g, scale=0.08):
     return scale * torch.randn(*shape, generator=g)
 
 
-def layer_sd(p, g, width, qkv_bias=False, eagle3=False):
+def layer_sd(p, g, width, qkv_bias=False, eagle3=False, qk_norm=False):
     sd = {f"{p}self_attn.q_proj.weight": rnd(NH * HD, width, g=g), f"{p}self_attn.k_proj.weight": rnd(NKV * HD, width, g=g),
           f"{p}self_attn.v_proj.weight": rnd(NKV * HD, width, g=g), f"{p}self_attn.o_proj.weight": rnd(H, NH * HD, g=g),
           f"{p}mlp.gate_proj.weight": rnd(I, H, g=g), f"{p}mlp.up_proj.weight": rnd(I, H, g=g),
@@ -92,6 +94,8 @@ def layer_sd(p, g, width, qkv_bias=False, eagle3=False):
                                                                                        ("v", NKV * HD))})
     if eagle3:
         sd.update({f"{p}{n}.weight": 1 + rnd(H, g=g, scale=0.2) for n in ("input_layernorm", "hidden_norm")})
+    if qk_norm:
+        sd.update({f"{p}self_attn.{n}.weight": 1 + rnd(HD, g=g, scale=0.3) for n in ("q_norm", "k_norm")})
     return sd
 
 
@@ -129,14 +133,15 @@ def draft_vocab(K, seed):
     return ids, ids - torch.arange(K), t2d
 
 
-def eagle3_dir(path, seed=0, prefix="midlayer.", K=40, speculators=False, **cfg_kw):
+def eagle3_dir(path, seed=0, prefix="midlayer.", K=40, speculators=False, qwen3=False, **cfg_kw):
     g = torch.Generator().manual_seed(seed)
     ids, d2t, t2d = draft_vocab(K, seed)
-    sd = {"fc.weight": rnd(H, 3 * H, g=g), **layer_sd(prefix, g, 2 * H, eagle3=True),
+    sd = {"fc.weight": rnd(H, 3 * H, g=g), **layer_sd(prefix, g, 2 * H, eagle3=True, qk_norm=qwen3),
           "norm.weight": 1 + rnd(H, g=g, scale=0.2), "lm_head.weight": rnd(K, H, g=g, scale=0.3), "d2t": d2t, "t2d": t2d}
     if speculators:
         cfg = {"speculators_model_type": "eagle3", "architectures": ["Eagle3DraftModel"], "draft_vocab_size": K,
-               "norm_before_residual": False, "transformer_layer_config": layer_cfg(model_type="llama"),
+               "norm_before_residual": False,
+               "transformer_layer_config": layer_cfg(model_type="qwen3" if qwen3 else "llama", head_dim=HD),
                "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "target"}}, **cfg_kw}
     else:  # EAGLE-3 / SpecForge: often no rope_theta at all
         cfg = layer_cfg(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=K, **cfg_kw)
@@ -199,17 +204,19 @@ def test_embedding_copy_is_checked(target, tmp_path):
 
 # ------------------------------------------------------------------ EAGLE-3 / SpecForge / speculators
 @needs_eagle3
-@pytest.mark.parametrize("layout", ["midlayer", "layers0", "speculators", "speculators_nbr"])
+@pytest.mark.parametrize("layout", ["midlayer", "layers0", "speculators", "speculators_nbr", "speculators_qwen3"])
 def test_published_eagle3_matches_reference(layout, deep_target, tmp_path):
     prefix = "midlayer." if layout == "midlayer" else "layers.0."
     spec = layout.startswith("speculators")
     nbr = layout == "speculators_nbr"  # norm_before_residual, as RedHatAI's speculators heads are trained
-    kw = dict(eagle_aux_hidden_state_layer_ids=[1, 3, 6], norm_before_residual=nbr) if spec else {}
+    kw = dict(eagle_aux_hidden_state_layer_ids=[1, 3, 6], norm_before_residual=nbr, qwen3=layout.endswith("qwen3")) \
+        if spec else {}
     path, sd, ids = eagle3_dir(tmp_path / "h", seed=6, prefix=prefix, speculators=spec, **kw)
     head = DraftHead.load(path, target=deep_target)
     c = head.config
     assert c.kind == "eagle3" and c.rope_theta == 10000.0 and c.draft_vocab_size == 40
     assert c.feature_layers == ([1, 3, 6] if spec else [2, 4, 5]) and c.norm_before_residual == nbr
+    assert c.qk_norm == layout.endswith("qwen3")
     assert torch.equal(head.vocab_ids.cpu(), ids)
     tokens, low_mid_high = inputs(7, width=3 * H)
     with torch.inference_mode():
@@ -301,7 +308,6 @@ def test_target_directory_is_not_a_head(tmp_path):
 
 @pytest.mark.parametrize("change,needle", [
     (dict(speculators_model_type="eagle"), "'eagle3' heads only"),
-    (dict(transformer_layer_config=layer_cfg(model_type="qwen3")), "Qwen3-layer head"),
     (dict(target_hidden_size=2 * H), "target_hidden_size"),
 ])
 def test_unsupported_variants_are_named(change, needle, deep_target, tmp_path):

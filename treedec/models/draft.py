@@ -47,6 +47,7 @@ class DraftConfig:
     fc_bias: bool = True  # EAGLE-1/2's fc has a bias unless its config says "bias": false (head_formats.py)
     qkv_bias: bool = False  # the layer's q/k/v biases (published Qwen2 heads)
     o_bias: bool = False
+    qk_norm: bool = False  # the layer's per-head q/k RMSNorms (Qwen3-layer heads)
     norm_before_residual: bool = False  # eagle3: the midlayer's residual is hidden_norm(h), not h (speculators heads)
 
     @classmethod
@@ -65,7 +66,7 @@ class DraftConfig:
                            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
                            head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
                            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-                           qkv_bias=self.qkv_bias, o_bias=self.o_bias)
+                           qkv_bias=self.qkv_bias, o_bias=self.o_bias, qk_norm=self.qk_norm)
 
 
 def target_fingerprint(target: Transformer) -> str:

@@ -81,11 +81,10 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _layer_config(raw: dict, path: Path) -> LlamaConfig:
-    """The head layer's LlamaConfig (Qwen2 heads: q/k/v biases); the head's own RoPE settings."""
-    arch = "Qwen2ForCausalLM" if any("Qwen2" in a for a in raw.get("architectures") or []) else "LlamaForCausalLM"
-    if raw.get("model_type") == "qwen3" or any("Qwen3" in a for a in raw.get("architectures") or []):
-        raise ValueError(f"{path}: a Qwen3-layer head (q/k norms in the draft layer) is not supported yet; "
-                         "treedec loads Llama- and Qwen2-layer heads")
+    """The head layer's LlamaConfig (Qwen2 layers: q/k/v biases; Qwen3 layers: q/k norms); the head's own RoPE."""
+    archs, model_type = " ".join(raw.get("architectures") or []), raw.get("model_type")
+    arch = "Qwen3ForCausalLM" if "Qwen3" in archs or model_type == "qwen3" else \
+        "Qwen2ForCausalLM" if "Qwen2" in archs or model_type == "qwen2" else "LlamaForCausalLM"
     d = {k: v for k, v in raw.items() if k not in ("architectures", "num_hidden_layers")}
     d.setdefault("rope_theta", 10000.0)  # EAGLE's rotary default: never the target's theta
     try:
@@ -156,7 +155,7 @@ def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftC
     for k in list(src):  # the layer: published prefix -> treedec's "layer."
         if k.startswith(prefix):
             state["layer." + k[len(prefix):]] = src.pop(k)
-    common = dict(target=str(path), qkv_bias=lc.qkv_bias, o_bias=lc.o_bias)
+    common = dict(target=str(path), qkv_bias=lc.qkv_bias, o_bias=lc.o_bias, qk_norm=lc.qk_norm)
     if layout == "eagle":
         bias = bool(raw.get("bias", True))  # EAGLE's loader: config "bias", default true
         cfg = DraftConfig.for_target(lc, fc_bias=bias, **common)
@@ -229,6 +228,9 @@ def to_published(head: DraftHead, fmt: str) -> tuple[dict, dict[str, torch.Tenso
         raise ValueError(f"the head is kind {c.kind!r}, so it exports as format={c.kind} (not {fmt}): the layouts "
                          "differ in more than names (EAGLE-3 fuses three target layers and has its own LM head)")
     lc = c.layer_config()
+    if c.qk_norm:
+        raise ValueError("a head with q/k norms (a Qwen3 layer) has no public EAGLE-1/2 or EAGLE-3 layout that "
+                         "SGLang and vLLM read alike; keep it in treedec's format")
     if c.qkv_bias and not c.o_bias:
         lc.architecture = "Qwen2ForCausalLM"  # q/k/v biases only: how EAGLE's Qwen2 heads are described
     elif c.qkv_bias != c.o_bias:
