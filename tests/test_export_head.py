@@ -106,6 +106,8 @@ def test_format_must_match_the_kind(tmp_path):
     head = make_head(tiny_model(seed=1), 2)
     with pytest.raises(ValueError, match="kind 'eagle', so it exports as format=eagle"):
         export_head(head, tmp_path / "out", "eagle3")
+    with pytest.raises(ValueError, match="q/k norms"):
+        export_head(make_head(tiny_model(seed=1), 2, qk_norm=True), tmp_path / "out", "eagle")
     assert not (tmp_path / "out").exists()
 
 
