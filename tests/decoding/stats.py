@@ -41,3 +41,30 @@ def fits(samples: list, probs: dict) -> bool:
 
 def as_dict(p: torch.Tensor) -> dict:
     return {i: float(v) for i, v in enumerate(p.tolist()) if v > 0}
+
+
+def two_sample_fits(a: list, b: list) -> bool:
+    """Chi-square test of homogeneity: could samples ``a`` and ``b`` come from one distribution?
+
+    Cells are pooled until each holds >= 10 draws of both samples together (so no expected count < 5
+    for equal-sized samples); the statistic is compared with the same p ~ 1e-4 threshold as :func:`fits`.
+    """
+    ca, cb = Counter(a), Counter(b)
+    na, nb = len(a), len(b)
+    cells, pool = [], [0, 0]
+    for cell in sorted(set(ca) | set(cb), key=lambda c: -(ca[c] + cb[c])):
+        x, y = ca[cell], cb[cell]
+        if x + y >= 10:
+            cells.append((x, y))
+        else:
+            pool = [pool[0] + x, pool[1] + y]
+    if sum(pool):
+        cells.append(tuple(pool))
+    if len(cells) < 2:
+        return True
+    stat = 0.0
+    for x, y in cells:
+        tot = x + y
+        ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    return stat < chi2_threshold(len(cells) - 1)

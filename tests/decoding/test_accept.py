@@ -2,10 +2,12 @@
 import pytest
 import torch
 
-from treedec.decoding.sampling import SamplingParams, target_probs
-from treedec.decoding.verify import accept_paths, acceptance_counts, node_choices, verify_greedy
+from treedec.decoding.sampling import RowStreams, SamplingParams, settle, target_probs
+from treedec.decoding.verify import accept_paths, acceptance_counts, node_choices, verify_greedy, verify_sampling
 from treedec.tree import Tree
 from treedec.tree.policies.base import ancestry
+
+from .stats import two_sample_fits
 
 
 def random_batch(B: int, T: int, V: int, gen: torch.Generator, distinct: bool = True) -> Tree:
@@ -68,6 +70,26 @@ def test_finished_rows_count_nothing():
     assert int(counts.sum()) == 0
 
 
+def vectorised(tree: Tree, logits: torch.Tensor, params: SamplingParams, D: int, seed: int, settled: bool = True):
+    """The decoder's rule on N rows: one draw per node, the walk, unsettled rows settled exactly and walked again."""
+    streams = RowStreams(torch.Generator().manual_seed(seed), tree.tokens.shape[0], "cpu")
+    draws = node_choices(logits, params, streams)
+    acc = accept_paths(tree, draws.token, D, draws.miss)
+    if settled and acc.unsettled is not None and bool(acc.unsettled.any()):
+        redo = acc.unsettled.nonzero().flatten().tolist()
+        acc = accept_paths(tree, settle(draws, params, streams, redo), D)
+    return acc
+
+
+def star(N: int, kids_tokens: torch.Tensor) -> Tree:
+    """N copies of a root with children carrying ``kids_tokens``."""
+    k = len(kids_tokens)
+    parents = torch.tensor([-1] + [0] * k).expand(N, k + 1)
+    tokens = torch.cat([torch.zeros(N, 1, dtype=torch.long), kids_tokens.expand(N, k)], 1)
+    return Tree(parents, torch.tensor([0] + [1] * k).expand(N, k + 1), torch.arange(-1, k).clamp(min=0).expand(N, k + 1),
+                tokens, anc=ancestry(parents, 1))
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_one_draw_per_node_has_the_sequential_rules_acceptance_statistics(seed):
     """For distinct (top-k) children, "draw x ~ p, move to the child carrying x" accepts child i with
@@ -78,13 +100,7 @@ def test_one_draw_per_node_has_the_sequential_rules_acceptance_statistics(seed):
     params = SamplingParams(0.9, top_p=0.95)
     p = target_probs(logits, params)
     kids_tokens = torch.randperm(V, generator=g)[:3]
-    # N independent copies of a root with three children (a star), one choice per node.
-    parents = torch.tensor([-1, 0, 0, 0]).expand(N, 4)
-    tokens = torch.cat([torch.zeros(N, 1, dtype=torch.long), kids_tokens.expand(N, 3)], 1)
-    tree = Tree(parents, torch.tensor([0, 1, 1, 1]).expand(N, 4), torch.tensor([0, 0, 1, 2]).expand(N, 4), tokens,
-                anc=ancestry(parents, 1))
-    choice = node_choices(logits.expand(N, 4, V), params, g)
-    acc = accept_paths(tree, choice, 1)
+    acc = vectorised(star(N, kids_tokens), logits.expand(N, 4, V), params, 1, seed)
     accepted = acc.n == 2
     for i, t in enumerate(kids_tokens.tolist()):
         rate = float(((acc.path[:, 1] == i + 1) & accepted).float().mean())
@@ -97,3 +113,48 @@ def test_one_draw_per_node_has_the_sequential_rules_acceptance_statistics(seed):
         freq = torch.bincount(bonus, minlength=V).float() / max(len(bonus), 1)
         assert torch.allclose(freq, rest, atol=0.02)
         assert not bool(torch.isin(bonus, kids_tokens).any())  # the bonus is never a child's token
+
+
+SEQ_CASES = {  # (seed, tree size, vocabulary, logit scale, params): deep paths, children of several ranks
+    "top_p": (0, 16, 4, 1.0, SamplingParams(0.9, top_p=0.9)),
+    "top_k_top_p_low": (1, 20, 5, 0.7, SamplingParams(1.3, top_k=4, top_p=0.6)),  # many misses: settled, walked again
+    "plain": (2, 12, 4, 1.5, SamplingParams(0.7)),
+}
+
+
+def sampled_outcomes(case: str, rule: str, n: int, wrong: str | None = None) -> list:
+    """(accepted length, emitted tokens) of n verifications of one random tree with random per-node logits."""
+    seed, T, V, scale, params = SEQ_CASES[case]
+    g = torch.Generator().manual_seed(seed)
+    tree, D = random_batch(1, T, V, g)
+    logits = torch.randn(T, V, generator=g) * scale
+    if rule == "sequential":
+        kids, toks = tree.children(0), tree.tokens[0].tolist()
+        rng = torch.Generator().manual_seed(100 + seed)
+        out = []
+        for _ in range(n):
+            v = verify_sampling(kids, toks, logits, params, generator=rng)
+            out.append((len(v.path), tuple(toks[c] for c in v.path[1:]) + (v.bonus,)))
+        return out
+    rows = Tree(tree.parents.expand(n, T), tree.depth.expand(n, T), tree.rank.expand(n, T), tree.tokens.expand(n, T),
+                anc=tree.ancestors()[0])
+    acc = vectorised(rows, logits.expand(n, T, V), params, D, 200 + seed, settled=wrong != "no_settle")
+    if wrong == "bonus":  # the bonus redrawn from all of p: ignores that the children were already rejected
+        last = acc.path.gather(1, (acc.n - 1)[:, None]).squeeze(1)
+        acc.emit.scatter_(1, (acc.n - 1)[:, None], torch.multinomial(target_probs(logits, params)[last], 1, generator=g))
+    return [(k, tuple(e[:k])) for k, e in zip(acc.n.tolist(), acc.emit.tolist())]
+
+
+@pytest.mark.parametrize("case", list(SEQ_CASES))
+def test_vectorised_rule_matches_the_sequential_rule(case):
+    """Same distribution of accepted lengths and of emitted token sequences as the accept/renormalise walk."""
+    seq, vec = sampled_outcomes(case, "sequential", 6000), sampled_outcomes(case, "vectorised", 12000)
+    assert two_sample_fits([k for k, _ in seq], [k for k, _ in vec])
+    assert two_sample_fits([t for _, t in seq], [t for _, t in vec])
+
+
+@pytest.mark.parametrize("case,wrong", [("top_p", "bonus"), ("top_k_top_p_low", "no_settle")])
+def test_a_wrong_vectorised_rule_fails_the_same_comparison(case, wrong):
+    """A bonus redrawn from all of p, or missed top-p draws left as their first candidate, must be detected."""
+    seq, bad = sampled_outcomes(case, "sequential", 6000), sampled_outcomes(case, "vectorised", 12000, wrong)
+    assert not two_sample_fits([t for _, t in seq], [t for _, t in bad])

@@ -1,8 +1,11 @@
-"""The sampling distribution: one definition (target_probs), and a sort-free sampler that draws from it."""
+"""The sampling distribution: one definition (target_probs), a sort-free batched draw from it, per-row streams."""
 import pytest
 import torch
 
-from treedec.decoding.sampling import SamplingParams, nucleus, sample_target, target_probs
+from treedec.decoding.sampling import (RowStreams, SamplingParams, draw, inverse_cdf, next_token, nucleus, settle,
+                                       target_probs)
+
+from .stats import as_dict, fits
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -17,13 +20,59 @@ def test_nucleus_is_the_smallest_most_likely_set_reaching_top_p(seed):
     assert nucleus(ties, 0.4).tolist() == [[True, True, True, False]]  # ties with the threshold stay together
 
 
-@pytest.mark.parametrize("params,draws", [(SamplingParams(1.0, top_p=0.6), 4), (SamplingParams(0.7, top_k=5, top_p=0.8), 4),
-                                          (SamplingParams(1.0, top_p=0.3), 1)])  # draws=1: many rows take the exact fallback
-def test_sort_free_sampler_draws_from_target_probs(params, draws):
+def batched_draws(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> tuple[torch.Tensor, float]:
+    """n draws from ``logits`` [V] as one row of n nodes (the decoder's shape) -> tokens, share of settled misses."""
+    streams = RowStreams(torch.Generator().manual_seed(seed), 1, "cpu")
+    d = draw(logits.expand(1, n, -1), params, streams.rand(n, params.candidates))
+    missed = 0.0 if d.miss is None else float(d.miss.float().mean())
+    return settle(d, params, streams, [0])[0], missed
+
+
+TIES = torch.tensor([2.0, 2.0, 2.0, 1.0, 1.0, 0.0, -1.0, -3.0, 0.5, 0.5, 1.5, -2.0])
+
+
+@pytest.mark.parametrize("name,logits,params", [
+    ("plain", None, SamplingParams(1.0, top_p=0.6)),
+    ("top_k_and_top_p", None, SamplingParams(0.7, top_k=5, top_p=0.8)),
+    ("low_top_p_many_misses", None, SamplingParams(1.0, top_p=0.3)),  # (1 - mass)^2 ~ 0.5: settle does half the work
+    ("tiny_top_p", None, SamplingParams(1.3, top_p=1e-4)),  # the nucleus is the argmax alone
+    ("ties_cut_by_top_p", TIES, SamplingParams(1.0, top_p=0.35)),  # the threshold falls inside a run of equal logits
+    ("ties_tiny_top_p", TIES, SamplingParams(0.5, top_p=1e-6)),  # tied maxima: all three stay
+    ("ties_top_k_inside_a_run", TIES, SamplingParams(1.0, top_k=4, top_p=0.9)),
+    ("no_top_p", None, SamplingParams(0.9, top_k=6)),
+])
+def test_sort_free_draws_follow_target_probs_exactly(name, logits, params):
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(12, generator=g) * 1.5
-    n = 200_000
-    got = torch.bincount(sample_target(logits.expand(n, 12), params, g, draws=draws), minlength=12).float() / n
+    logits = torch.randn(12, generator=g) * 1.5 if logits is None else logits
     want = target_probs(logits, params)
-    assert torch.allclose(got, want, atol=4e-3)
-    assert float(got[want == 0].sum()) == 0.0  # never a token outside top-k / the nucleus
+    got, missed = batched_draws(logits, params, 100_000)
+    assert fits(got.tolist(), as_dict(want))
+    assert bool((want[got] > 0).all())  # never a token outside top-k / the nucleus
+    if name == "low_top_p_many_misses":
+        assert missed > 0.1  # the exact settle path really ran
+
+
+def test_inverse_cdf_never_picks_a_zero_probability_token():
+    probs = torch.tensor([[0.2, 0.0, 0.8, 0.0, 0.0]])
+    u = torch.tensor([[0.0, 0.2, 0.5, 1 - 2 ** -24, 1.0]])  # 1.0: a generator that returned its upper bound
+    assert inverse_cdf(probs, u).tolist() == [[0, 2, 2, 2, 2]]
+
+
+def test_row_streams_are_independent_of_the_batch():
+    """Row b's stream depends on the caller's generator state and b only; rows never share numbers."""
+    one = RowStreams(torch.Generator().manual_seed(5), 1, "cpu")
+    four = RowStreams(torch.Generator().manual_seed(5), 4, "cpu")
+    a, b = one.rand(3, 2), four.rand(3, 2)
+    assert torch.equal(a[0], b[0])
+    assert len({tuple(r.flatten().tolist()) for r in b}) == 4
+    four.row(2, 7)  # a row that draws more (a settled miss) shifts no other row
+    one.row(0, 0)
+    assert torch.equal(one.rand(5)[0], four.rand(5)[0])
+    g = torch.Generator().manual_seed(5)
+    first, second = RowStreams(g, 1, "cpu").rand(4), RowStreams(g, 1, "cpu").rand(4)
+    assert not torch.equal(first, second)  # a generator used twice gives new streams
+
+
+def test_greedy_needs_no_stream():
+    logits = torch.randn(3, 9)
+    assert torch.equal(next_token(logits, SamplingParams()), logits.argmax(-1))

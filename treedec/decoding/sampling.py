@@ -1,15 +1,24 @@
 """The target's sampling distribution, shared by vanilla decoding and verification.
 
 Lossless speculative sampling means "the same distribution vanilla sampling draws from",
-so temperature, top-k and top-p are defined once, here, and both paths call it.
+so temperature, top-k and top-p are defined once, here (:func:`target_probs`), and both paths
+draw through :func:`draw` (then :func:`read_settled` / :func:`settle` for the rare rows whose
+top-p candidates all missed the nucleus).
+
+Randomness comes from :class:`RowStreams`: one generator per batch row, split off the
+caller's generator once per ``generate``, so a row's draws never depend on the other rows.
 """
 from __future__ import annotations
 
 import math
 import numbers
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
+
+CANDIDATES = 2  # top-p candidates per draw: all miss with probability <= (1 - top_p)^2 (2 were as fast as 4)
+_MASK63 = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def candidates(self) -> int:
+        """Uniforms a draw takes: one without top-p, :data:`CANDIDATES` with it (greedy: none)."""
+        return 0 if self.greedy else 1 if self.top_p >= 1.0 else CANDIDATES
+
 
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     """The greedy token over the last dim (first index among equal maxima).
@@ -46,8 +60,47 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(-1).indices
 
 
+# ------------------------------------------------------------------------------ random streams
+def _mix(x: int) -> int:
+    """SplitMix64's finaliser: nearby inputs (base seed + row) -> unrelated 63-bit seeds."""
+    x &= (1 << 64) - 1
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (x ^ (x >> 31)) & _MASK63
+
+
+class RowStreams:
+    """One random stream per batch row, on ``device``.
+
+    The caller's ``generator`` (None: torch's global one) gives one base seed per ``generate``;
+    row b's generator is seeded with a hash of (base, b). So a seeded run is reproducible, rows
+    never share random numbers, and row b's draws depend on nothing but (base, b) and row b's
+    own steps: not on the batch size or on what the other rows do (their misses, their
+    finishing). Every draw a step makes for row b comes from ``generators[b]``.
+    """
+
+    def __init__(self, generator: torch.Generator | None, batch: int, device):
+        dev = generator.device if generator is not None else "cpu"
+        base = int(torch.randint(_MASK63, (), generator=generator, device=dev))
+        self.device = torch.device(device)
+        self.generators = [torch.Generator(self.device).manual_seed(_mix(base + 0x9E3779B97F4A7C15 * (b + 1)))
+                           for b in range(batch)]
+
+    @property
+    def batch(self) -> int:
+        return len(self.generators)
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        """[B, *shape] uniforms in [0, 1), row b from row b's stream."""
+        return torch.stack([self.row(b, *shape) for b in range(self.batch)])
+
+    def row(self, b: int, *shape: int) -> torch.Tensor:
+        return torch.rand(shape, generator=self.generators[b], device=self.device)
+
+
+# ------------------------------------------------------------------------------ the distribution
 def _filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """fp32 probabilities after temperature and top-k (top-p not yet applied)."""
+    """fp32 probabilities after temperature and top-k (top-p not yet applied): one fp32 softmax."""
     logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
@@ -72,52 +125,108 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         return torch.nn.functional.one_hot(greedy_pick(logits), logits.shape[-1]).float()
     probs = _filtered(logits, params)
     if params.top_p < 1.0:
-        probs = probs * nucleus(probs, params.top_p)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = _renormalised_nucleus(probs, params.top_p)
     return probs
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None, draws: int | None = None) -> torch.Tensor:
-    """One draw per row of ``probs`` [..., V] -> LongTensor [...]; ``draws=n``: n draws each, [..., n].
+def _renormalised_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    probs = probs * nucleus(probs, top_p)
+    return probs / probs.sum(-1, keepdim=True)
 
-    Inverse-CDF sampling: a uniform per draw against the running sum of ``probs`` picks token i
-    with probability p_i exactly (zero-probability tokens never), batched over every leading
-    dimension, with no host synchronisation and one random number per draw.
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Tokens [..., n] for uniforms ``u`` [..., n] in [0, 1) against ``probs`` [..., V] (any positive scale).
+
+    Token i is picked with probability p_i exactly and a zero-probability token never: should
+    ``u * total`` round up to the total, the last positive token is taken, not the last index.
     """
     cdf = probs.float().cumsum(-1)
-    u = torch.rand(cdf.shape[:-1] + (draws or 1,), generator=generator, device=cdf.device) * cdf[..., -1:]
-    idx = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[-1] - 1)
+    total = cdf[..., -1:].contiguous()
+    idx = torch.searchsorted(cdf, u * total, right=True)
+    return torch.minimum(idx, torch.searchsorted(cdf, total))  # first index reaching the total: the last positive
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None, draws: int | None = None) -> torch.Tensor:
+    """One draw per row of ``probs`` [..., V] -> LongTensor [...]; ``draws=n``: n draws each, [..., n]."""
+    u = torch.rand(probs.shape[:-1] + (draws or 1,), generator=generator, device=probs.device)
+    idx = inverse_cdf(probs, u)
     return idx.squeeze(-1) if draws is None else idx
 
 
-def sample_target(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-                  draws: int = 2) -> torch.Tensor:
-    """One draw per row from :func:`target_probs` (temperature, top-k, top-p), without a vocabulary sort.
+# ------------------------------------------------------------------------------------ the draws
+@dataclass
+class Draws:
+    """One draw per row of a batch of logits, as :func:`draw` leaves it.
 
-    Top-p by rejection: ``draws`` candidates from the untruncated distribution; the first inside
-    the nucleus (tested with one pass: mass strictly above it < top_p) is the draw, which is then
-    distributed exactly as the nucleus-renormalised p. Each candidate is accepted with probability
-    mass(nucleus) >= top_p, so all fail with probability <= (1 - top_p)^draws; those rows (one
-    host read says whether there are any) draw from the exact :func:`target_probs`.
+    ``miss`` marks the rows (rare: all top-p candidates fell outside the nucleus) whose ``token``
+    is a placeholder until :func:`settle` draws them exactly; None when no row can miss.
+    """
+
+    token: torch.Tensor  # [B, ...] long
+    miss: torch.Tensor | None = None  # [B, ...] bool
+    probs: torch.Tensor | None = None  # [B, ..., V] the tempered, top-k'd distribution (for settle)
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None = None) -> Draws:
+    """A draw from :func:`target_probs` for every row of ``logits`` [B, ..., V], batched, no host reads.
+
+    ``u`` [B, ..., params.candidates] uniforms (from :class:`RowStreams`). Top-p is applied without
+    a vocabulary sort, by rejection: the candidates come from the tempered, top-k'd p by inverse
+    CDF; the first inside the nucleus (mass strictly above it < top_p, one compare-and-sum over V)
+    is the draw, which is then distributed exactly as the nucleus-renormalised p. Each candidate is
+    inside with probability mass(nucleus) >= top_p, so all miss with probability
+    <= (1 - top_p)^candidates; such rows are marked in ``miss`` for :func:`settle`.
     """
     if params.greedy:
-        return greedy_pick(logits)
+        return Draws(greedy_pick(logits))
     probs = _filtered(logits, params)
+    cand = inverse_cdf(probs, u)  # [B, ..., C]
     if params.top_p >= 1.0:
-        return sample(probs, generator)
-    cand = sample(probs, generator, draws)  # [..., draws]
+        return Draws(cand.squeeze(-1))
     p_c = probs.gather(-1, cand)
-    above = (probs.unsqueeze(-2) > p_c.unsqueeze(-1)).float() @ probs.unsqueeze(-1)  # [..., draws, 1]
-    inside = above.squeeze(-1) < params.top_p
-    first = inside.float().argmax(-1, keepdim=True)
-    out = cand.gather(-1, first).squeeze(-1)
-    miss = ~inside.any(-1)
-    if bool(miss.any()):  # rare: (1 - top_p)^draws per row
-        exact = probs[miss] * nucleus(probs[miss], params.top_p)
-        out[miss] = sample(exact / exact.sum(-1, keepdim=True), generator)
-    return out
+    rows = probs.unsqueeze(-2)  # [B, ..., 1, V]
+    above = (rows > p_c.unsqueeze(-1)).to(probs.dtype).mul_(rows).sum(-1)  # mass strictly above each candidate
+    inside = above < params.top_p
+    first = inside.to(torch.uint8).argmax(-1, keepdim=True)  # the first inside (0 when none is)
+    return Draws(cand.gather(-1, first).squeeze(-1), ~inside.any(-1), probs)
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """The token vanilla decoding emits after ``logits`` [..., V] (the draw verification makes too)."""
-    return sample_target(logits, params, generator)
+def settle(d: Draws, params: SamplingParams, streams: RowStreams, rows: Sequence[int]) -> torch.Tensor:
+    """``d.token`` with the missed entries of ``rows`` drawn exactly from the renormalised nucleus.
+
+    The rare path (host reads, a sort per missed entry); each row draws from its own stream, so a
+    row's randomness does not depend on whether another row missed.
+    """
+    token = d.token.clone()
+    if d.miss is None:
+        return token
+    B, V = token.shape[0], d.probs.shape[-1]
+    flat, miss, probs = token.view(B, -1), d.miss.reshape(B, -1), d.probs.reshape(B, -1, V)
+    for b in rows:
+        idx = miss[b].nonzero().flatten()
+        if len(idx):
+            exact = _renormalised_nucleus(probs[b, idx], params.top_p)
+            flat[b, idx] = inverse_cdf(exact, streams.row(b, len(idx), 1)).squeeze(-1)
+    return token
+
+
+def draw_from(logits: torch.Tensor, params: SamplingParams, streams: RowStreams | None) -> Draws:
+    """:func:`draw` with one set of uniforms per row of ``logits`` [B, ..., V] from ``streams``."""
+    u = None if params.greedy else streams.rand(*logits.shape[1:-1], params.candidates)
+    return draw(logits, params, u)
+
+
+def read_settled(d: Draws, active: Sequence[bool]) -> tuple[list[int], list[int]]:
+    """One token per row (``d.token`` [B]) on the host in one read, with the ``active`` rows that missed."""
+    if d.miss is None:
+        return d.token.tolist(), []
+    packed = torch.stack([d.token, d.miss.long()], 1).tolist()
+    return [r[0] for r in packed], [b for b, r in enumerate(packed) if r[1] and active[b]]
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, streams: RowStreams | None = None) -> torch.Tensor:
+    """The token vanilla decoding emits after ``logits`` [B, V] (the draw verification makes at a node)."""
+    d = draw_from(logits, params, streams)
+    if d.miss is not None and bool(d.miss.any()):
+        return settle(d, params, streams, d.miss.nonzero().flatten().tolist())
+    return d.token

@@ -18,7 +18,7 @@ import torch
 
 from treedec.decoding.drafter import Drafter
 from treedec.decoding.loop import Decoder, DecodeStats, StepInfo, Timer, normalize_eos, pad_prompts, static_room
-from treedec.decoding.sampling import SamplingParams, next_token
+from treedec.decoding.sampling import RowStreams, SamplingParams, next_token, settle
 from treedec.decoding.verify import Acceptance, accept_paths, acceptance_counts, emitted, node_choices, verify_sampling
 from treedec.models.draft import DraftHead
 from treedec.models.llama import Transformer
@@ -61,7 +61,8 @@ class SpeculativeDecoder(Decoder):
         # Prefill the target; its next token is the first root. Then prefill the draft on (f_t, x_{t+1}).
         pre = tgt(ids, self.cache, logits=(lens - 1)[:, None])
         self.cache.rollback(lens_host)
-        root = next_token(pre.logits[:, 0], self.sampling, generator)
+        self._streams = None if self.sampling.greedy else RowStreams(generator, B, dev)  # the target's draws, per row
+        root = next_token(pre.logits[:, 0], self.sampling, self._streams)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, (lens - 1)[:, None], root[:, None])
         self.drafter.catch_up(nxt, pre.hidden, lens, lens_host, root)
         self._active_t, self._active = None, None
@@ -92,13 +93,8 @@ class SpeculativeDecoder(Decoder):
         else:
             res = tgt(tree.tokens, cache, position_ids=pos, tree_mask=tree.ancestors())
         timer.lap("verify")
-        if tree.draft_probs is None:
-            acc = accept_paths(tree, node_choices(res.logits, self.sampling, generator), depth_cap)
-        else:
-            acc = self._accept_sampled_drafts(tree, res.logits, generator, depth_cap)
-        n = torch.where(self._active_t, acc.n, 0)  # finished rows commit nothing: their caches stay frozen
+        acc, n, packed = self._accept(tree, res.logits, depth_cap)
         self._counts += acceptance_counts(tree, acc, self._active_t, self._counts.shape[1])
-        packed = torch.cat([n[:, None], acc.emit], 1).tolist()  # the one host read of the step
         timer.lap("accept")
         n_host = [r[0] for r in packed]
         cache.commit(acc.path, n, n_host)
@@ -111,7 +107,25 @@ class SpeculativeDecoder(Decoder):
                         tree, acc.path, res.logits)
         return info, tree.size
 
-    def _accept_sampled_drafts(self, tree: Tree, logits: torch.Tensor, generator, depth_cap: int) -> Acceptance:
+    def _accept(self, tree: Tree, logits: torch.Tensor, depth_cap: int) -> tuple[Acceptance, torch.Tensor, list]:
+        """The acceptance rule and the step's one host read -> (acceptance, n [B], [n, emitted...] per row)."""
+        if tree.draft_probs is not None:
+            draws, acc = None, self._accept_sampled_drafts(tree, logits, depth_cap)
+        else:
+            draws = node_choices(logits, self.sampling, self._streams)
+            acc = accept_paths(tree, draws.token, depth_cap, draws.miss)
+        while True:
+            n = torch.where(self._active_t, acc.n, 0)  # finished rows commit nothing: their caches stay frozen
+            flag = [] if acc.unsettled is None else [acc.unsettled[:, None].long()]
+            packed = torch.cat([n[:, None], acc.emit, *flag], 1).tolist()  # the one host read of the step
+            redo = [b for b, r in enumerate(packed) if flag and r[-1] and self._active[b]]
+            if not redo:
+                return acc, n, packed
+            # Rare: a path reached a node none of whose top-p candidates was in the nucleus. Draw that
+            # row's missed nodes exactly and walk again: the other rows' paths and streams are unchanged.
+            acc = accept_paths(tree, settle(draws, self.sampling, self._streams, redo), depth_cap)
+
+    def _accept_sampled_drafts(self, tree: Tree, logits: torch.Tensor, depth_cap: int) -> Acceptance:
         """SpecInfer verification of children drawn i.i.d. from q: a per-row walk (the slow, rarer path)."""
         B, T = tree.tokens.shape
         dev = logits.device
@@ -119,7 +133,8 @@ class SpeculativeDecoder(Decoder):
         path = torch.zeros(B, depth_cap + 1, dtype=torch.long)
         n, bonus = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
         for b in range(B):
-            v = verify_sampling(tree.children(b), tokens[b], logits[b], self.sampling, tree.draft_probs[b], generator)
+            v = verify_sampling(tree.children(b), tokens[b], logits[b], self.sampling, tree.draft_probs[b],
+                                self._streams.generators[b])
             path[b, : len(v.path)] = torch.tensor(v.path)
             n[b], bonus[b] = len(v.path), v.bonus
         path, n, bonus = path.to(dev), n.to(dev), bonus.to(dev)

@@ -17,7 +17,7 @@ import torch
 
 from treedec.decoding.loop import (Decoder, GenerateResult, StepInfo, Timer, check_context, normalize_eos,
                                    normalize_prompts, pad_prompts, static_room)
-from treedec.decoding.sampling import SamplingParams, next_token
+from treedec.decoding.sampling import RowStreams, SamplingParams, draw_from, next_token, read_settled, settle
 from treedec.models.cache import KVCache
 
 GREEDY = SamplingParams()
@@ -50,7 +50,8 @@ class VanillaDecoder(Decoder):
         lens_host = [len(r) for r in rows]
         logits = tgt(ids, cache, logits=(lens - 1)[:, None]).logits[:, 0]
         cache.rollback(lens_host)
-        self._tok = next_token(logits, self.sampling, generator)
+        self._streams = None if self.sampling.greedy else RowStreams(generator, B, tgt.device)  # one per row
+        self._tok = next_token(logits, self.sampling, self._streams)
         self._index = 0
         if self.compile and self._fwd is None:
             from treedec.models.compile import compile_forward
@@ -66,8 +67,12 @@ class VanillaDecoder(Decoder):
             logits = self.target(self._tok[:, None], cache, logits="last").logits[:, -1]
         cache.advance(1)
         timer.lap("verify")
-        self._tok = next_token(logits, self.sampling, generator)
-        toks = self._tok.tolist()  # the one host read per step
+        d = draw_from(logits, self.sampling, self._streams)  # next_token's draw, its rare top-p misses read with it
+        toks, redo = read_settled(d, active)  # the one host read per step
+        self._tok = d.token
+        if redo:  # rare: every top-p candidate of a row missed the nucleus; draw it exactly
+            self._tok = settle(d, self.sampling, self._streams, redo)
+            toks = self._tok.tolist()
         timer.lap("accept")
         self._index += 1
         return StepInfo(self._index, active, [[t] if a else [] for t, a in zip(toks, active)],

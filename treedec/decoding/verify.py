@@ -4,7 +4,9 @@ The hot path is :func:`accept_paths`, on the device and for the whole batch at o
 node gets one *choice* (the target's argmax when greedy; one draw from the target's processed
 distribution p when sampling, :func:`node_choices`), and the accepted path is the deepest
 chain of nodes each of which carries its parent's choice. The bonus token is the choice at the
-path's last node.
+path's last node. The path depends on the choices along it only, so a node whose top-p draw
+missed (``Draws.miss``, rare) matters only when the path reaches it (``Acceptance.unsettled``):
+the decoder then settles that row's missed nodes exactly and walks again.
 
 For sampling this is the sequential rule for deterministic drafts (children are distinct
 tokens: top-k) in another form: "accept child c with probability p(c), else zero p(c) and
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treedec.decoding.sampling import SamplingParams, next_token, sample, target_probs
+from treedec.decoding.sampling import Draws, RowStreams, SamplingParams, draw_from, sample, target_probs
 
 
 @dataclass
@@ -35,18 +37,24 @@ class Acceptance:
     bonus: torch.Tensor  # [B] the target's own token after the path
     emit: torch.Tensor  # [B, D+1] tokens the step produces: path tokens after the root, then the bonus at n-1
     on_path: torch.Tensor  # [B, T] bool
+    unsettled: torch.Tensor | None = None  # [B] bool: the path reached a node whose draw missed (see Draws)
 
 
-def node_choices(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """The target's pick at every node [B, T]: argmax (greedy) or one draw from p (sampling)."""
-    return next_token(logits, params, generator)
+def node_choices(logits: torch.Tensor, params: SamplingParams, streams: RowStreams | None = None) -> Draws:
+    """The target's pick at every node [B, T]: argmax (greedy) or one draw from p (sampling), batched.
+
+    Each node draws from the same :func:`~treedec.decoding.sampling.draw` as vanilla decoding,
+    row b's uniforms from row b's stream.
+    """
+    return draw_from(logits, params, streams)
 
 
-def accept_paths(tree, choice: torch.Tensor, max_depth: int) -> Acceptance:
+def accept_paths(tree, choice: torch.Tensor, max_depth: int, miss: torch.Tensor | None = None) -> Acceptance:
     """Deepest path whose every node carries its parent's choice, batched, with no host reads.
 
     ``tree`` has [B, T] ``parents``/``depth``/``tokens`` and its ancestry (``tree.ancestors()``);
     siblings must be distinct tokens (top-k drafts), so at most one child of a node matches.
+    ``miss`` [B, T]: nodes whose choice is a placeholder; rows whose path meets one are ``unsettled``.
     """
     parents, depth, tokens = tree.parents, tree.depth, tree.tokens
     B, T = tokens.shape
@@ -66,7 +74,8 @@ def accept_paths(tree, choice: torch.Tensor, max_depth: int) -> Acceptance:
     path.scatter_(1, slot, torch.arange(T, device=tokens.device).expand(B, T))
     path = path[:, : max_depth + 1]
     bonus = choice[rows, best]
-    return Acceptance(path, n, bonus, emitted(tokens, path, n, bonus), on_path)
+    unsettled = None if miss is None else (on_path & miss).any(-1)
+    return Acceptance(path, n, bonus, emitted(tokens, path, n, bonus), on_path, unsettled)
 
 
 def emitted(tokens: torch.Tensor, path: torch.Tensor, n: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
