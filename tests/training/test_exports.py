@@ -54,6 +54,7 @@ def test_readme_commands_export_into_the_run_dir_and_leave_the_assets_alone(corp
 
 
 def test_export_dir_bundled_replaces_the_asset_atomically(corpus, tokenizer, tmp_path, monkeypatch):
+    import treedec.models.checkpoint as ckpt
     import treedec.models.paths as paths
     from treedec.models import load_model
     from treedec.pretrain import run as pretrain
