@@ -1,8 +1,8 @@
-"""Train an EAGLE draft head: ``python -m treedec.train [hydra overrides]``.
+"""Train an EAGLE draft head: ``python -m treedec.train [hydra overrides]`` (``draft=eagle3``: an EAGLE-3 head).
 
 The target is loaded frozen (``target=tiny-code`` or a local HF directory); the head trains on
 token windows of ``data`` (or, with ``data=jsonl`` on chat data, on the assistant turns of each
-conversation) with the EAGLE loss, checkpoints ``last.ckpt`` into the run dir and
+conversation) with the EAGLE loss (EAGLE-3: its training-time test), checkpoints ``last.ckpt`` into the run dir and
 resumes from it when re-run with the same ``hydra.run.dir``; a callback runs the real
 speculative loop on held-out prompts and logs τ. The head is exported to ``export_dir`` (default
 ``<run dir>/export``; ``export_dir=bundled`` replaces the shipped ``tiny-code-eagle``, atomically)
@@ -30,22 +30,25 @@ log = logging.getLogger(__name__)
 
 def run(cfg: DictConfig) -> dict:
     """Train (or resume, or, when the run dir holds a finished job, report) and return ``metrics.json``."""
-    from treedec.training.callbacks import run_job
+    from treedec.training.trainer import run_job
 
     return run_job(cfg, "train", _train)
 
 
 def _train(cfg: DictConfig, run_dir: Path) -> dict:
+    from treedec.data.datasets import frequent_tokens
+    from treedec.data.prompts import heldout_prompts
     from treedec.models.checkpoint import resolve_dtype, resolve_path
     from treedec.models.draft import DraftHead
+    from treedec.models.paths import bundled_dir, export_path
     from treedec.models.tokenizer import load_tokenizer
-    from treedec.training.callbacks import (atomic_dir, build_trainer, bundled_dir, export_path, seconds,
-                                            stop_reason, time_budget, use_hint, write_json)
-    from treedec.training.data import frequent_tokens, heldout_prompts
     from treedec.training.draft import DraftModule, SpeculativeEvalCallback
+    from treedec.training.schedule import seconds, time_budget
+    from treedec.training.trainer import atomic_dir, build_trainer, stop_reason, use_hint, write_json
 
     t0 = time.time()
-    export = export_path(cfg.export_dir, bundled_dir("tiny-code-eagle"))
+    kind = (cfg.draft or {}).get("kind", "eagle")
+    export = export_path(cfg.export_dir, bundled_dir(BUNDLED_HEAD[kind]))
     target_dir = resolve_path(cfg.target)
     tok_path = cfg.paths.tokenizer or str(target_dir / "tokenizer.json")
     if not Path(tok_path).is_file():
@@ -57,9 +60,15 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     dm.setup("fit")
 
     optim = time_budget(OmegaConf.to_container(cfg.optim, resolve=True), cfg.trainer)
-    module = DraftModule(str(target_dir), draft=OmegaConf.to_container(cfg.draft, resolve=True),
+    draft = OmegaConf.to_container(cfg.draft, resolve=True) or {}
+    k3 = draft_vocab_size(cfg) if kind == "eagle3" else 0
+    if k3:
+        draft["draft_vocab_size"] = k3
+    module = DraftModule(str(target_dir), draft=draft,
                          max_steps=int(cfg.trainer.max_steps), target_dtype=cfg.target_dtype, seed=int(cfg.seed),
                          init_from=cfg.init_from, **optim)
+    if k3:  # EAGLE-3's LM head is over the draft vocabulary from the start (EAGLE-1/2: restricted at export)
+        module.set_draft_vocab(frequent_tokens(dm.train_set, k3, module.head.config.vocab_size))
     log.info("draft head: %.2fM trainable parameters", sum(p.numel() for p in module.head.parameters()) / 1e6)
 
     tok = load_tokenizer(str(target_dir))
@@ -84,7 +93,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
         head = DraftHead(module.head.config).bind(module.target).to(resolve_dtype(cfg.export_dtype))
         head.load_state_dict(module.head.state_dict())
         head.config.target = str(cfg.target)
-        if int(cfg.draft_vocab_size):
+        if int(cfg.draft_vocab_size) and kind == "eagle":
             head.restrict_vocab(frequent_tokens(dm.train_set, int(cfg.draft_vocab_size), head.config.vocab_size))
         atomic_dir(export, head.save)
         log.info("exported the draft head to %s; use it: %s", export, use_hint("draft", export, str(cfg.target)))
@@ -100,6 +109,18 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     write_json(run_dir / "metrics.json", metrics)
     log.info("metrics: %s", json.dumps(metrics))
     return metrics
+
+
+BUNDLED_HEAD = {"eagle": "tiny-code-eagle", "eagle3": "tiny-code-eagle3"}  # what export_dir=bundled replaces
+
+
+def draft_vocab_size(cfg: DictConfig) -> int:
+    """An EAGLE-3 head's K: ``draft.draft_vocab_size`` (conf/draft/eagle3.yaml), else the top-level
+    ``draft_vocab_size``; both set and different is an error (one head has one vocabulary)."""
+    own, top = int((cfg.draft or {}).get("draft_vocab_size") or 0), int(cfg.draft_vocab_size or 0)
+    if own and top and own != top:
+        raise ValueError(f"draft.draft_vocab_size={own} and draft_vocab_size={top} differ: set one")
+    return own or top
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

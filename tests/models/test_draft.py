@@ -65,10 +65,21 @@ def test_a_head_of_another_dtype_than_its_target_drafts(head_dtype, target_dtype
     assert feat.dtype == head_dtype and head.logits(feat).dtype == target_dtype
 
 
-def test_feature_layers_must_exist_in_the_target():
+def test_feature_layers_must_fit_the_head_kind_and_the_target():
     head = DraftHead(DraftConfig.for_target(small_target().config, feature_layers=[5]))
-    with pytest.raises(ValueError, match="feature layers.*2 layers"):
+    with pytest.raises(ValueError, match=r"EAGLE-1/2 draft head reads the final hidden state.*\[5\].*eagle3"):
         head.bind(small_target())
+    head = DraftHead(DraftConfig.for_target(small_target().config, kind="eagle3", feature_layers=[0, 1, 5]))
+    with pytest.raises(ValueError, match=r"target layers \[0, 1, 5\], but the target has 2 layers"):
+        head.bind(small_target())
+
+
+def test_feature_layers_default_per_kind():
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=12,
+                      num_attention_heads=4, num_key_value_heads=2)
+    assert DraftConfig.for_target(cfg).feature_layers == [-1]
+    assert DraftConfig.for_target(cfg, kind="eagle3").feature_layers == [2, 6, 9]
+    assert DraftConfig.for_target(cfg, kind="eagle3", feature_layers=None).feature_layers == [2, 6, 9]
 
 
 def test_mismatched_target_is_a_clear_error():

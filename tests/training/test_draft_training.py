@@ -1,4 +1,4 @@
-"""EAGLE draft-head training: loss falls, τ is measured, the head exports and resumes, target stays out."""
+"""EAGLE / EAGLE-3 draft-head training: loss falls, τ is measured, the head exports and resumes, target stays out."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ from treedec.models.config import LlamaConfig
 from treedec.models.llama import Transformer
 from treedec.tree.shapes import SHAPE_DIR
 
-from .test_pretrain import TINY_ARCH, corpus, tokenizer  # noqa: F401  (fixtures)
+from tests.helpers import TINY_ARCH
 
 CONF = str(SHAPE_DIR.parents[1])
 
@@ -101,3 +101,45 @@ def test_draft_loss_decreases(target_dir):
         first = first if first is not None else float(out["loss"])
     assert float(out["loss"]) < 0.5 * first
     assert all(p.grad is None for p in module.target.parameters())  # the target stays frozen
+
+
+def test_eagle3_training_time_test_loss_decreases(target_dir):
+    from treedec.training.draft import DraftModule
+
+    torch.manual_seed(0)
+    module = DraftModule(str(target_dir), draft={"kind": "eagle3", "draft_vocab_size": 64}, target_dtype="float32",
+                         feature_noise=0.0)
+    module.set_draft_vocab(torch.randperm(TINY_ARCH["vocab_size"])[:64])
+    assert torch.equal(module.head.lm_head.weight, module.target.lm_head.weight[module.head.vocab_ids])  # its start
+    opt = torch.optim.AdamW(module.head.parameters(), lr=3e-3)
+    ids = torch.randint(0, TINY_ARCH["vocab_size"], (4, 33))
+    hist = []
+    for _ in range(40):
+        out = module.losses(ids, 0.0)
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+        hist.append({k: float(v) for k, v in out.items()})
+    first, last = hist[0], hist[-1]
+    assert first["loss"] == pytest.approx(first["ce"] + 0.8 * first["ce_1"] + 0.64 * first["ce_2"], rel=1e-5)
+    for i in ("", "_1", "_2"):  # every unrolled step learns
+        assert last[f"ce{i}"] < first[f"ce{i}"] - 0.2 and last[f"top1_acc{i}"] > first[f"top1_acc{i}"]
+    assert "feat_loss" not in last and all(p.grad is None for p in module.target.parameters())
+    with pytest.raises(ValueError, match="unrolls EAGLE-3 heads only"):
+        DraftModule(str(target_dir), target_dtype="float32", unroll=3)
+
+
+@pytest.mark.slow
+def test_eagle3_train_resume_and_export(target_dir, corpus, tmp_path):  # noqa: F811
+    from treedec.models.draft import DraftHead
+    from treedec.models.eagle3 import Eagle3Head
+    from treedec.train import run
+
+    extra = ("draft=eagle3", "draft.draft_vocab_size=48", "optim.unroll=2", "eval.every_n_steps=0")
+    m = run(train_cfg(target_dir, corpus, tmp_path, 6, *extra))
+    assert m["steps"] == 6 and "val/ce_1" in m["val"] and "val/ce_2" not in m["val"]
+    m2 = run(train_cfg(target_dir, corpus, tmp_path, 10, *extra))  # resumed from last.ckpt
+    assert m2["resumed_from"] and m2["steps"] == 10
+    head = DraftHead.load(tmp_path / "draft")
+    assert isinstance(head, Eagle3Head) and head.config.feature_layers == [1, 1, 0]
+    assert head.lm_head.out_features == 48 and head.vocab_ids.unique().numel() == 48

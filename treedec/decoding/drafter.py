@@ -1,7 +1,8 @@
 """Runs the draft head over the verified prefix and over a growing draft tree.
 
 The draft cache holds one entry per verified position t: the pair (target feature f_t,
-token x_{t+1}). The "root" of the next tree is the newest verified token; the draft output
+token x_{t+1}), the feature in the head's input space (``head.project``: EAGLE-3 fuses its
+three layer inputs there; inside a tree every head reads its own outputs). The "root" of the next tree is the newest verified token; the draft output
 at the last committed position gives the root's children (``root_logits``) and the feature
 they read (``root_feat``). While a tree is drafted, its nodes are written after the
 committed prefix and hidden from one another except along ancestry; committing a step
@@ -45,12 +46,12 @@ class Drafter:
                  n_host: Sequence[int], root_tokens: torch.Tensor) -> None:
         """Append pairs (features[:, i], tokens[:, i]) for i < n_valid[b] and set the next root.
 
-        ``tokens`` are one step ahead of ``features``; its last valid entry per row is the new
+        ``features`` are the target's (``head.features`` of its forward); ``tokens`` are one step ahead of them; its last valid entry per row is the new
         root. ``n_host`` is ``n_valid`` as a host list (the caller already read it).
         """
         L = self.cache.lengths
         pos = L[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
-        feat = self.head(tokens, features, self.cache, pos)
+        feat = self.head(tokens, self.head.project(features), self.cache, pos)
         last = (n_valid - 1).clamp(min=0)
         rows = torch.arange(self.batch, device=tokens.device)
         self.root_feat = feat[rows, last]

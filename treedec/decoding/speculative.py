@@ -59,12 +59,12 @@ class SpeculativeDecoder(Decoder):
         self._counts = torch.zeros(4, max(pol.max_depth, pol.max_rank) + 2, dtype=torch.long, device=dev)
         lens_host = [len(r) for r in rows]
         # Prefill the target; its next token is the first root. Then prefill the draft on (f_t, x_{t+1}).
-        pre = tgt(ids, self.cache, logits=(lens - 1)[:, None])
+        pre = tgt(ids, self.cache, logits=(lens - 1)[:, None], layer_inputs=self.draft.feature_layers_needed)
         self.cache.rollback(lens_host)
         self._streams = None if self.sampling.greedy else RowStreams(generator, B, dev)  # the target's draws, per row
         root = next_token(pre.logits[:, 0], self.sampling, self._streams)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, (lens - 1)[:, None], root[:, None])
-        self.drafter.catch_up(nxt, pre.hidden, lens, lens_host, root)
+        self.drafter.catch_up(nxt, self.draft.features(pre), lens, lens_host, root)
         self._active_t, self._active = None, None
         self._index = 0
         return root.tolist()
@@ -89,16 +89,18 @@ class SpeculativeDecoder(Decoder):
         # Finished rows may sit past the context: clamp their (ignored) positions.
         pos = (cache.lengths[:, None] + tree.depth).clamp(max=ctx - 1)
         if self._verify is not None and fits:
-            res = self._verify(tree.tokens, cache, pos, tree.ancestors(), "all")
+            res = self._verify(tree.tokens, cache, pos, tree.ancestors(), "all", self.draft.feature_layers_needed)
         else:
-            res = tgt(tree.tokens, cache, position_ids=pos, tree_mask=tree.ancestors())
+            res = tgt(tree.tokens, cache, position_ids=pos, tree_mask=tree.ancestors(),
+                      layer_inputs=self.draft.feature_layers_needed)
         timer.lap("verify")
         acc, n, packed = self._accept(tree, res.logits, depth_cap)
         self._counts += acceptance_counts(tree, acc, self._active_t, self._counts.shape[1])
         timer.lap("accept")
         n_host = [r[0] for r in packed]
         cache.commit(acc.path, n, n_host)
-        feats = res.hidden.gather(1, acc.path[..., None].expand(-1, -1, res.hidden.shape[-1]))
+        f = self.draft.features(res)  # the head's target features ([B, T, H]; EAGLE-3: [B, T, 3H])
+        feats = f.gather(1, acc.path[..., None].expand(-1, -1, f.shape[-1]))
         # Draft catch-up: features of the accepted nodes, tokens one ahead (accepted children, then the bonus).
         self.drafter.catch_up(acc.emit, feats, n, n_host, acc.bonus)
         timer.lap("commit")

@@ -20,9 +20,10 @@ StaticForward = Callable[..., ModelOutput]
 
 
 def compile_forward(model: Transformer, mode: str | None = None) -> StaticForward:
-    """``fn(input_ids, cache, position_ids, tree_mask=None, logits="all") -> ModelOutput``, compiled.
+    """``fn(input_ids, cache, position_ids, tree_mask=None, logits="all", layer_inputs=()) -> ModelOutput``, compiled.
 
-    Equivalent to ``model(input_ids, cache, position_ids=..., tree_mask=..., logits=..., static=True)``.
+    Equivalent to ``model(input_ids, cache, position_ids=..., tree_mask=..., logits=..., layer_inputs=...,
+    static=True)`` (``layer_inputs``: the layer ids an EAGLE-3 head reads; a constant per graph).
     ``mode`` defaults to inductor's default on CPU and ``"reduce-overhead"`` on CUDA. The first
     call for each T (and each ``logits`` choice) compiles; time it apart from decoding. The
     caller keeps room in the cache (``cache.check_room``): the static path does not look.
@@ -31,17 +32,18 @@ def compile_forward(model: Transformer, mode: str | None = None) -> StaticForwar
     if mode is None and cuda:
         mode = "reduce-overhead"
 
-    def step(input_ids, cache, position_ids, tree_mask=None, logits="all"):
-        return model(input_ids, cache, position_ids=position_ids, tree_mask=tree_mask, logits=logits, static=True)
+    def step(input_ids, cache, position_ids, tree_mask=None, logits="all", layer_inputs=()):
+        return model(input_ids, cache, position_ids=position_ids, tree_mask=tree_mask, logits=logits,
+                     layer_inputs=layer_inputs, static=True)
 
     compiled = torch.compile(step, mode=mode, fullgraph=True, dynamic=False)
     if not cuda:
         return compiled
 
-    def run(input_ids, cache: KVCache, position_ids, tree_mask=None, logits="all"):
+    def run(input_ids, cache: KVCache, position_ids, tree_mask=None, logits="all", layer_inputs=()):
         for t in (cache.k, cache.v, cache.lengths):  # CUDA graphs replay in place: the buffers must not move
             torch._dynamo.mark_static_address(t)
-        return compiled(input_ids, cache, position_ids, tree_mask, logits)
+        return compiled(input_ids, cache, position_ids, tree_mask, logits, layer_inputs)
 
     return run
 

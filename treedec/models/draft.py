@@ -1,10 +1,17 @@
-"""EAGLE-1/2 draft head: one decoder layer that reads the target's features.
+"""Draft heads: the EAGLE-1/2 head (here) and, by ``kind``, the EAGLE-3 head (:mod:`treedec.models.eagle3`).
+
+EAGLE-1/2 head: one decoder layer that reads the target's features.
 
 Input at draft position t is ``fc(concat(embed(token[t+1]), feature[t]))`` — the token is one
 step ahead of the feature — followed by one Llama decoder layer whose first input norm is
 skipped (as in EAGLE). Its output is the predicted next feature, i.e. the target LM head's
 input, so ``logits = lm_head(feature)``. The embedding and LM head are the target's own,
 shared and frozen, and never written into the draft checkpoint.
+
+What the decoder feeds any head: ``head.feature_layers_needed`` (layer ids whose inputs the
+target forward must return), ``head.features(model_output)`` (the target features of each
+position) and ``head.project(features)`` (those features in the head's input space, what
+``forward`` reads for verified positions; inside a tree it reads its own outputs).
 """
 from __future__ import annotations
 
@@ -19,10 +26,11 @@ import torch.nn as nn
 from treedec.attention import prefix_tree_mask
 from treedec.models.cache import KVCache
 from treedec.models.config import LlamaConfig
-from treedec.models.llama import DecoderLayer, Transformer, rope_cos_sin, rope_inv_freq
+from treedec.models.llama import DecoderLayer, ModelOutput, Transformer, rope_cos_sin, rope_inv_freq
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-BUNDLED_DRAFTS = {"tiny-code-eagle": ASSETS / "tiny-code-eagle"}  # the head shipped for tiny-code
+BUNDLED_DRAFTS = {name: ASSETS / name for name in ("tiny-code-eagle", "tiny-code-eagle3")}  # heads shipped for tiny-code
+KINDS = ("eagle", "eagle3")
 DRAFT_CONFIG = "draft_config.json"
 DRAFT_WEIGHTS = "draft.safetensors"
 
@@ -39,8 +47,8 @@ class DraftConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
-    kind: str = "eagle"  # room for "eagle3" (fused low/mid/high features; fc: 3h -> h)
-    feature_layers: list[int] = field(default_factory=lambda: [-1])  # -1: the final normed hidden state
+    kind: str = "eagle"  # "eagle" (EAGLE-1/2) | "eagle3" (fused low/mid/high layer inputs; fc: 3H -> H; own LM head)
+    feature_layers: list[int] = field(default_factory=lambda: [-1])  # eagle: [-1] (final normed hidden); eagle3: layer ids
     target: str = ""  # what it was trained for (informational)
     target_fingerprint: str = ""  # target_fingerprint() of the target it was trained with ("" = unknown)
     draft_vocab_size: int = 0  # > 0: draft only over these most frequent target tokens (buffer vocab_ids); 0: all
@@ -52,12 +60,19 @@ class DraftConfig:
 
     @classmethod
     def for_target(cls, cfg: LlamaConfig, target: str = "", **overrides) -> "DraftConfig":
-        """A head shaped like one layer of the target (EAGLE's choice)."""
+        """A head shaped like one layer of the target (EAGLE's choice).
+
+        ``feature_layers=None`` (or absent) is the kind's default: [-1] for eagle, EAGLE-3's
+        [2, L//2, L-3] of this target for eagle3.
+        """
         d = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                  num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
                  head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
                  rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, target=target)
         d.update(overrides)
+        if d.get("feature_layers") is None:
+            L = cfg.num_hidden_layers
+            d["feature_layers"] = [min(2, L - 1), L // 2, max(L - 3, 0)] if d.get("kind") == "eagle3" else [-1]
         return cls(**d)
 
     def layer_config(self) -> LlamaConfig:
@@ -88,22 +103,53 @@ def target_fingerprint(target: Transformer) -> str:
 
 
 class DraftHead(nn.Module):
-    """Trainable part of an EAGLE head; ``bind(target)`` attaches the shared embedding and LM head."""
+    """Trainable part of an EAGLE head; ``bind(target)`` attaches the shared embedding (and LM head).
+
+    ``DraftHead(cfg)`` builds the class of ``cfg.kind``: this one for "eagle", an
+    :class:`~treedec.models.eagle3.Eagle3Head` for "eagle3".
+    """
+
+    def __new__(cls, cfg: DraftConfig | None = None, *args, **kwargs):
+        if cls is DraftHead and cfg is not None and cfg.kind != "eagle":
+            if cfg.kind not in KINDS:
+                raise ValueError(f"unknown draft kind {cfg.kind!r}; treedec builds {', '.join(KINDS)}")
+            from treedec.models.eagle3 import Eagle3Head
+
+            cls = Eagle3Head
+        return super().__new__(cls)
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
-        if cfg.kind != "eagle":
-            raise ValueError(f"draft kind {cfg.kind!r} is not built yet; treedec supports 'eagle'")
         self.config = cfg
-        n_feat = len(cfg.feature_layers)
-        self.fc = nn.Linear((1 + n_feat) * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
-        self.layer = DecoderLayer(cfg.layer_config())
-        self.layer.input_layernorm = nn.Identity()  # EAGLE skips the first input norm
+        self._build(cfg)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.layer_config()), persistent=False)
         if cfg.draft_vocab_size:
             self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab_size))
         self._target: tuple[Transformer, ...] = ()
         self._lm_weight: torch.Tensor | None = None  # the LM head's rows of the draft vocabulary
+
+    def _build(self, cfg: DraftConfig) -> None:
+        self.fc = nn.Linear((1 + len(cfg.feature_layers)) * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        self.layer = DecoderLayer(cfg.layer_config())
+        self.layer.input_layernorm = nn.Identity()  # EAGLE skips the first input norm
+
+    def _check_feature_layers(self, n_layers: int) -> None:
+        if list(self.config.feature_layers) != [-1]:
+            raise ValueError(f"an EAGLE-1/2 draft head reads the final hidden state (feature_layers=[-1]), not "
+                             f"{self.config.feature_layers}; multi-layer features are kind='eagle3'")
+
+    @property
+    def feature_layers_needed(self) -> tuple[int, ...]:
+        """Target layers whose inputs the target forward must return (``layer_inputs=``)."""
+        return ()
+
+    def features(self, out: ModelOutput) -> torch.Tensor:
+        """The target features [B, T, F] this head reads, from a target forward's output."""
+        return out.hidden
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features -> what :meth:`forward` reads at verified positions (EAGLE: the same space)."""
+        return features
 
     def bind(self, target: Transformer) -> "DraftHead":
         """Share the target's embedding and LM head, on the target's device.
@@ -122,13 +168,7 @@ class DraftHead(nn.Module):
                 f"(vocab {tc.vocab_size}, hidden {tc.hidden_size}); it was trained for {dc.target or 'another model'!r}: "
                 "train a head for this target with `python -m treedec.train`"
             )
-        bad = [i for i in dc.feature_layers if not -1 <= i < tc.num_hidden_layers]
-        if bad:
-            raise ValueError(f"draft head reads feature layers {dc.feature_layers}, but the target has "
-                             f"{tc.num_hidden_layers} layers (valid: -1 for the final hidden state, or 0..{tc.num_hidden_layers - 1})")
-        if list(dc.feature_layers) != [-1]:
-            raise ValueError(f"draft head reads feature layers {dc.feature_layers}: the decoder feeds EAGLE-1/2 heads "
-                             "the final hidden state only (feature_layers=[-1]); multi-layer (EAGLE-3) heads are not supported yet")
+        self._check_feature_layers(tc.num_hidden_layers)
         if dc.target_fingerprint:
             fp = target_fingerprint(target)
             if fp != dc.target_fingerprint:
@@ -140,7 +180,8 @@ class DraftHead(nn.Module):
         if self.fc.weight.device != target.device:
             self.to(device=target.device)
         self._target = (target,)  # a tuple keeps the target out of this module's parameters
-        self._lm_weight = target.lm_head.weight[self.vocab_ids].detach() if dc.draft_vocab_size else None
+        shared = dc.draft_vocab_size and dc.kind == "eagle"  # an EAGLE-3 head has its own LM head
+        self._lm_weight = target.lm_head.weight[self.vocab_ids].detach() if shared else None
         return self
 
     def restrict_vocab(self, token_ids: torch.Tensor) -> "DraftHead":
@@ -199,14 +240,17 @@ class DraftHead(nn.Module):
         t = self.target
         dt = self.fc.weight.dtype
         x = self.fc(torch.cat((t.model.embed_tokens(tokens).to(dt), features.to(dt)), dim=-1))
-        B, T = tokens.shape
-        cache.check_room(T)
-        if mask is None:
-            chain = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            mask = prefix_tree_mask(chain, cache.lengths, max(cache.host_lengths) + T)[:, None]
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq)
+        mask, cos, sin = self._mask_rope(tokens.shape[1], cache, position_ids, mask)
         backend = "eager" if t.attn_backend == "eager" else "sdpa"  # one small layer: a dense mask is cheapest
         return self.layer(x, cos.to(dt), sin.to(dt), cache, 0, None, mask, backend)
+
+    def _mask_rope(self, T: int, cache: KVCache, position_ids: torch.Tensor, mask: torch.Tensor | None):
+        """(dense mask, cos, sin) of a cached forward: ``mask`` None is a chain after each row's prefix."""
+        cache.check_room(T)
+        if mask is None:
+            chain = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
+            mask = prefix_tree_mask(chain, cache.lengths, max(cache.host_lengths) + T)[:, None]
+        return (mask, *rope_cos_sin(position_ids, self.inv_freq))
 
     def logits(self, feat: torch.Tensor) -> torch.Tensor:
         """Draft logits for predicted features: over the draft vocabulary (all of the target's by default)."""
@@ -239,7 +283,7 @@ class DraftHead(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, target: Transformer | None = None, dtype=None, device=None) -> "DraftHead":
-        """Load "tiny-code-eagle" (bundled) or a directory (draft_config.json + draft.safetensors); never unpickles."""
+        """Load a bundled head ("tiny-code-eagle", "tiny-code-eagle3") or a directory (draft_config.json + draft.safetensors); never unpickles."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 

@@ -157,12 +157,14 @@ def _cat_fused_state(module: _Fusable, state: dict, prefix: str, *args) -> None:
 class Attention(_Fusable):
     _fused, _parts = "qkv_proj", ("q_proj", "k_proj", "v_proj")
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, in_features: int | None = None):
+        """``in_features``: q/k/v input width when it is not ``hidden_size`` (EAGLE-3's midlayer reads 2H)."""
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=cfg.qkv_bias)
+        d_in = in_features or cfg.hidden_size
+        self.q_proj = nn.Linear(d_in, self.nh * self.hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d_in, self.nkv * self.hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d_in, self.nkv * self.hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # Qwen3: each head's q and k RMS-normalised after the split, before RoPE
@@ -386,14 +388,15 @@ class Transformer(nn.Module):
             out = self.lm_head(h[:, logits] if logits.dim() == 1 else h.gather(1, logits[..., None].expand(-1, -1, h.shape[-1])))
         return ModelOutput(out, h, saved)
 
-    def forward_train(self, input_ids: torch.Tensor, return_hidden: bool = False):
+    def forward_train(self, input_ids: torch.Tensor, return_hidden: bool = False, layer_inputs: tuple[int, ...] = ()):
         """Logits [B, T, V] of a plain causal pass from position 0, without a KV cache (pretraining).
 
         The same function as :meth:`forward` on a fresh cache with the default chain (tested to
         fp32 precision), but with ``scaled_dot_product_attention(is_causal=True)``: no cache
         writes, no dense mask and no K/V kept, so autograd stores less. Used by
         :class:`treedec.training.lm.CausalLMModule`; :meth:`forward` is unchanged. With
-        ``return_hidden`` it also returns the final normed hidden state (EAGLE's feature).
+        ``return_hidden`` it also returns the final normed hidden state (EAGLE's feature); with
+        ``layer_inputs`` (layer ids) a :class:`ModelOutput` that also holds those layers' inputs (EAGLE-3's).
         """
         B, T = input_ids.shape
         if T > self.config.max_position_embeddings:
@@ -402,7 +405,12 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(input_ids)
         pos = torch.arange(T, device=x.device)[None].expand(B, T)
         cos, sin = rope_cos_sin(pos, self.inv_freq)
-        for layer in self.model.layers:
+        saved = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in layer_inputs:
+                saved[i] = x
             x = layer.forward_causal(x, cos, sin)
         h = self.model.norm(x)
+        if layer_inputs:
+            return ModelOutput(self.lm_head(h), h, saved)
         return (self.lm_head(h), h) if return_hidden else self.lm_head(h)

@@ -8,7 +8,7 @@ written into a checkpoint; hyperparameters are plain data (checkpoints load with
 
 Batches are either a LongTensor ``[B, S]`` of token windows (every position is trained) or, for
 chat data, a dict ``{"input_ids", "loss_mask", "attention_mask"}`` (or a tuple in that order;
-the attention mask is optional) of ``[B, S]`` tensors, as :class:`treedec.training.data.JsonlDataModule`
+the attention mask is optional) of ``[B, S]`` tensors, as :class:`treedec.data.datamodules.JsonlDataModule`
 serves them. Alignment of the mask: output position ``j`` (0 <= j < S-1) reads ``(f_j, x_{j+1})``
 and predicts ``f_{j+1}``, the feature of token ``x_{j+1}``, whose LM-head distribution ``p_{j+1}``
 is the target's prediction of ``x_{j+2}``. Position ``j`` is trained iff ``loss_mask[j+1]`` (and
@@ -19,17 +19,21 @@ end-of-turn marker, itself masked in); the prediction of ``a_0`` from the prompt
 since at inference the target produces ``a_0`` itself (the bonus token after the prompt).
 Both loss terms and ``top1_acc`` are means over the trained positions only. Padding must be on
 the right (causal attention keeps it out of every real token's features).
+
+An EAGLE-3 head (``kind="eagle3"``) reads the inputs of three target layers and trains with
+EAGLE-3's training-time test instead (:meth:`DraftModule.eagle3_losses`): ``unroll`` draft steps,
+step i reading the head's own step-(i-1) outputs as a depth-i draft node reads its parent's,
+with loss sum_i 0.8^i · CE(p restricted to the draft vocabulary, q_i); no feature loss.
 """
 from __future__ import annotations
-
-import time
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 
 from treedec.models.draft import DraftConfig, DraftHead
-from treedec.training.lm import _plain, cosine_with_warmup
+from treedec.training.lm import _plain
+from treedec.training.schedule import WallTimeScheduled
 
 
 def unpack_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -62,11 +66,12 @@ def unpack_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
     return ids, keep
 
 
-class DraftModule(L.LightningModule):
+class DraftModule(WallTimeScheduled):
     def __init__(self, target_path: str, draft: dict | None = None, lr: float = 1e-3, weight_decay: float = 0.0,
                  betas: tuple = (0.9, 0.95), warmup_steps: int = 100, max_steps: int = 2000, min_lr_ratio: float = 0.1,
                  feature_noise: float = 0.1, w_feat: float = 1.0, w_ce: float = 0.1, target_dtype: str = "bfloat16",
-                 seed: int = 0, time_budget_s: float | None = None, init_from: str | None = None):
+                 seed: int = 0, time_budget_s: float | None = None, init_from: str | None = None,
+                 unroll: int | None = None):
         super().__init__()
         self.save_hyperparameters({
             "target_path": str(target_path), "draft": _plain(draft or {}), "lr": float(lr),
@@ -74,6 +79,7 @@ class DraftModule(L.LightningModule):
             "max_steps": int(max_steps), "min_lr_ratio": float(min_lr_ratio), "feature_noise": float(feature_noise),
             "w_feat": float(w_feat), "w_ce": float(w_ce), "target_dtype": str(target_dtype), "seed": int(seed),
             "time_budget_s": float(time_budget_s) if time_budget_s else None, "init_from": init_from,
+            "unroll": int(unroll) if unroll is not None else None,
         })
         from treedec.models import load_model
 
@@ -85,7 +91,11 @@ class DraftModule(L.LightningModule):
         else:
             cfg = DraftConfig.for_target(target.config, target=str(target_path), **(draft or {}))
             self.head = DraftHead(cfg).bind(target)
-        self._t_start, self._elapsed_base = None, 0.0
+        if self.head.config.kind == "eagle3" and not init_from:
+            self.head.init_from_target()  # start the output layer from the target's (set_draft_vocab redoes it)
+        elif self.head.config.kind != "eagle3" and unroll not in (None, 1):
+            raise ValueError(f"optim.unroll={unroll}: the training-time test unrolls EAGLE-3 heads only "
+                             "(draft=eagle3); EAGLE-1/2 heads train one step (unroll null or 1)")
         self._noise_gen: torch.Generator | None = None  # the feature noise's own RNG, saved in checkpoints
         self._noise_state: torch.Tensor | None = None
 
@@ -117,19 +127,41 @@ class DraftModule(L.LightningModule):
             self._noise_gen = g
         return torch.rand(like.shape, generator=g, device=like.device, dtype=like.dtype)
 
+    def set_draft_vocab(self, token_ids) -> None:
+        """An EAGLE-3 head's draft vocabulary (fixed before training: it is its LM head's rows).
+
+        A fresh head starts its LM head from the target's rows of these tokens; a resumed or
+        ``init_from`` head keeps its own weights (and, resumed, its saved ``vocab_ids``).
+        """
+        self.head.restrict_vocab(token_ids)
+        if not self.hparams.init_from:
+            self.head.init_from_target()
+
     @torch.no_grad()
     def target_features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the head's target features [B, S, F], target logits [B, S, V]) in fp32."""
+        if self.head.feature_layers_needed:
+            out = self.target.forward_train(ids, layer_inputs=self.head.feature_layers_needed)
+            return self.head.features(out).float(), out.logits.float()
         logits, hidden = self.target.forward_train(ids, return_hidden=True)
         return hidden.float(), logits.float()
 
     def losses(self, batch, noise: float) -> dict:
-        """EAGLE's loss terms on a batch (a LongTensor, or ids with a loss mask: see the module docstring)."""
+        """The loss terms of the head's kind on a batch (a LongTensor, or ids with a loss mask: see the module docstring)."""
         ids, keep = unpack_batch(batch)
-        feats, logits = self.target_features(ids)
+        if self.head.config.kind == "eagle3":
+            return self.eagle3_losses(ids, keep, noise)
+        return self.eagle_losses(ids, keep, noise)
+
+    def _noisy(self, feats: torch.Tensor, noise: float) -> torch.Tensor:
+        """Input features of positions 0..S-2, with EAGLE's uniform ±noise."""
         inp = feats[:, :-1]
-        if noise:
-            inp = inp + (self._uniform(inp) * 2 - 1) * noise
-        pred, draft_logits = self.head.forward_train(ids[:, 1:], inp)
+        return inp + (self._uniform(inp) * 2 - 1) * noise if noise else inp
+
+    def eagle_losses(self, ids: torch.Tensor, keep: torch.Tensor | None, noise: float) -> dict:
+        """EAGLE-1/2: SmoothL1 on the next feature + CE against the target's next-token distribution."""
+        feats, logits = self.target_features(ids)
+        pred, draft_logits = self.head.forward_train(ids[:, 1:], self._noisy(feats, noise))
         want_feat, want_p = feats[:, 1:], logits[:, 1:].softmax(-1)
         logq = draft_logits.float().log_softmax(-1)
         if keep is None:
@@ -145,6 +177,31 @@ class DraftModule(L.LightningModule):
         loss = self.hparams.w_feat * feat_loss + self.hparams.w_ce * ce
         return {"loss": loss, "feat_loss": feat_loss, "ce": ce, "top1_acc": acc}
 
+    def eagle3_losses(self, ids: torch.Tensor, keep: torch.Tensor | None, noise: float) -> dict:
+        """EAGLE-3's training-time test: sum_i 0.8^i · soft CE of unrolled step i (``ce``, ``top1_acc``:
+        step 0; ``ce_i``, ``top1_acc_i``: step i). Targets are the target's next-token distribution
+        renormalised over the draft vocabulary; step i trains positions j >= i (those with a parent)."""
+        feats, logits = self.target_features(ids)
+        head, steps = self.head, self.hparams.unroll or 3
+        step_logits = head.forward_train(ids[:, 1:], self._noisy(feats, noise), steps=steps)
+        want = logits[:, 1:]
+        best = want.argmax(-1)  # the target's greedy token (what drafting must hit), over its full vocabulary
+        if head.config.draft_vocab_size:
+            want = want[..., head.vocab_ids]
+        want_p = want.softmax(-1)
+        w = keep[:, 1:].float() if keep is not None else torch.ones_like(best, dtype=torch.float)
+        out, loss = {}, 0.0
+        for i, lg in enumerate(step_logits):
+            wi = w.clone()
+            wi[:, :i] = 0.0
+            n = wi.sum().clamp_min(1.0)
+            ce = (-(want_p * lg.float().log_softmax(-1)).sum(-1) * wi).sum() / n
+            acc = ((head.to_target_ids(lg.argmax(-1)) == best).float() * wi).sum() / n
+            sfx = f"_{i}" if i else ""
+            out[f"ce{sfx}"], out[f"top1_acc{sfx}"] = ce, acc
+            loss = loss + 0.8 ** i * ce
+        return {"loss": loss, **out}
+
     def training_step(self, batch, batch_idx):
         out = self.losses(batch, self.hparams.feature_noise)
         for k, v in out.items():
@@ -158,29 +215,15 @@ class DraftModule(L.LightningModule):
             self.log(f"val/{k}", v, on_step=False, on_epoch=True, batch_size=n, prog_bar=k == "top1_acc",
                      sync_dist=True)  # DDP: the mean over all ranks' batches
 
-    # ------------------------------------------------------------ optimisation (wall-time aware cosine)
-    def lr_multiplier(self, step: int | None = None) -> float:
-        hp = self.hparams
-        elapsed = self._elapsed_base + (time.time() - self._t_start if self._t_start else 0.0)
-        frac = elapsed / hp.time_budget_s if hp.time_budget_s else 0.0
-        return cosine_with_warmup(self.global_step if step is None else step, hp.warmup_steps, hp.max_steps,
-                                  hp.min_lr_ratio, frac)
-
-    def on_train_start(self) -> None:
-        self._t_start = time.time()
-
-    def on_train_batch_start(self, batch, batch_idx) -> None:
-        for g in self.optimizers(use_pl_optimizer=False).param_groups:
-            g["lr"] = self.hparams.lr * self.lr_multiplier()
-
+    # ------------------------------------------------------------ optimisation (the LR: WallTimeScheduled)
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["train_elapsed_s"] = self._elapsed_base + (time.time() - self._t_start if self._t_start else 0.0)
+        super().on_save_checkpoint(checkpoint)
         state = self._noise_gen.get_state() if self._noise_gen is not None else self._noise_state
         if state is not None:
             checkpoint["feature_noise_rng"] = state
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._elapsed_base = float(checkpoint.get("train_elapsed_s", 0.0))
+        super().on_load_checkpoint(checkpoint)
         self._noise_gen, self._noise_state = None, checkpoint.get("feature_noise_rng")
 
     def configure_optimizers(self):

@@ -51,6 +51,7 @@ class DraftOptimSchema:
     w_feat: float = 1.0
     w_ce: float = 0.1
     time_budget_s: Any = "auto"
+    unroll: Optional[int] = None  # EAGLE-3 training-time test steps (None: 3 for eagle3)
 
 
 @dataclass
@@ -250,7 +251,7 @@ def _at_least(cfg: DictConfig, key: str, low: int, what: str = "") -> None:
 
 def _check_common(cfg: DictConfig, kind: str) -> None:
     from treedec.models.checkpoint import resolve_dtype
-    from treedec.training.callbacks import seconds
+    from treedec.training.schedule import seconds
 
     for key in ("export_dtype",) + (("target_dtype",) if kind == "train" else ()):
         try:
@@ -287,8 +288,12 @@ def _check_train(cfg: DictConfig) -> None:
     from treedec.models.checkpoint import resolve_path
     from treedec.models.draft import DraftConfig
 
-    check_fields(_get(cfg, "draft") or {}, DraftConfig, "draft")
-    if "target" in (_get(cfg, "draft") or {}):
+    draft = _get(cfg, "draft") or {}
+    check_fields({k: v for k, v in draft.items() if not (k == "feature_layers" and v is None)}, DraftConfig, "draft")
+    if draft.get("kind", "eagle") not in ("eagle", "eagle3"):
+        raise ConfigError(f"draft.kind={draft.get('kind')!r} is not a head kind: draft=eagle or draft=eagle3")
+    _at_least(cfg, "optim.unroll", 1, " (null: 3 for eagle3)")
+    if "target" in draft:
         raise ConfigError("draft.target is set from `target`; drop draft.target")
     for key in ("eval.n_prompts", "eval.prompt_tokens", "eval.max_new_tokens"):
         _at_least(cfg, key, 1)
@@ -308,7 +313,7 @@ def _check_train(cfg: DictConfig) -> None:
     if _get(cfg, "export_dir") == "bundled" and str(target) != "tiny-code":
         raise ConfigError(f"export_dir=bundled replaces the head shipped for tiny-code, but target={target}; "
                           f"export a head for another target to a directory of its own")
-    _check_export(cfg, "tiny-code-eagle")
+    _check_export(cfg, "tiny-code-eagle3" if draft.get("kind") == "eagle3" else "tiny-code-eagle")
 
 
 def _check_pretrain(cfg: DictConfig) -> None:
@@ -328,7 +333,7 @@ def _check_pretrain(cfg: DictConfig) -> None:
     if isinstance(seq, int) and seq > conf.max_position_embeddings:
         raise ConfigError(f"data.seq_len={seq} exceeds model_arch.max_position_embeddings="
                           f"{conf.max_position_embeddings}; lower data.seq_len or raise the context")
-    from treedec.pretrain import tokenizer_file
+    from treedec.data.tokenizer_train import tokenizer_file
 
     try:
         tokenizer_file(_get(cfg, "paths.tokenizer"))
@@ -341,7 +346,7 @@ def _check_pretrain(cfg: DictConfig) -> None:
 
 
 def _check_export(cfg: DictConfig, asset: str) -> None:
-    from treedec.training.callbacks import bundled_dir, export_path
+    from treedec.models.paths import bundled_dir, export_path
 
     try:
         export_path(_get(cfg, "export_dir"), bundled_dir(asset))

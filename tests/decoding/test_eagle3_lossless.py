@@ -1,0 +1,81 @@
+"""The speculative loop with an EAGLE-3 head: lossless under every policy, and fed the right features.
+
+A random head drafts badly, so the oracle wrapper forces long accepted paths: the catch-up then
+appends many verified positions with their fused layer inputs, which the last test recomputes.
+"""
+import pytest
+import torch
+
+from treedec.decoding.sampling import SamplingParams
+from treedec.decoding.speculative import SpeculativeDecoder
+from treedec.models.draft import DraftConfig, DraftHead
+from treedec.tree.policies import ChainPolicy, DynamicPolicy, LearnedPolicy, StaticPolicy
+from treedec.tree.policies.learned import save_learned
+from treedec.tree.sequoia import solve
+
+from tests.helpers import OraclePolicy, greedy_reference, make_pair
+from .stats import fits
+from .test_lossless_sampling import V, exact_joint, sample_first_three
+
+
+def eagle3_pair(seed: int, vocab: int = 64, k: int = 40, **kw):
+    """A random target of 4 layers and a random EAGLE-3 head over ``k`` random draft tokens (0: all)."""
+    target, _ = make_pair(seed, vocab=vocab, layers=4, **kw)
+    head = DraftHead(DraftConfig.for_target(target.config, kind="eagle3", draft_vocab_size=k))
+    if k:
+        head.restrict_vocab(torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:k])
+    return target, head.eval().bind(target)
+
+
+def learned(tmp_path):
+    table = solve([0.6, 0.25, 0.1], 16, 5)
+    trees = {n: table.choices(n, 5) for n in range(2, 17)}
+    return LearnedPolicy(str(save_learned(tmp_path / "t.yaml", trees[12], {"name": "t12", "budget": 12}, trees)))
+
+
+POLICIES = {
+    "chain": lambda _: ChainPolicy(depth=4),
+    "static_eagle": lambda _: StaticPolicy(shape="eagle_mc_sim_7b_63"),
+    "static_balanced": lambda _: StaticPolicy(shape="balanced_2x3"),
+    "dynamic": lambda _: DynamicPolicy(total_tokens=20, depth=5, top_k=4),
+    "learned": learned,
+}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("seed", range(3))
+def test_random_eagle3_head_matches_vanilla_greedy(policy, seed, tmp_path):
+    target, head = eagle3_pair(seed, k=0 if seed == 2 else 40)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 64, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+    ref = greedy_reference(target, prompt, 60)
+    assert SpeculativeDecoder(target, head, POLICIES[policy](tmp_path)).generate(prompt, 60).tokens[0] == ref
+
+
+@pytest.mark.parametrize("policy", ["chain", "dynamic", "learned"])
+def test_long_accepts_keep_greedy_exact_and_the_draft_reads_the_true_features(policy, tmp_path):
+    target, head = eagle3_pair(5)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref = greedy_reference(target, prompt, 160)
+    oracle = OraclePolicy(POLICIES[policy](tmp_path), [ref], p_hit=0.9, seed=1)
+    dec = SpeculativeDecoder(target, head, oracle)
+    out = dec.generate(prompt, 120, stream=oracle.stream)
+    assert out.tokens[0] == ref[:120] and out.stats.tau > 1.8
+    # The draft cache now holds n verified positions: its root logits are what a cache-free pass over
+    # the true sequence, on the target's true layer inputs, gives at position n-1.
+    n = dec.drafter.cache.host_lengths[0]
+    seq = torch.tensor([prompt + ref])[:, : n + 1]
+    with torch.no_grad():
+        feats = head.features(target.forward_train(seq, layer_inputs=head.feature_layers_needed))
+        want = head.forward_train(seq[:, 1:], feats[:, :-1])[0][0, n - 1]
+    torch.testing.assert_close(dec.drafter.root_logits[0], want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sample_drafts", [False, True])
+def test_speculative_sampling_with_a_reduced_draft_vocabulary_is_exact(sample_drafts):
+    """q is zero outside the head's 3-token vocabulary: SpecInfer and top-k trees still draw from p."""
+    target, head = eagle3_pair(7, vocab=V, k=3, hidden=32, heads=2, kv_heads=1, peaked=4.0)
+    params = SamplingParams(1.0)
+    policy = ChainPolicy(3, sample_drafts=True) if sample_drafts else DynamicPolicy(8, 3, 3)
+    assert fits(sample_first_three(target, head, policy, params), exact_joint(target, params))
