@@ -21,6 +21,16 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread in every test, whatever an earlier test set (a 2-thread bf16 matmul of a tiny
+    model can take ~10 ms on a busy machine, from OpenMP barrier stalls)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     from tests.helpers import write_corpus
