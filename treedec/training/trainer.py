@@ -144,10 +144,10 @@ def atomic_dir(dest: str | os.PathLike, write: Callable[[Path], object]) -> Path
 
 def write_json(path: str | os.PathLike, data: dict) -> None:
     """``json.dumps(data)`` to ``path`` through a temporary file and a rename (never half written)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    from treedec.data.files import atomic_file
+
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
 
 
 # ------------------------------------------------------------------------------------ run-dir lock
