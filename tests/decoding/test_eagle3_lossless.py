@@ -61,14 +61,30 @@ def test_long_accepts_keep_greedy_exact_and_the_draft_reads_the_true_features(po
     dec = SpeculativeDecoder(target, head, oracle)
     out = dec.generate(prompt, 120, stream=oracle.stream)
     assert out.tokens[0] == ref[:120] and out.stats.tau > 1.8
-    # The draft cache now holds n verified positions: its root logits are what a cache-free pass over
-    # the true sequence, on the target's true layer inputs, gives at position n-1.
+    assert_draft_read_true_features(dec, target, head, prompt + ref)
+
+
+def assert_draft_read_true_features(dec: SpeculativeDecoder, target, head, seq: list[int]) -> None:
+    """The draft cache holds n verified positions: its root logits are what a cache-free pass over the
+    true sequence, on the target's true layer inputs, gives at position n-1."""
     n = dec.drafter.cache.host_lengths[0]
-    seq = torch.tensor([prompt + ref])[:, : n + 1]
+    ids = torch.tensor([seq])[:, : n + 1]
     with torch.no_grad():
-        feats = head.features(target.forward_train(seq, layer_inputs=head.feature_layers_needed))
-        want = head.forward_train(seq[:, 1:], feats[:, :-1])[0][0, n - 1]
+        feats = head.features(target.forward_train(ids, layer_inputs=head.feature_layers_needed))
+        want = head.forward_train(ids[:, 1:], feats[:, :-1])[0][0, n - 1]
     torch.testing.assert_close(dec.drafter.root_logits[0], want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_compiled_verify_feeds_the_eagle3_head_the_same_features():
+    target, head = eagle3_pair(8, hidden=32, heads=2, kv_heads=1)
+    prompt = list(range(3, 20))
+    ref = greedy_reference(target, prompt, 80)
+    oracle = OraclePolicy(StaticPolicy(shape="balanced_2x3"), [ref], p_hit=0.8)
+    dec = SpeculativeDecoder(target, head, oracle, compile=True)
+    out = dec.generate(prompt, 40, stream=oracle.stream)
+    assert out.tokens[0] == ref[:40] and out.stats.tau > 1.5
+    assert_draft_read_true_features(dec, target, head, prompt + ref)
 
 
 @pytest.mark.slow
