@@ -22,15 +22,8 @@ import torch.nn as nn
 
 from treedec.models.config import SUPPORTED_ARCHITECTURES, LlamaConfig
 from treedec.models.llama import Transformer, rope_inv_freq
+from treedec.models.paths import BUNDLED, resolve_path  # noqa: F401 - BUNDLED: tests patch checkpoint.BUNDLED
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-BUNDLED = {"tiny-code": ASSETS / "tiny-code", "tiny-code-assistant": ASSETS / "tiny-code-assistant"}
-# How each bundled model is made, for the error when it is missing.
-_BUNDLED_HOW = {
-    "tiny-code": "python -m treedec.pretrain export_dir=bundled",
-    "tiny-code-assistant": ("python -m treedec.pretrain model_arch=tiny_code_assistant paths.tokenizer=tiny-code "
-                            "export_dir=bundled"),
-}
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -85,30 +78,6 @@ def resolve_device(device: torch.device | str | None = "auto") -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
-
-
-def resolve_path(name_or_path: str | os.PathLike) -> Path:
-    """Map a bundled name (``"tiny-code"``, ``"tiny-code-assistant"``) to its directory; check that a directory exists."""
-    name = str(name_or_path)
-    if name in BUNDLED:
-        path = BUNDLED[name]
-        if not (path / "config.json").is_file():
-            how = _BUNDLED_HOW.get(name, "python -m treedec.pretrain")
-            raise FileNotFoundError(
-                f"the bundled model {name!r} is not at {path}: it is trained by `{how}` "
-                f"(which writes it there), or pass the path of a local Hugging Face directory instead"
-            )
-        return path
-    path = Path(name).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"no model directory at {str(path)!r}: pass 'tiny-code' (the bundled model) or a local Hugging Face "
-            f"directory holding config.json and model.safetensors (treedec downloads nothing; fetch it beforehand, "
-            f"e.g. `huggingface-cli download <repo> --local-dir DIR`)"
-        )
-    if not path.is_dir():
-        raise FileNotFoundError(f"{str(path)!r} is a file; pass the directory that holds config.json and model.safetensors")
-    return path
 
 
 def read_config(path: str | os.PathLike) -> tuple[LlamaConfig, dict]:
