@@ -262,6 +262,35 @@ SCHEMAS: dict[str, type] = {"generate": GenerateSchema, "calibrate": CalibrateSc
 
 
 
+@dataclass
+class RegenerateSchema:  # conf/regenerate.yaml (python -m treedec.regenerate, docs/regenerate.md)
+    model: ModelSchema = field(default_factory=ModelSchema)
+    draft: DraftSchema = field(default_factory=DraftSchema)
+    tree: Any = MISSING
+    kernel: KernelSchema = field(default_factory=KernelSchema)
+    sampling: SamplingSchema = field(default_factory=SamplingSchema)
+    trainer: Any = None  # a conf/trainer node (Lightning's own arguments)
+    input: str = MISSING
+    out_dir: str = MISSING
+    format: str = "auto"
+    prompt_tokens: int = 64
+    max_new_tokens: int = 128
+    chat_template: Optional[str] = "auto"
+    batch_size: int = 8
+    shard_size: int = 256
+    on_error: str = "fail"
+    part: int = 0
+    parts: int = 1
+    progress: bool = True
+    compile: bool = False
+    seed: int = 0
+    num_threads: Optional[int] = None
+    paths: PathsSchema = field(default_factory=PathsSchema)
+
+
+SCHEMAS["regenerate"] = RegenerateSchema
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     for name, node in SCHEMAS.items():
@@ -497,6 +526,22 @@ def _check_export_head(cfg) -> None:
 
 _CHECKS = {"generate": _check_generate, "calibrate": _check_calibrate, "bench": _check_bench,
            "export_head": _check_export_head}
+
+
+def _check_regenerate(cfg) -> None:
+    for key, known in (("format", ("auto", "text", "chat")), ("on_error", ("fail", "skip"))):
+        if _get(cfg, key) not in known:
+            raise ConfigError(f"{key}={_get(cfg, key)!r}; choose one of {', '.join(known)}")
+    src = _get(cfg, "input")
+    if not src or not Path(src).expanduser().is_file():
+        raise ConfigError(f"input={src!r} is not a file; pass input=<records.jsonl> ({{\"text\": ...}} lines or chats)")
+    if not 0 <= _get(cfg, "part") < _get(cfg, "parts"):
+        raise ConfigError(f"part={_get(cfg, 'part')} must be in [0, parts={_get(cfg, 'parts')})")
+
+
+_RULES["regenerate"] = [(k, _ge(1), ">= 1") for k in ("prompt_tokens", "max_new_tokens", "batch_size", "shard_size",
+                                                       "parts", "num_threads")]
+_CHECKS["regenerate"] = _check_regenerate
 
 
 def validate(cfg: DictConfig, kind: str = "generate") -> None:

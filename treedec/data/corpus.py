@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -104,8 +105,28 @@ def parse_record(obj, where: str) -> tuple[str, str | list[dict]]:
     raise ValueError(f"{where}: a line needs a 'text' string or a 'conversations' list; it has keys {sorted(obj)}")
 
 
-def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, bytes, str, str | list[dict]]]:
-    """``(line number, raw line, kind, payload)`` for every non-blank line; clear errors name the line."""
+def jsonl_files(path: str | os.PathLike) -> list[Path]:
+    """The files a ``data.path`` names: a file, a directory (its ``*.jsonl``, sorted) or a glob (sorted),
+    e.g. the shards ``python -m treedec.regenerate`` writes."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(path.glob("*.jsonl"))
+    else:
+        files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file()) if glob.has_magic(str(path)) else []
+    if not files:
+        raise FileNotFoundError(f"jsonl corpus {path} does not exist or holds no *.jsonl file "
+                                f"(data.path / data.val_path: a file, a directory of shards or a glob)")
+    return files
+
+
+def read_jsonl(path: str | os.PathLike, errors: list | None = None
+               ) -> Iterator[tuple[int, bytes, str, str | list[dict]]]:
+    """``(line number, raw line, kind, payload)`` for every non-blank line; clear errors name the line.
+
+    ``errors``: a list to append ``(line number, message)`` of each malformed line to, skipping it,
+    instead of raising at the first one."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"jsonl corpus {path} does not exist (data.path / data.val_path)")
@@ -116,10 +137,16 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, bytes, str, str |
                 continue
             where = f"{path}:{lineno}"
             try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ValueError(f"{where}: not valid JSON ({exc})") from exc
-            kind, payload = parse_record(obj, where)
+                try:
+                    obj = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise ValueError(f"{where}: not valid JSON ({exc})") from exc
+                kind, payload = parse_record(obj, where)
+            except ValueError as exc:
+                if errors is None:
+                    raise
+                errors.append((lineno, str(exc)))
+                continue
             yield lineno, raw, kind, payload
 
 
@@ -128,5 +155,5 @@ def line_split(raw: bytes, val_fraction: float) -> str:
     return "validation" if _hash_fraction(raw) < val_fraction else "train"
 
 
-__all__ = ["ROLES", "SKIP_DIRS", "corpus_files", "corpus_fingerprint", "line_split", "parse_record", "read_jsonl",
+__all__ = ["ROLES", "SKIP_DIRS", "corpus_files", "corpus_fingerprint", "jsonl_files", "line_split", "parse_record", "read_jsonl",
            "read_source", "split_files", "split_of", "stdlib_root"]

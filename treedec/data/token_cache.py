@@ -22,7 +22,8 @@ from typing import Sequence
 import numpy as np
 
 from treedec.data.chat import ChatRenderer, spans_to_mask
-from treedec.data.corpus import corpus_fingerprint, line_split, read_jsonl, read_source, split_files, stdlib_root
+from treedec.data.corpus import (corpus_fingerprint, jsonl_files, line_split, read_jsonl, read_source, split_files,
+                                 stdlib_root)
 from treedec.data.files import atomic_file, file_fingerprint
 from treedec.data.tokenizer_train import EOS, as_tokenizer, tokenizer_hash
 
@@ -135,7 +136,7 @@ def tokenize_jsonl(tokenizer, path: str | os.PathLike, val_path: str | os.PathLi
     if format not in ("auto", "text", "chat"):
         raise ValueError(f"format must be auto, text or chat, not {format!r}")
     path = Path(path)
-    sources = [(path, None)] + ([(Path(val_path), "validation")] if val_path else [])
+    sources = [(f, None) for f in jsonl_files(path)] + ([(Path(val_path), "validation")] if val_path else [])
     for src, _ in sources:
         if not src.is_file():
             raise FileNotFoundError(f"jsonl corpus {src} does not exist (data.path / data.val_path)")

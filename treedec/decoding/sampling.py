@@ -80,11 +80,15 @@ class RowStreams:
     """
 
     def __init__(self, generator: torch.Generator | None, batch: int, device):
-        dev = generator.device if generator is not None else "cpu"
-        base = int(torch.randint(_MASK63, (), generator=generator, device=dev))
         self.device = torch.device(device)
-        self.generators = [torch.Generator(self.device).manual_seed(_mix(base + 0x9E3779B97F4A7C15 * (b + 1)))
-                           for b in range(batch)]
+        seeds = getattr(generator, "row_seeds", None)  # a RowSeededGenerator names each row's seed itself
+        if seeds is None:
+            dev = generator.device if generator is not None else "cpu"
+            base = int(torch.randint(_MASK63, (), generator=generator, device=dev))
+            seeds = [base + 0x9E3779B97F4A7C15 * (b + 1) for b in range(batch)]
+        elif len(seeds) != batch:
+            raise ValueError(f"the generator names {len(seeds)} row seeds for a batch of {batch} prompts")
+        self.generators = [torch.Generator(self.device).manual_seed(_mix(s)) for s in seeds]
 
     @property
     def batch(self) -> int:
@@ -96,6 +100,22 @@ class RowStreams:
 
     def row(self, b: int, *shape: int) -> torch.Tensor:
         return torch.rand(shape, generator=self.generators[b], device=self.device)
+
+
+class RowSeededGenerator(torch.Generator):
+    """A generator that also names each batch row's seed: row b draws from a stream seeded by
+    ``row_seeds[b]`` alone, so a record decodes the same in any batch, at any position, on any
+    process (batch jobs seed a row by its record's id). Shared draws (sampled drafts) use the
+    generator itself, seeded with ``seed``."""
+
+    def __new__(cls, row_seeds, device="cpu", seed: int = 0):
+        self = super().__new__(cls, torch.device(device))
+        self.manual_seed(seed)
+        self.row_seeds = [int(s) for s in row_seeds]
+        return self
+
+    def __init__(self, *args, **kwargs):  # all set in __new__ (torch.Generator takes the device there)
+        pass
 
 
 # ------------------------------------------------------------------------------ the distribution
