@@ -120,11 +120,14 @@ class RowSeededGenerator(torch.Generator):
 
 # ------------------------------------------------------------------------------ the distribution
 def _filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """fp32 probabilities after temperature and top-k (top-p not yet applied): one fp32 softmax."""
-    logits = logits.float() / params.temperature
+    """fp32 probabilities after temperature and top-k (top-p not yet applied): one fp32 softmax.
+
+    In place on one fp32 copy: on a CPU every further [T, V] buffer alive at once costs page faults.
+    """
+    logits = logits.to(torch.float32, copy=True).div_(params.temperature)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits.masked_fill_(logits < kth, float("-inf"))
     return logits.softmax(-1)
 
 
@@ -160,7 +163,10 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     Token i is picked with probability p_i exactly and a zero-probability token never: should
     ``u * total`` round up to the total, the last positive token is taken, not the last index.
     """
-    cdf = probs.float().cumsum(-1)
+    return _search(probs.float().cumsum(-1), u)
+
+
+def _search(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[..., -1:].contiguous()
     idx = torch.searchsorted(cdf, u * total, right=True)
     return torch.minimum(idx, torch.searchsorted(cdf, total))  # first index reaching the total: the last positive
@@ -200,12 +206,14 @@ def draw(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None = 
     if params.greedy:
         return Draws(greedy_pick(logits))
     probs = _filtered(logits, params)
-    cand = inverse_cdf(probs, u)  # [B, ..., C]
+    scratch = probs.cumsum(-1)
+    cand = _search(scratch, u)  # [B, ..., C]
     if params.top_p >= 1.0:
         return Draws(cand.squeeze(-1))
     p_c = probs.gather(-1, cand)
-    rows = probs.unsqueeze(-2)  # [B, ..., 1, V]
-    above = (rows > p_c.unsqueeze(-1)).to(probs.dtype).mul_(rows).sum(-1)  # mass strictly above each candidate
+    # Mass strictly above each candidate, one candidate at a time into the CDF's buffer (no [.., C, V] tensor).
+    above = torch.stack([torch.mul(probs, probs > p_c[..., i:i + 1], out=scratch).sum(-1)
+                         for i in range(cand.shape[-1])], -1)
     inside = above < params.top_p
     first = inside.to(torch.uint8).argmax(-1, keepdim=True)  # the first inside (0 when none is)
     return Draws(cand.gather(-1, first).squeeze(-1), ~inside.any(-1), probs)
