@@ -70,7 +70,9 @@ def test_readme_results_command_runs_the_shipped_learned_tree():
     section = text[text.index("## Results"):]
     section = section[:section.index("\n## ", 4)]
     assert "`python -m treedec.bench bench.num_threads=2`" in section and "learned" in section
-    conf = yaml.safe_load((ROOT / "conf" / "bench.yaml").read_text())
+    from treedec.models.paths import ASSETS, CONF
+
+    conf = yaml.safe_load((CONF / "bench.yaml").read_text())
     assert conf["bench"]["learned_path"] == "auto" and "learned" in conf["bench"]["methods"]
-    shipped = ROOT / "treedec" / "assets" / "tiny-code-eagle" / "learned_tree.yaml"
+    shipped = ASSETS / "tiny-code-eagle" / "learned_tree.yaml"
     assert LearnedPolicy(str(shipped)).max_size == 48  # the tree the README's table reports

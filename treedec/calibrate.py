@@ -358,7 +358,7 @@ def run(cfg: DictConfig) -> dict:
     return metrics
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="calibrate")
+@hydra.main(version_base="1.3", config_path="conf", config_name="calibrate")
 @entry
 def main(cfg: DictConfig) -> None:
     run(cfg)

@@ -428,7 +428,7 @@ def _check_model(cfg) -> None:
 
 
 def _check_generate(cfg) -> None:
-    from treedec.bench.prompts import read_text
+    from treedec.data.prompts import read_text
 
     if _get(cfg, "prompt_file") not in (None, "-"):
         read_text(_get(cfg, "prompt_file"), "prompt_file")
@@ -441,7 +441,7 @@ def _check_generate(cfg) -> None:
 
 
 def _check_calibrate(cfg) -> None:
-    from treedec.bench.prompts import read_prompt_file
+    from treedec.data.prompts import read_prompt_file
 
     source = _get(cfg, "prompts.source")
     if source not in CALIBRATE_SOURCES:
@@ -466,7 +466,7 @@ def _check_calibrate(cfg) -> None:
 
 
 def _check_bench(cfg) -> None:
-    from treedec.bench.prompts import SOURCES, read_prompt_file
+    from treedec.data.prompts import SOURCES, read_prompt_file
 
     b = "bench."
     source = _get(cfg, b + "prompt_source")

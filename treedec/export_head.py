@@ -82,7 +82,7 @@ def run(cfg: DictConfig) -> Path:
     return out
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="export_head")
+@hydra.main(version_base="1.3", config_path="conf", config_name="export_head")
 @entry
 def main(cfg: DictConfig) -> None:
     run(cfg)

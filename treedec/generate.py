@@ -121,7 +121,7 @@ def objective(metrics: dict, key: str | None) -> float | None:
     return float(value)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
+@hydra.main(version_base="1.3", config_path="conf", config_name="generate")
 @entry
 def main(cfg: DictConfig) -> float | None:
     return objective(run(cfg), cfg.get("optimized_metric"))

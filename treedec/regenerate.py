@@ -333,7 +333,7 @@ def run(cfg: DictConfig) -> dict:
     return metrics
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="regenerate")
+@hydra.main(version_base="1.3", config_path="conf", config_name="regenerate")
 @entry
 def main(cfg: DictConfig) -> None:
     run(cfg)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from treedec.models.paths import ASSETS
+
 AUTO = "auto"
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TARGET, HEAD, ASSISTANT = "tiny-code", "tiny-code-eagle", "tiny-code-assistant"
 LEARNED_TREE = ASSETS / HEAD / "learned_tree.yaml"
 
@@ -63,5 +64,5 @@ def assistant_path(value, model_path) -> tuple[str | None, str]:
     return ASSISTANT, f"bench.assistant_path=auto: {ASSISTANT} (the assistant shipped for {TARGET})"
 
 
-__all__ = ["ASSETS", "ASSISTANT", "AUTO", "HEAD", "LEARNED_TREE", "TARGET", "assistant_path", "is_bundled",
+__all__ = ["ASSISTANT", "AUTO", "HEAD", "LEARNED_TREE", "TARGET", "assistant_path", "is_bundled",
            "learned_path"]

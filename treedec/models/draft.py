@@ -27,8 +27,8 @@ from treedec.attention import prefix_tree_mask
 from treedec.models.cache import KVCache
 from treedec.models.config import LlamaConfig
 from treedec.models.llama import DecoderLayer, ModelOutput, Transformer, rope_cos_sin, rope_inv_freq
+from treedec.models.paths import ASSETS
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
 BUNDLED_DRAFTS = {name: ASSETS / name for name in ("tiny-code-eagle", "tiny-code-eagle3")}  # heads shipped for tiny-code
 KINDS = ("eagle", "eagle3")
 DRAFT_CONFIG = "draft_config.json"

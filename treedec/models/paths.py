@@ -4,7 +4,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+PACKAGE = Path(__file__).resolve().parent.parent
+ASSETS = PACKAGE / "assets"  # the bundled models and heads (package data)
+CONF = PACKAGE / "conf"  # the Hydra configs of every entry point (package data)
 BUNDLED = {"tiny-code": ASSETS / "tiny-code", "tiny-code-assistant": ASSETS / "tiny-code-assistant"}
 # How each bundled model is made, for the error when it is missing.
 _BUNDLED_HOW = {
@@ -63,4 +65,4 @@ def export_path(export_dir: str | None, bundled: Path) -> Path | None:
     return path
 
 
-__all__ = ["ASSETS", "BUNDLED", "bundled_dir", "export_path", "resolve_path"]
+__all__ = ["ASSETS", "BUNDLED", "CONF", "PACKAGE", "bundled_dir", "export_path", "resolve_path"]

@@ -1,4 +1,4 @@
-"""Shipped static tree shapes (``conf/tree/shape/*.yaml``) and a loader for user shape files.
+"""Shipped static tree shapes (``treedec/conf/tree/shape/*.yaml``) and a loader for user shape files.
 
 A shape file is YAML (or JSON, which is YAML) with a ``choices`` key holding an EAGLE/Medusa
 path list (root implicit), e.g. ``choices: [[0], [1], [0, 0]]``; an optional ``name`` is
@@ -11,9 +11,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from treedec.models.paths import CONF
 from treedec.tree.tree import TreeError
 
-SHAPE_DIR = Path(__file__).resolve().parents[2] / "conf" / "tree" / "shape"
+SHAPE_DIR = CONF / "tree" / "shape"
 _SUFFIXES = (".yaml", ".yml", ".json")
 
 
