@@ -32,7 +32,7 @@ def test_multirun_2x2_writes_summary_and_plots(stack, tmp_path):  # noqa: F811
 
     # rebuilt by hand (e.g. after a failed job): same rows
     (sweep / "summary.csv").unlink()
-    from treedec.callbacks import main
+    from treedec.sweep import main
 
     assert main([str(sweep)]) == 0
     with open(sweep / "summary.csv") as f:

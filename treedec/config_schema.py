@@ -16,7 +16,7 @@ this is where they are caught, with the keys of the group meant and the closest 
 the node of a ``tree`` (or ``probe``, or ``bench.trees.*``) group by its ``_target_`` (a policy
 class of your own is left alone), and checks values: ranges, the device and dtype, prompt
 files (readable text, well-formed JSON lines, unique ids), learned-tree paths. The
-``treedec.callbacks.ValidateConfig`` Hydra callback runs it before every job of each entry
+Hydra callback :class:`ValidateConfig` runs it before every job of each entry
 point, and each entry's ``run`` runs it again first, so every mistake is a clear error before
 any model loads.
 """
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
+from hydra.experimental.callback import Callback
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -567,3 +568,21 @@ def validate(cfg: DictConfig, kind: str = "generate") -> None:
             raise ConfigError(f"{key}={value!r}: must be {need}")
     _check_model(cfg)
     _CHECKS[kind](cfg)
+
+
+class ValidateConfig(Callback):
+    """Hydra callback (``hydra.callbacks.validate``): :func:`validate` each job's config before the job runs, so a
+    typo or a wrong type fails before any model loads (``schema``: generate | calibrate | bench | ...)."""
+
+    def __init__(self, schema: str = "generate"):
+        self.schema = schema
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from treedec.cli import USER_ERRORS, fail
+
+        try:
+            validate(config, self.schema)
+        except USER_ERRORS as e:
+            # Hydra turns an exception raised by a callback into a warning and runs the job anyway;
+            # SystemExit is not an Exception, so it stops the run here with the message on stderr.
+            fail(e)

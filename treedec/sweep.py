@@ -1,28 +1,23 @@
-"""Hydra callbacks (``hydra.callbacks`` in conf/generate.yaml, conf/calibrate.yaml, conf/bench.yaml).
+"""Multirun sweeps: the :class:`SweepSummary` Hydra callback (``hydra.callbacks.sweep_summary`` of generate).
 
-* :class:`ValidateConfig` checks each job's composed config against its schema
-  (treedec/config_schema.py) before the job runs, so a typo or a wrong type fails before any
-  model loads.
-* :class:`SweepSummary`, at the end of a multirun, gathers every job's ``metrics.json`` under the
-  sweep dir into ``summary.csv`` (one row per job: the job's overrides as columns, then τ,
-  tokens/s, speedup, new tokens, timings, acceptance by depth and rank) and draws
-  ``tree_size.png`` (τ and tokens/s against tree size, one line per policy and setting) and
-  ``acceptance.png`` (acceptance rate by depth and by sibling rank, one line per job).
+At the end of a multirun it gathers every job's ``metrics.json`` under the sweep dir into
+``summary.csv`` (one row per job: the job's overrides as columns, then τ, tokens/s, speedup, new
+tokens, timings, acceptance by depth and rank) and draws ``tree_size.png`` (τ and tokens/s against
+tree size, one line per policy and setting) and ``acceptance.png`` (acceptance rate by depth and by
+sibling rank, one line per job); the drawing is :mod:`treedec.bench.sweep_plots`.
 
-``python -m treedec.callbacks <sweep dir>`` rebuilds the summary of a sweep by hand (for
+``python -m treedec.sweep <sweep dir>`` rebuilds the summary of a sweep by hand (for
 example after a job failed, which stops Hydra before ``on_multirun_end``).
-
-Imports are lazy: the callbacks are instantiated for every run, single runs included.
+The config check run before every job is :class:`treedec.config_schema.ValidateConfig`.
 """
 from __future__ import annotations
 
 import csv
 import json
 import logging
-import math
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -32,24 +27,6 @@ log = logging.getLogger(__name__)
 SCALARS = ("tau", "tokens_per_s", "speedup", "new_tokens", "steps", "prompt_tokens", "identical_to_vanilla")
 # Overrides that set the tree size (x axis) rather than a separate line in tree_size.png.
 SIZE_KEYS = ("tree.total_tokens", "tree/shape", "tree.shape", "tree.path", "tree.choices")
-
-
-class ValidateConfig(Callback):
-    """Validate the job's config against ``treedec.config_schema`` (``schema``: generate | calibrate | bench)."""
-
-    def __init__(self, schema: str = "generate"):
-        self.schema = schema
-
-    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from treedec.cli import USER_ERRORS, fail
-        from treedec.config_schema import validate
-
-        try:
-            validate(config, self.schema)
-        except USER_ERRORS as e:
-            # Hydra turns an exception raised by a callback into a warning and runs the job anyway;
-            # SystemExit is not an Exception, so it stops the run here with the message on stderr.
-            fail(e)
 
 
 class SweepSummary(Callback):
@@ -202,103 +179,19 @@ def summarize(sweep_dir: str | Path, filename: str = "summary.csv", plots: bool 
     path = write_csv(rows, sweep_dir / filename)
     if plots:
         try:
-            plot(rows, sweep_dir, average_over)
+            from treedec.bench.sweep_plots import plot
+
+            varying, _ = override_columns(rows)  # only what varies labels a line
+            plot(rows, sweep_dir, varying, SIZE_KEYS, average_over)
         except ImportError:
             log.warning("matplotlib is not installed (pip install 'treedec[plots]'): skipping sweep plots")
     return path
 
 
-# --------------------------------------------------------------------------------------------- plot
-def _num(x) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
-
-def _line_label(row: dict, override_cols: Sequence[str]) -> str:
-    parts = [row.get("policy") or "?"]
-    parts += [f"{c}={row[c]}" for c in override_cols if row.get(c) not in (None, "")]
-    return " ".join(parts)
-
-
-def plot(rows: list[dict], out_dir: Path, average_over: Sequence[str] = ()) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    overrides, _ = override_columns(rows)  # only what varies labels a line
-    line_cols = [c for c in overrides if c not in SIZE_KEYS and c not in average_over and c != "tree"]
-    # (line label) -> tree size -> list of (tau, tokens/s); averaged over `average_over` columns
-    lines: dict[str, dict[int, list[tuple[float | None, float | None]]]] = {}
-    for r in rows:
-        if r.get("tree_size") is None:
-            continue
-        lines.setdefault(_line_label(r, line_cols), {}).setdefault(int(r["tree_size"]), []).append(
-            (_num(r.get("tau")), _num(r.get("tokens_per_s"))))
-    out = []
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, by_size in sorted(lines.items()):
-        xs = sorted(by_size)
-        for ax, i in zip(axes, (0, 1)):
-            ys = [_mean(v[i] for v in by_size[x]) for x in xs]
-            pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    vanilla = _mean(_num(r.get("vanilla_tokens_per_s")) for r in rows)
-    if vanilla is not None:
-        axes[1].axhline(vanilla, color="gray", linestyle="--", label="vanilla (mean)")
-        axes[1].legend(fontsize=7)
-    for ax, name in zip(axes, ("τ (tokens per target pass)", "tokens / s")):
-        ax.set_xlabel("tree size T (nodes verified per step, root included)")
-        ax.set_ylabel(name)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-    if lines and len(lines) <= 16:
-        axes[0].legend(fontsize=7)
-    fig.suptitle(f"sweep: {len(rows)} jobs")
-    fig.tight_layout()
-    out.append(out_dir / "tree_size.png")
-    fig.savefig(out[-1], dpi=110)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for r in rows:
-        label = _line_label(r, [c for c in overrides if c not in average_over])
-        for ax, prefix in zip(axes, ("accept_depth_", "accept_rank_")):
-            pts = sorted((int(k[len(prefix):]), _num(v)) for k, v in r.items()
-                         if k.startswith(prefix) and _num(v) is not None)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label)
-    axes[0].set_xlabel("depth (steps that reached it)")
-    axes[0].set_ylabel("acceptance rate")
-    axes[1].set_xlabel("sibling rank (given lower ranks rejected)")
-    axes[1].set_ylabel("acceptance rate")
-    for ax in axes:
-        ax.set_ylim(-0.02, 1.02)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-    if len(rows) <= 16:
-        axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    out.append(out_dir / "acceptance.png")
-    fig.savefig(out[-1], dpi=110)
-    plt.close(fig)
-    return out
-
-
-def _mean(xs: Iterable[float | None]) -> float | None:
-    v = [x for x in xs if x is not None]
-    return sum(v) / len(v) if v else None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print("usage: python -m treedec.callbacks <sweep dir>   (rebuilds summary.csv and the plots)")
+        print("usage: python -m treedec.sweep <sweep dir>   (rebuilds summary.csv and the plots)")
         return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     path = summarize(argv[0])
