@@ -20,7 +20,6 @@ from treedec.tree.shapes import SHAPE_DIR, list_shapes
 CONF = SHAPE_DIR.parents[1]
 GROUPS = ("tree", "sampling", "kernel", "model", "draft")
 OPTIONS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in GROUPS}
-TRAIN_ONLY = {"eagle", "eagle3"}  # conf/draft kinds for `treedec.train draft=...` (DraftConfig fields), not head paths
 POLICY = {"static": StaticPolicy, "dynamic": DynamicPolicy, "chain": ChainPolicy, "learned": LearnedPolicy}
 
 
@@ -42,7 +41,7 @@ def test_group_options_exist():
 
 def test_schemas_registered():
     repo = ConfigStore.instance().repo
-    assert {"generate.yaml", "calibrate.yaml", "bench.yaml", "model.yaml", "kernel.yaml"} <= set(repo["schema"])
+    assert {"generate.yaml", "calibrate.yaml", "bench.yaml", "model.yaml", "draft.yaml"} <= set(repo["schema"])
     assert {"static.yaml", "dynamic.yaml", "chain.yaml", "learned.yaml", "shape.yaml"} <= set(repo["schema"]["tree"])
 
 
@@ -64,16 +63,16 @@ def test_every_shape_validates(shape):
 @pytest.mark.parametrize("group", ["sampling", "kernel", "model", "draft"])
 def test_every_other_option_composes_and_validates(group):
     for option in OPTIONS[group]:
-        if group == "draft" and option in TRAIN_ONLY:
-            continue
         extra = [f"{group}.path=/some/dir"] if option in ("hf", "path") else []
         for entry in ("generate", "calibrate", "bench"):
             cfg = gen([f"{group}={option}", *extra], entry)
             schema.validate(cfg, entry)
             if group == "sampling":
                 assert isinstance(instantiate(cfg.sampling), SamplingParams)
-            if group == "kernel":
-                assert cfg.kernel.backend == option
+            if group == "kernel":  # kernel=NAME sets the target's attention backend
+                assert cfg.model.attn_backend == option and "kernel" not in cfg
+            if group in ("model", "draft"):  # each names its loader
+                assert cfg[group]._target_ in ("treedec.models.load_model", "treedec.models.draft.DraftHead.load")
 
 
 def test_calibrate_config_probe_instantiates():
@@ -98,7 +97,7 @@ def test_compose_time_errors(override, needle):
     ("+tree.totl_tokens=8", "tree.totl_tokens"),
     ("tree.total_tokens=many", "tree.total_tokens"),
     ("+seeed=1", "seeed"),
-    ("kernel.backend=cudnn", "kernel.backend"),
+    ("model.attn_backend=cudnn", "model.attn_backend"),
     ("tree=static|+tree.shape.choicez=[[0]]", "tree.shape.choicez"),
 ])
 def test_validate_errors_name_the_key(override, needle):
@@ -112,17 +111,17 @@ def test_cli_typo_fails_before_loading_the_model(tmp_path):
     composing, the ValidateConfig callback rejects an unknown tree key; the (nonexistent) model is never touched."""
     base = [sys.executable, "-m", "treedec.generate", "model.path=/nonexistent/model", f"hydra.run.dir={tmp_path}"]
     for override, needle in (("+tree.totl_tokens=8", "tree.totl_tokens"), ("max_new_tokens=lots", "max_new_tokens")):
-        done = subprocess.run(base + [override], capture_output=True, text=True, timeout=120, cwd=Path(CONF).parent)
+        done = subprocess.run(base + [override], capture_output=True, text=True, timeout=120, cwd=Path(CONF).parents[1])
         assert done.returncode != 0
         assert needle in done.stderr and ("Error: invalid" in done.stderr or "could not be converted" in done.stderr)
         assert "/nonexistent/model" not in done.stderr  # failed before any model load
 
 
-def test_optuna_experiment_composes():
-    """The optional Optuna sweep (conf/experiment/optuna_tree.yaml) composes where the plugin is installed."""
+def test_optuna_search_composes():
+    """The optional Optuna sweep (treedec/conf/hparams_search/optuna_tree.yaml) composes where the plugin is installed."""
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="generate", overrides=["+experiment=optuna_tree"], return_hydra_config=True)
+        cfg = compose(config_name="generate", overrides=["hparams_search=optuna_tree"], return_hydra_config=True)
     assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper") and cfg.optimized_metric == "tokens_per_s"
     assert set(cfg.hydra.sweeper.params) == {"tree.total_tokens", "tree.depth", "tree.top_k"}
     schema.validate(cfg, "generate")

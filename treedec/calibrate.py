@@ -320,7 +320,7 @@ def run(cfg: DictConfig) -> dict:
             "t_verify_ms": {int(n): round(t * 1e3, 4) for n, t in sorted(timing["t_verify_s"].items())},
             "t_verify_raw_ms": {int(n): round(t * 1e3, 4) for n, t in sorted(raw_verify.items())},
             "prefix_len": int(cfg.timing.prefix_len), "device": str(target.device), "dtype": str(target.dtype),
-            "threads": torch.get_num_threads(), "backend": str(cfg.kernel.backend), "machine": platform.node()},
+            "threads": torch.get_num_threads(), "backend": str(cfg.model.attn_backend), "machine": platform.node()},
         "calibration": {"model": str(cfg.model.path), "draft": str(cfg.draft.path),
                         "sampling": OmegaConf.to_container(cfg.sampling), "prompts": len(prompts),
                         "max_new_tokens": int(cfg.max_new_tokens), "probe": OmegaConf.to_container(cfg.probe),

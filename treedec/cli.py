@@ -1,4 +1,4 @@
-"""What the entry points (generate, calibrate, bench) share: errors, output files, the model stack.
+"""What the entry points share: errors, the config check of every job, output files, the model stack.
 
 **Errors.** A wrong option, a missing file or a checkpoint that does not load is the user's to
 fix, not a bug: it prints one line ``Error: <what is wrong and how to fix it>`` on stderr and exits with
@@ -16,6 +16,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, NoReturn, TypeVar
+
+from hydra.experimental.callback import Callback
 
 # Errors whose message is written for the user (ConfigError, CheckpointError, TreeError are ValueErrors).
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, IsADirectoryError,
@@ -69,13 +71,51 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 
 
 def load_stack(cfg: Any):
-    """(target, tokenizer, draft head) from a config's ``model``, ``draft`` and ``kernel`` groups, in eval mode."""
-    from treedec.models import load_model
-    from treedec.models.draft import DraftHead
+    """(target, tokenizer, draft head) from a config's ``model`` and ``draft`` groups, in eval mode.
+
+    Each group names its loader with ``_target_`` (``treedec.models.load_model``,
+    ``treedec.models.draft.DraftHead.load``), so a checkpoint format of your own is a config, not a code change.
+    """
     from treedec.models.tokenizer import load_tokenizer
 
-    target = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
-                        attn_backend=cfg.kernel.backend).eval()
+    target = load(cfg.model).eval()
     tok = load_tokenizer(cfg.model.path)
-    draft = DraftHead.load(cfg.draft.path, target=target, dtype=target.dtype, device=target.device).eval()
+    draft = load(cfg.draft, target=target, dtype=target.dtype, device=target.device).eval()
     return target, tok, draft
+
+
+def load(node: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate(node, **kwargs)``, with the loader's own user error (a missing checkpoint, a bad
+    config.json) raised as it is, not wrapped in Hydra's InstantiationException: the one-line ``Error:`` stays."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, USER_ERRORS):
+            raise e.__cause__ from None
+        raise
+
+
+class ValidateConfig(Callback):
+    """Hydra callback (``hydra.callbacks.validate`` in conf/hydra/default.yaml): check each job's config before the
+    job runs, so a typo or a wrong type fails before any model loads (``schema``: the entry's config name)."""
+
+    def __init__(self, schema: str = "generate"):
+        self.schema = schema
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        try:
+            if self.schema in ("train", "pretrain"):  # the training jobs' schema (Lightning nodes checked by signature)
+                from treedec.training.schema import check_job_config
+
+                check_job_config(config, self.schema)
+            else:
+                from treedec.config_schema import validate
+
+                validate(config, self.schema)
+        except USER_ERRORS as e:
+            # Hydra turns an exception raised by a callback into a warning and runs the job anyway;
+            # SystemExit is not an Exception, so it stops the run here with the message on stderr.
+            fail(e)

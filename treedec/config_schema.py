@@ -8,7 +8,7 @@ Importing this module registers, in Hydra's ConfigStore:
   composing it rejects an unknown key or a wrong type with OmegaConf's own message, before
   anything is loaded);
 * ``schema/tree/{static,dynamic,chain,learned}``, ``schema/tree/shape``, ``schema/model``,
-  ``schema/draft``, ``schema/kernel``, ``schema/sampling``: the group schemas, for configs of
+  ``schema/draft``, ``schema/sampling``: the group schemas, for configs of
   your own (``defaults: [/schema/tree@_here_: dynamic, _self_]``).
 
 :func:`validate` checks a composed config against them (``+key=...`` appends pass Hydra, so
@@ -16,7 +16,7 @@ this is where they are caught, with the keys of the group meant and the closest 
 the node of a ``tree`` (or ``probe``, or ``bench.trees.*``) group by its ``_target_`` (a policy
 class of your own is left alone), and checks values: ranges, the device and dtype, prompt
 files (readable text, well-formed JSON lines, unique ids), learned-tree paths. The
-Hydra callback :class:`ValidateConfig` runs it before every job of each entry
+Hydra callback :class:`treedec.cli.ValidateConfig` runs it before every job of each entry
 point, and each entry's ``run`` runs it again first, so every mistake is a clear error before
 any model loads.
 """
@@ -30,33 +30,28 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
-from hydra.experimental.callback import Callback
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from treedec.errors import ConfigError  # in its own module: the data layer raises it too
 
 KERNEL_BACKENDS = ("auto", "eager", "sdpa", "triton")
 
 
-class ConfigError(ValueError):
-    """A config that does not match its schema (unknown key, wrong type, bad value)."""
-
-
 # ------------------------------------------------------------------------------------------ groups
 @dataclass
-class ModelSchema:
+class ModelSchema:  # conf/model: the target checkpoint to load (its loader is _target_)
+    _target_: str = MISSING  # treedec.models.load_model
     path: str = MISSING  # "tiny-code" or a local Hugging Face directory
-    dtype: str = "bfloat16"
-    device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
+    dtype: str = MISSING
+    device: str = MISSING  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
+    attn_backend: str = MISSING  # auto | eager | sdpa | triton (the kernel group sets it: kernel=sdpa)
 
 
 @dataclass
-class DraftSchema:
+class DraftSchema:  # conf/draft: the draft head to load
+    _target_: str = MISSING  # treedec.models.draft.DraftHead.load
     path: str = MISSING  # "tiny-code-eagle" or a draft head directory
-
-
-@dataclass
-class KernelSchema:
-    backend: str = "auto"  # auto | eager | sdpa | triton
 
 
 @dataclass
@@ -117,7 +112,10 @@ class CombProbeSchema:
 
 
 @dataclass
-class PathsSchema:
+class PathsSchema:  # conf/paths/default.yaml
+    root_dir: str = MISSING
+    data_dir: str = MISSING
+    output_dir: str = MISSING
     run_dir: str = MISSING
 
 
@@ -141,7 +139,6 @@ class GenerateSchema:
     model: ModelSchema = field(default_factory=ModelSchema)
     draft: DraftSchema = field(default_factory=DraftSchema)
     tree: Any = MISSING  # checked by validate() against TREE_SCHEMAS[tree._target_]
-    kernel: KernelSchema = field(default_factory=KernelSchema)
     sampling: SamplingSchema = field(default_factory=SamplingSchema)
     prompt: str = ""
     prompt_file: Optional[str] = None
@@ -197,7 +194,6 @@ class CalibrationFitSchema:
 class CalibrateSchema:
     model: ModelSchema = field(default_factory=ModelSchema)
     draft: DraftSchema = field(default_factory=DraftSchema)
-    kernel: KernelSchema = field(default_factory=KernelSchema)
     sampling: SamplingSchema = field(default_factory=SamplingSchema)
     probe: Any = MISSING  # a tree policy config; default treedec.tree.sequoia.comb_probe
     prompts: PromptsSchema = field(default_factory=PromptsSchema)
@@ -244,7 +240,6 @@ class BenchOptionsSchema:
 class BenchSchema:
     model: ModelSchema = field(default_factory=ModelSchema)
     draft: DraftSchema = field(default_factory=DraftSchema)
-    kernel: KernelSchema = field(default_factory=KernelSchema)
     sampling: SamplingSchema = field(default_factory=SamplingSchema)
     bench: BenchOptionsSchema = field(default_factory=BenchOptionsSchema)
     paths: PathsSchema = field(default_factory=PathsSchema)
@@ -256,6 +251,7 @@ class ExportHeadSchema:
     format: str = "eagle"  # eagle | eagle3 (the head's kind): the public layout to write
     out: str = MISSING  # the directory to create
     dtype: Optional[str] = None  # null: the head's own
+    paths: PathsSchema = field(default_factory=PathsSchema)
 
 
 SCHEMAS: dict[str, type] = {"generate": GenerateSchema, "calibrate": CalibrateSchema, "bench": BenchSchema,
@@ -268,7 +264,6 @@ class RegenerateSchema:  # conf/regenerate.yaml (python -m treedec.regenerate, d
     model: ModelSchema = field(default_factory=ModelSchema)
     draft: DraftSchema = field(default_factory=DraftSchema)
     tree: Any = MISSING
-    kernel: KernelSchema = field(default_factory=KernelSchema)
     sampling: SamplingSchema = field(default_factory=SamplingSchema)
     trainer: Any = None  # a conf/trainer node (Lightning's own arguments)
     input: str = MISSING
@@ -300,7 +295,7 @@ def register_configs() -> None:
                        ("learned", LearnedTreeSchema)):
         cs.store(group="schema/tree", name=name, node=node)
     for name, node in (("tree/shape", ShapeSchema), ("model", ModelSchema), ("draft", DraftSchema),
-                       ("kernel", KernelSchema), ("sampling", SamplingSchema)):
+                       ("sampling", SamplingSchema)):
         group, _, leaf = f"schema/{name}".rpartition("/")
         cs.store(group=group, name=leaf, node=node)
 
@@ -558,10 +553,10 @@ def validate(cfg: DictConfig, kind: str = "generate") -> None:
     for group in ("tree", "probe"):
         if group in node and group in SCHEMAS[kind].__dataclass_fields__:
             validate_tree(node[group], group)
-    backend = OmegaConf.select(node, "kernel.backend")
+    backend = OmegaConf.select(node, "model.attn_backend")
     if backend is not None and backend not in KERNEL_BACKENDS:
-        raise ConfigError(f"invalid {kind} config: kernel.backend={backend!r}; "
-                          f"choose one of {', '.join(KERNEL_BACKENDS)}")
+        raise ConfigError(f"invalid {kind} config: model.attn_backend={backend!r}; "
+                          f"choose one of {', '.join(KERNEL_BACKENDS)} (or kernel=<one of them>)")
     for key, ok, need in _RULES[kind]:
         value = _get(cfg, key)
         if value is not None and not ok(value):
@@ -569,20 +564,3 @@ def validate(cfg: DictConfig, kind: str = "generate") -> None:
     _check_model(cfg)
     _CHECKS[kind](cfg)
 
-
-class ValidateConfig(Callback):
-    """Hydra callback (``hydra.callbacks.validate``): :func:`validate` each job's config before the job runs, so a
-    typo or a wrong type fails before any model loads (``schema``: generate | calibrate | bench | ...)."""
-
-    def __init__(self, schema: str = "generate"):
-        self.schema = schema
-
-    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from treedec.cli import USER_ERRORS, fail
-
-        try:
-            validate(config, self.schema)
-        except USER_ERRORS as e:
-            # Hydra turns an exception raised by a callback into a warning and runs the job anyway;
-            # SystemExit is not an Exception, so it stops the run here with the message on stderr.
-            fail(e)

@@ -1,6 +1,6 @@
-"""Train an EAGLE draft head: ``python -m treedec.train [hydra overrides]`` (``draft=eagle3``: an EAGLE-3 head).
+"""Train an EAGLE draft head: ``python -m treedec.train [hydra overrides]`` (``draft_arch=eagle3``: an EAGLE-3 head).
 
-The target is loaded frozen (``target=tiny-code`` or a local HF directory); the head trains on
+The target is loaded frozen (``model.path=tiny-code`` or a local HF directory); the head trains on
 token windows of ``data`` (or, with ``data=jsonl`` on chat data, on the assistant turns of each
 conversation) with the EAGLE loss (EAGLE-3: its training-time test), checkpoints ``last.ckpt`` into the run dir and
 resumes from it when re-run with the same ``hydra.run.dir``; a callback runs the real
@@ -47,9 +47,9 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     from treedec.training.trainer import atomic_dir, build_trainer, stop_reason, use_hint, write_json
 
     t0 = time.time()
-    kind = (cfg.draft or {}).get("kind", "eagle")
+    kind = (cfg.draft_arch or {}).get("kind", "eagle")
     export = export_path(cfg.export_dir, bundled_dir(BUNDLED_HEAD[kind]))
-    target_dir = resolve_path(cfg.target)
+    target_dir = resolve_path(cfg.model.path)
     tok_path = cfg.paths.tokenizer or str(target_dir / "tokenizer.json")
     if not Path(tok_path).is_file():
         raise FileNotFoundError(f"no tokenizer at {tok_path}: the draft trains on the target's own tokenizer")
@@ -60,12 +60,12 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     dm.setup("fit")
 
     optim = time_budget(OmegaConf.to_container(cfg.optim, resolve=True), cfg.trainer)
-    draft = OmegaConf.to_container(cfg.draft, resolve=True) or {}
+    draft = OmegaConf.to_container(cfg.draft_arch, resolve=True) or {}
     k3 = draft_vocab_size(cfg) if kind == "eagle3" else 0
     if k3:
         draft["draft_vocab_size"] = k3
     module = DraftModule(str(target_dir), draft=draft,
-                         max_steps=int(cfg.trainer.max_steps), target_dtype=cfg.target_dtype, seed=int(cfg.seed),
+                         max_steps=int(cfg.trainer.max_steps), target_dtype=cfg.model.dtype, seed=int(cfg.seed),
                          init_from=cfg.init_from, **optim)
     if k3:  # EAGLE-3's LM head is over the draft vocabulary from the start (EAGLE-1/2: restricted at export)
         module.set_draft_vocab(frequent_tokens(dm.train_set, k3, module.head.config.vocab_size))
@@ -92,11 +92,11 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
         # A copy bound to the target (its fingerprint is saved), cast, then filled straight from the fp32 weights.
         head = DraftHead(module.head.config).bind(module.target).to(resolve_dtype(cfg.export_dtype))
         head.load_state_dict(module.head.state_dict())
-        head.config.target = str(cfg.target)
+        head.config.target = str(cfg.model.path)
         if int(cfg.draft_vocab_size) and kind == "eagle":
             head.restrict_vocab(frequent_tokens(dm.train_set, int(cfg.draft_vocab_size), head.config.vocab_size))
         atomic_dir(export, head.save)
-        log.info("exported the draft head to %s; use it: %s", export, use_hint("draft", export, str(cfg.target)))
+        log.info("exported the draft head to %s; use it: %s", export, use_hint("draft", export, str(cfg.model.path)))
     max_time = cfg.trainer.get("max_time")
     metrics = {
         "steps": int(trainer.global_step), "tau_before": tau0, "tau_history": [list(h) for h in tau_cb.history],
@@ -115,11 +115,11 @@ BUNDLED_HEAD = {"eagle": "tiny-code-eagle", "eagle3": "tiny-code-eagle3"}  # wha
 
 
 def draft_vocab_size(cfg: DictConfig) -> int:
-    """An EAGLE-3 head's K: ``draft.draft_vocab_size`` (conf/draft/eagle3.yaml), else the top-level
+    """An EAGLE-3 head's K: ``draft_arch.draft_vocab_size`` (conf/draft_arch/eagle3.yaml), else the top-level
     ``draft_vocab_size``; both set and different is an error (one head has one vocabulary)."""
-    own, top = int((cfg.draft or {}).get("draft_vocab_size") or 0), int(cfg.draft_vocab_size or 0)
+    own, top = int((cfg.draft_arch or {}).get("draft_vocab_size") or 0), int(cfg.draft_vocab_size or 0)
     if own and top and own != top:
-        raise ValueError(f"draft.draft_vocab_size={own} and draft_vocab_size={top} differ: set one")
+        raise ValueError(f"draft_arch.draft_vocab_size={own} and draft_vocab_size={top} differ: set one")
     return own or top
 
 

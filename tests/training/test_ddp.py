@@ -102,7 +102,7 @@ def test_train_draft_ddp_two_cpu_processes(pretrained_ddp, corpus):
     tmp = ptmp.parent / (ptmp.name + "_draft")
     tmp.mkdir()
     out = run_ddp("treedec.train", [
-        f"target={ptmp / 'export'}", "target_dtype=float32", f"hydra.run.dir={tmp / 'run'}",
+        f"model.path={ptmp / 'export'}", "model.dtype=float32", f"hydra.run.dir={tmp / 'run'}",
         f"export_dir={tmp / 'draft'}", "export_dtype=float32", f"data.root={corpus}", "data.seq_len=32",
         "data.batch_size=4", "data.val_fraction=0.2", f"data.cache_dir={tmp / 'cache'}", "data.max_val_windows=4",
         "trainer.max_steps=4", "trainer.val_check_interval=2", "ckpt_every_n_steps=2", "log_every=2",

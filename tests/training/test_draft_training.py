@@ -27,7 +27,7 @@ def target_dir(tokenizer, tmp_path_factory):  # noqa: F811
 
 
 def train_cfg(target_dir, corpus, tmp_path, steps, *extra):  # noqa: F811
-    overrides = [f"target={target_dir}", "target_dtype=float32", f"export_dir={tmp_path / 'draft'}",
+    overrides = [f"model.path={target_dir}", "model.dtype=float32", f"export_dir={tmp_path / 'draft'}",
                  f"paths.run_dir={tmp_path / 'run'}", f"data.root={corpus}", "data.seq_len=32", "data.batch_size=8",
                  "data.val_fraction=0.2", f"data.cache_dir={tmp_path / 'cache'}", "data.max_val_windows=2",
                  f"trainer.max_steps={steps}", "trainer.max_time=null", "trainer.val_check_interval=10",
@@ -135,7 +135,7 @@ def test_eagle3_train_resume_and_export(target_dir, corpus, tmp_path):  # noqa: 
     from treedec.models.eagle3 import Eagle3Head
     from treedec.train import run
 
-    extra = ("draft=eagle3", "draft.draft_vocab_size=48", "optim.unroll=2", "eval.every_n_steps=0")
+    extra = ("draft_arch=eagle3", "draft_arch.draft_vocab_size=48", "optim.unroll=2", "eval.every_n_steps=0")
     m = run(train_cfg(target_dir, corpus, tmp_path, 6, *extra))
     assert m["steps"] == 6 and "val/ce_1" in m["val"] and "val/ce_2" not in m["val"]
     m2 = run(train_cfg(target_dir, corpus, tmp_path, 10, *extra))  # resumed from last.ckpt

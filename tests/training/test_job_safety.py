@@ -212,18 +212,21 @@ def test_finished_metrics_decides_by_steps_and_time_cap(tmp_path):
                                   r"max_new_tokens, every_n_steps"),
     ("train", "+trainer.max_step=3", r"unknown key trainer\.max_step; .*trainer\.max_steps"),
     ("train", "+data.seqlen=3", r"unknown key data\.seqlen; .*seq_len"),
-    ("train", "+draft.intermediate_siz=64", r"unknown key draft\.intermediate_siz; .*intermediate_size"),
+    ("train", "+draft_arch.intermediate_siz=64", r"unknown key draft_arch\.intermediate_siz; .*intermediate_size"),
     ("train", "+callbacks.lr={_target_:lightning.pytorch.callbacks.LearningRateMonitor,interval:step}",
      r"unknown key callbacks\.lr\.interval; .*logging_interval"),
     ("train", "+optim.learning_rate=1", r"unknown key optim\.learning_rate; .*lr"),
     ("train", "+exportdir=x", r"unknown key exportdir; .*export_dir"),
     ("train", "eval.n_prompts=many", r"eval\.n_prompts='many' is not int"),
     ("train", "export_dtype=bogus", r"export_dtype='bogus': unknown dtype"),
-    ("train", "target_dtype=fp8", r"target_dtype='fp8': unknown dtype"),
+    ("train", "model.dtype=fp8", r"model\.dtype='fp8': unknown dtype"),
     ("train", "requeue=slurm", r"requeue='slurm'; choose one of auto, submitit, lightning, none"),
     ("train", "num_threads=0", r"num_threads=0 must be a number >= 1"),
     ("train", "trainer.max_time=soon", r"trainer\.max_time='soon' is not a positive duration"),
-    ("train", "target=/nonexistent/model", r"target=/nonexistent/model: no model directory"),
+    ("train", "model.path=/nonexistent/model", r"model\.path=/nonexistent/model: no model directory"),
+    ("train", "+target=tiny-code", r"target is now model\.path"),  # the old names fail, naming the new key
+    ("train", "+target_dtype=float32", r"target_dtype is now model\.dtype"),
+    ("train", "+draft.kind=eagle3", r"draft is now draft_arch"),
     ("train", "export_dir=treedec/assets/tiny-code-eagle", r"inside the package's assets"),
     ("pretrain", "+model_arch.num_layers=2", r"unknown key model_arch\.num_layers; .*num_hidden_layers"),
     ("pretrain", "model_arch.num_key_value_heads=3", r"invalid model_arch: num_attention_heads \(8\) must be a "
@@ -249,7 +252,7 @@ def test_defaults_and_documented_overrides_pass(tmp_path):
 
     run = f"paths.run_dir={tmp_path}"
     for name, ovr in [("train", []), ("pretrain", []), ("train", ["export_dtype=bf16", "trainer=ddp"]),
-                      ("train", ["logger=[csv,tensorboard]", "trainer=fsdp", "+draft.intermediate_size=128"]),
+                      ("train", ["logger=[csv,tensorboard]", "trainer=fsdp", "+draft_arch.intermediate_size=128"]),
                       ("train", ["data=jsonl", "data.path=x.jsonl", "export_dir=null",
                                  "+callbacks.lr={_target_:lightning.pytorch.callbacks.LearningRateMonitor}"]),
                       ("pretrain", ["model_arch=tiny_code_assistant", "paths.tokenizer=tiny-code"]),

@@ -162,7 +162,7 @@ def test_masked_loss_ignores_masked_positions(target_dir):
 def test_train_on_chat_jsonl(target_dir, chat_file, tmp_path):
     from treedec.train import run
 
-    ovr = [f"target={target_dir}", "target_dtype=float32", "export_dir=null", f"paths.run_dir={tmp_path / 'run'}",
+    ovr = [f"model.path={target_dir}", "model.dtype=float32", "export_dir=null", f"paths.run_dir={tmp_path / 'run'}",
            "data=jsonl", f"data.path={chat_file}", "data.seq_len=60", "data.batch_size=4", "data.val_fraction=0.25",
            f"data.cache_dir={tmp_path / 'cache'}", "data.max_val_windows=4", "trainer.max_steps=4",
            "trainer.max_time=null", "trainer.val_check_interval=4", "trainer.precision=32-true",

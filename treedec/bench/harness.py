@@ -652,7 +652,7 @@ def run(cfg: DictConfig) -> dict:
     prompts = load_prompts(bench, tok)
     log.info("%d prompts (%d-%d tokens), max_new_tokens=%d, %d threads, %s %s on %s", len(prompts),
              min(len(p.ids) for p in prompts), max(len(p.ids) for p in prompts), int(bench.max_new_tokens),
-             torch.get_num_threads(), str(target.dtype).removeprefix("torch."), cfg.kernel.backend, target.device)
+             torch.get_num_threads(), str(target.dtype).removeprefix("torch."), cfg.model.attn_backend, target.device)
     methods, skipped = build_methods(cfg, target, draft, eos_ids, policies, why)
     peer_methods, peer_skipped = peer_mod.build_peers(cfg, target, eos_ids, why["hf_assisted"])
     methods += peer_methods

@@ -4,11 +4,12 @@ from treedec.models.config import SUPPORTED_ARCHITECTURES, LlamaConfig
 from treedec.models.llama import ModelOutput, Transformer
 
 
-def load_model(name_or_path, **kw):
-    """Load "tiny-code" (the bundled model) or a local Hugging Face directory; see checkpoint.load_model."""
+def load_model(path, **kw):
+    """Load "tiny-code" (the bundled model) or a local Hugging Face directory; see checkpoint.load_model.
+    The ``_target_`` of conf/model/*.yaml (``path``, ``dtype``, ``device``, ``attn_backend``)."""
     from treedec.models.checkpoint import load_model as _load
 
-    return _load(name_or_path, **kw)
+    return _load(path, **kw)
 
 
 __all__ = ["KVCache", "LlamaConfig", "ModelOutput", "SUPPORTED_ARCHITECTURES", "Transformer", "load_model"]

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from treedec.config_schema import ConfigError, unknown_key_hint
+from treedec.config_schema import ConfigError, ModelSchema, unknown_key_hint
 
 HYDRA_KEYS = ("_target_", "_recursive_", "_convert_", "_partial_", "_args_")
 REQUEUE = ("auto", "submitit", "lightning", "none")
@@ -67,15 +67,17 @@ class LMOptimSchema:
 
 
 @dataclass
-class TrainPathsSchema:
-    run_dir: str = ""
-    tokenizer: Optional[str] = None
+class TrainPathsSchema:  # conf/paths/default.yaml + the tokenizer
+    root_dir: str = MISSING
+    data_dir: str = MISSING
+    output_dir: str = MISSING
+    run_dir: str = MISSING
+    tokenizer: Optional[str] = MISSING
 
 
 @dataclass
-class PretrainPathsSchema:
-    run_dir: str = ""
-    tokenizer: str = ""
+class PretrainPathsSchema(TrainPathsSchema):
+    tokenizer: str = MISSING
 
 
 @dataclass
@@ -96,9 +98,8 @@ class JobSchema:
 
 @dataclass
 class TrainSchema(JobSchema):
-    target: str = "tiny-code"
-    target_dtype: str = "bfloat16"
-    draft: Any = None  # DraftConfig overrides
+    model: Any = None  # the frozen target (conf/model: _target_, path, dtype, device, attn_backend)
+    draft_arch: Any = None  # DraftConfig overrides: the head to train
     init_from: Optional[str] = None
     draft_vocab_size: int = 0  # > 0: export with the training data's K most frequent tokens as draft vocabulary
     optim: DraftOptimSchema = field(default_factory=DraftOptimSchema)
@@ -114,10 +115,17 @@ class PretrainSchema(JobSchema):
 
 
 # ------------------------------------------------------------------------------------------- keys
+# Keys renamed by the config layout of issue 13: an old command fails naming the new key.
+RENAMED = {"target": "model.path (the model group, as in generate)", "target_dtype": "model.dtype",
+           "draft": "draft_arch (the head to train; `draft` is a head to load in generate)"}
+
+
 def _unknown(keys, known: list[str], group: str) -> None:
     for key in keys:
         if key not in known:
             where = f"{group}.{key}" if group else str(key)
+            if not group and where in RENAMED:
+                raise ConfigError(f"{where} is now {RENAMED[where]}: pass that instead")
             raise ConfigError(f"unknown key {where}; {unknown_key_hint(str(key), known, group)}")
 
 
@@ -253,7 +261,7 @@ def _check_common(cfg: DictConfig, kind: str) -> None:
     from treedec.models.checkpoint import resolve_dtype
     from treedec.training.schedule import seconds
 
-    for key in ("export_dtype",) + (("target_dtype",) if kind == "train" else ()):
+    for key in ("export_dtype",) + (("model.dtype",) if kind == "train" else ()):
         try:
             resolve_dtype(_get(cfg, key))
         except ValueError as e:
@@ -288,21 +296,24 @@ def _check_train(cfg: DictConfig) -> None:
     from treedec.models.checkpoint import resolve_path
     from treedec.models.draft import DraftConfig
 
-    draft = _get(cfg, "draft") or {}
-    check_fields({k: v for k, v in draft.items() if not (k == "feature_layers" and v is None)}, DraftConfig, "draft")
+    draft = _get(cfg, "draft_arch") or {}
+    check_fields({k: v for k, v in draft.items() if not (k == "feature_layers" and v is None)}, DraftConfig,
+                 "draft_arch")
     if draft.get("kind", "eagle") not in ("eagle", "eagle3"):
-        raise ConfigError(f"draft.kind={draft.get('kind')!r} is not a head kind: draft=eagle or draft=eagle3")
+        raise ConfigError(f"draft_arch.kind={draft.get('kind')!r} is not a head kind: draft_arch=eagle or "
+                          f"draft_arch=eagle3")
     _at_least(cfg, "optim.unroll", 1, " (null: 3 for eagle3)")
     if "target" in draft:
-        raise ConfigError("draft.target is set from `target`; drop draft.target")
+        raise ConfigError("draft_arch.target is set from model.path; drop draft_arch.target")
     for key in ("eval.n_prompts", "eval.prompt_tokens", "eval.max_new_tokens"):
         _at_least(cfg, key, 1)
     _at_least(cfg, "eval.every_n_steps", 0, " (0: only at the end)")
-    target = _get(cfg, "target")
+    check_fields(_get(cfg, "model"), ModelSchema, "model")
+    target = _get(cfg, "model.path")
     try:
         resolve_path(target)
     except FileNotFoundError as e:
-        raise ConfigError(f"target={target}: {e}") from None
+        raise ConfigError(f"model.path={target}: {e}") from None
     init = _get(cfg, "init_from")
     if init is not None and not (Path(init).expanduser() / "draft_config.json").is_file():
         raise ConfigError(f"init_from={init}: no draft head there (draft_config.json + draft.safetensors)")
@@ -311,7 +322,7 @@ def _check_train(cfg: DictConfig) -> None:
         raise ConfigError(f"paths.tokenizer={tok} is not a file; the head trains on the target's own tokenizer "
                           f"(null: the target's tokenizer.json)")
     if _get(cfg, "export_dir") == "bundled" and str(target) != "tiny-code":
-        raise ConfigError(f"export_dir=bundled replaces the head shipped for tiny-code, but target={target}; "
+        raise ConfigError(f"export_dir=bundled replaces the head shipped for tiny-code, but model.path={target}; "
                           f"export a head for another target to a directory of its own")
     _check_export(cfg, "tiny-code-eagle3" if draft.get("kind") == "eagle3" else "tiny-code-eagle")
 

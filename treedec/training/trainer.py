@@ -481,4 +481,4 @@ def use_hint(kind: str, path: Path, target: str | None = None) -> str:
         model = "" if target in (None, "tiny-code") else f"model=hf model.path={target} "
         return f"python -m treedec.generate {model}draft=path draft.path={path}"
     return (f"python -m treedec.generate model=hf model.path={path} draft=path draft.path=HEAD "
-            f"(HEAD: a head trained for it by python -m treedec.train target={path})")
+            f"(HEAD: a head trained for it by python -m treedec.train model.path={path})")
