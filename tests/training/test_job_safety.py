@@ -25,7 +25,7 @@ from treedec.training.trainer import (JobError, ResumeState, RunDirLock, atomic_
 from treedec.tree.shapes import SHAPE_DIR
 
 CONF = str(SHAPE_DIR.parents[1])
-REPO = SHAPE_DIR.parents[2]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def compose_cfg(name: str, overrides: list[str]):

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from treedec.tree.shapes import SHAPE_DIR
 from tests.helpers import TINY_ARCH
 
 CONF = str(SHAPE_DIR.parents[1])
-REPO = SHAPE_DIR.parents[2]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
 
 
