@@ -55,11 +55,11 @@ class DraftSchema:  # conf/draft: the draft head to load
 
 
 @dataclass
-class SamplingSchema:
-    _target_: str = "treedec.decoding.sampling.SamplingParams"
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+class SamplingSchema:  # conf/sampling/*.yaml give every value
+    _target_: str = MISSING  # treedec.decoding.sampling.SamplingParams
+    temperature: float = MISSING
+    top_k: int = MISSING
+    top_p: float = MISSING
 
 
 @dataclass
@@ -140,7 +140,7 @@ class GenerateSchema:
     draft: DraftSchema = field(default_factory=DraftSchema)
     tree: Any = MISSING  # checked by validate() against TREE_SCHEMAS[tree._target_]
     sampling: SamplingSchema = field(default_factory=SamplingSchema)
-    prompt: str = ""
+    prompt: str = MISSING
     prompt_file: Optional[str] = None
     chat: bool = False
     max_new_tokens: int = 128
@@ -227,7 +227,7 @@ class BenchOptionsSchema:
     learned_path: Optional[str] = "auto"  # auto: the tree shipped for the bundled head (treedec/bench/bundled.py)
     compile: bool = False  # also run vanilla and each tree method with compile=True (NAME_compile)
     dynamic_sweep: Optional[List[int]] = None  # also dynamic_T<n> (bench.trees.dynamic at total_tokens=n) per n
-    trees: Dict[str, Any] = field(default_factory=dict)  # method name -> tree policy config (checked by _target_)
+    trees: Dict[str, Any] = MISSING  # method name -> tree policy config (checked by _target_)
     peers: List[str] = field(default_factory=lambda: ["hf_greedy", "hf_prompt_lookup", "hf_assisted", "hf_sample"])
     prompt_lookup_num_tokens: int = 10
     assistant_path: Optional[str] = "auto"  # auto: tiny-code-assistant for the bundled target; or a directory
@@ -265,7 +265,7 @@ class RegenerateSchema:  # conf/regenerate.yaml (python -m treedec.regenerate, d
     draft: DraftSchema = field(default_factory=DraftSchema)
     tree: Any = MISSING
     sampling: SamplingSchema = field(default_factory=SamplingSchema)
-    trainer: Any = None  # a conf/trainer node (Lightning's own arguments)
+    trainer: Any = MISSING  # a conf/trainer node (Lightning's own arguments)
     input: str = MISSING
     out_dir: str = MISSING
     format: str = "auto"

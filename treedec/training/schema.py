@@ -85,21 +85,21 @@ class JobSchema:
     """Keys both jobs share."""
     seed: int = 0
     num_threads: int = 2
-    export_dir: Optional[str] = None
+    export_dir: Optional[str] = MISSING
     export_dtype: str = "bfloat16"
     ckpt_every_n_steps: int = 100
     log_every: int = 10
     requeue: str = "auto"
-    callbacks: Any = None  # name -> callback config (checked by _target_)
-    logger: Any = None  # name -> logger config (checked by _target_)
-    data: Any = None  # checked by _target_
-    trainer: Any = None  # checked by _target_
+    callbacks: Any = MISSING  # name -> callback config (checked by _target_)
+    logger: Any = MISSING  # name -> logger config (checked by _target_)
+    data: Any = MISSING  # checked by _target_
+    trainer: Any = MISSING  # checked by _target_
 
 
 @dataclass
 class TrainSchema(JobSchema):
-    model: Any = None  # the frozen target (conf/model: _target_, path, dtype, device, attn_backend)
-    draft_arch: Any = None  # DraftConfig overrides: the head to train
+    model: Any = MISSING  # the frozen target (conf/model: _target_, path, dtype, device, attn_backend)
+    draft_arch: Any = MISSING  # DraftConfig overrides: the head to train
     init_from: Optional[str] = None
     draft_vocab_size: int = 0  # > 0: export with the training data's K most frequent tokens as draft vocabulary
     optim: DraftOptimSchema = field(default_factory=DraftOptimSchema)
@@ -109,7 +109,7 @@ class TrainSchema(JobSchema):
 
 @dataclass
 class PretrainSchema(JobSchema):
-    model_arch: Any = None  # LlamaConfig fields + asset_name
+    model_arch: Any = MISSING  # LlamaConfig fields + asset_name
     optim: LMOptimSchema = field(default_factory=LMOptimSchema)
     paths: PretrainPathsSchema = field(default_factory=PretrainPathsSchema)
 

@@ -1,0 +1,89 @@
+"""The config tree (treedec/conf, lightning-hydra-template style): one run-dir pattern, debug/ and local/ groups,
+and one source of truth for each default (the YAML, or the schema dataclass where the YAML leaves it out)."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import MISSING, OmegaConf
+
+import treedec.config_schema as schema
+from treedec.models.paths import CONF
+from treedec.training import schema as train_schema
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRIES = ("generate", "calibrate", "bench", "regenerate", "export_head", "train", "pretrain")
+SCHEMAS = {**schema.SCHEMAS, "train": train_schema.TrainSchema, "pretrain": train_schema.PretrainSchema}
+
+
+def composed(name: str, overrides=(), hydra: bool = False):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name=name, overrides=list(overrides), return_hydra_config=hydra)
+
+
+def test_one_run_dir_pattern_and_a_sweep_dir_per_entry():
+    sweeps = set()
+    for name in ENTRIES:
+        h = composed(name, hydra=True).hydra
+        assert h.run.dir.startswith(f"./outputs/{name}/") and not h.job.chdir
+        assert h.sweep.dir.startswith(f"./outputs/{name}/multirun/")
+        assert h.callbacks.validate.schema == name  # every job is checked against its own schema
+        sweeps.add(h.sweep.dir.split("/multirun/")[0])
+    assert len(sweeps) == len(ENTRIES)  # generate and calibrate never share a sweep dir
+
+
+@pytest.mark.parametrize("name", ["train", "pretrain"])
+def test_debug_configs_compose_and_validate(name, tmp_path):
+    base = [f"paths.run_dir={tmp_path}"]
+    fdr = composed(name, ["debug=fdr", *base])
+    assert fdr.trainer.fast_dev_run is True and fdr.trainer.accelerator == "cpu" and fdr.export_dir is None
+    over = composed(name, ["debug=overfit", *base])
+    assert over.trainer.overfit_batches == 2 and "fast_dev_run" not in over.trainer
+    for cfg in (fdr, over):
+        train_schema.check_job_config(cfg, name)
+    assert composed(name, ["debug=fdr"], hydra=True).hydra.run.dir.startswith(f"./outputs/debug/{name}/")
+
+
+def test_local_overrides_from_a_config_dir(tmp_path):
+    """``optional local: default``: absent, nothing changes; in a --config-dir, it overrides every entry."""
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "default.yaml").write_text("# @package _global_\npaths:\n  data_dir: /my/data\n")
+    cmd = [sys.executable, "-m", "treedec.generate", "--cfg", "job", "--resolve"]
+    plain = subprocess.run(cmd[:-1], capture_output=True, text=True, timeout=120, cwd=REPO)
+    local = subprocess.run(cmd[:-1] + ["--config-dir", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                           cwd=REPO)
+    assert plain.returncode == 0 and local.returncode == 0, plain.stderr + local.stderr
+    assert "data_dir: ${paths.root_dir}/data" in plain.stdout and "data_dir: /my/data" in local.stdout
+
+
+def _defaults(cls: type, prefix: str = ""):
+    """(dotted key, default) of every field of a schema dataclass with a plain default (nested dataclasses too)."""
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
+            yield from _defaults(f.type, f"{prefix}{f.name}.")
+        elif f.default is not dataclasses.MISSING and f.default is not MISSING:
+            yield f"{prefix}{f.name}", f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+            if dataclasses.is_dataclass(value):
+                yield from _defaults(type(value), f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}", value
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_yaml_and_schema_defaults_agree(name):
+    """A key with a default in both the YAML and the schema has the same one: the schema's only documents it."""
+    yaml = OmegaConf.to_container(composed(name), resolve=False)
+    differ = []
+    for key, default in _defaults(SCHEMAS[name]):
+        node = yaml
+        for part in key.split("."):
+            node = node.get(part, MISSING) if isinstance(node, dict) else MISSING
+        if node is not MISSING and node != "???" and node != default:
+            differ.append(f"{key}: yaml {node!r}, schema {default!r}")
+    assert not differ, f"{name}: " + "; ".join(differ)
