@@ -143,3 +143,11 @@ def test_eagle3_train_resume_and_export(target_dir, corpus, tmp_path):  # noqa: 
     head = DraftHead.load(tmp_path / "draft")
     assert isinstance(head, Eagle3Head) and head.config.feature_layers == [1, 1, 0]
     assert head.lm_head.out_features == 48 and head.vocab_ids.unique().numel() == 48
+
+
+def test_debug_fdr_runs_one_batch(target_dir, corpus, tmp_path):  # noqa: F811
+    """``debug=fdr`` (conf/debug/fdr.yaml): Lightning's fast_dev_run through the real job: one step, then it ends."""
+    from treedec.train import run
+
+    m = run(train_cfg(target_dir, corpus, tmp_path, 20, "debug=fdr", "export_dir=null"))
+    assert m["steps"] == 1 and m["export_dir"] is None and m["max_steps"] == 20
