@@ -76,3 +76,23 @@ def test_readme_results_command_runs_the_shipped_learned_tree():
     assert conf["bench"]["learned_path"] == "auto" and "learned" in conf["bench"]["methods"]
     shipped = ASSETS / "tiny-code-eagle" / "learned_tree.yaml"
     assert LearnedPolicy(str(shipped)).max_size == 48  # the tree the README's table reports
+
+
+@pytest.mark.parametrize("entry, arg, new", [
+    ("train", "target=/models/x", "model.path"), ("train", "+target_dtype=float32", "model.dtype"),
+    ("train", "draft=eagle3", "draft_arch"), ("generate", "kernel.backend=sdpa", "model.attn_backend"),
+    ("generate", "+experiment=optuna_tree", "hparams_search"),
+])
+def test_renamed_keys_fail_naming_the_new_key(entry, arg, new):
+    from treedec.cli import refuse_renamed
+
+    with pytest.raises(SystemExit, match=rf"^Error: {arg.lstrip('+').split('=')[0].split('.')[0]}.* is now {new}"):
+        refuse_renamed(entry, ["max_new_tokens=4", arg])
+    refuse_renamed(entry, ["draft=path", "draft_arch=eagle3", "kernel=sdpa", "hparams_search=optuna_tree"] if entry
+                   == "generate" else ["model.path=/x", "draft_arch=eagle3", "hydra.run.dir=x"])  # the new names pass
+
+
+def test_renamed_key_on_the_command_line_is_one_error_line():
+    done = subprocess.run([sys.executable, "-m", "treedec.train", "target=/models/x"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("Error: target is now model.path")

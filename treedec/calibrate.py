@@ -33,7 +33,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import treedec.config_schema  # noqa: F401  (registers schema/calibrate before Hydra composes)
-from treedec.cli import entry, load_stack, write_text_atomic
+from treedec.cli import entry, load_stack, refuse_renamed, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -365,4 +365,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_renamed("calibrate")
     main()

@@ -52,6 +52,19 @@ def entry(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def refuse_renamed(entry: str, argv: list[str] | None = None) -> None:
+    """Before Hydra parses the command line: an override of a renamed key (``target=``, ``kernel.backend=``,
+    ``+experiment=``...) stops with one ``Error:`` line naming the new key (Hydra would only say "not in struct")."""
+    import sys
+
+    from treedec.errors import renamed
+
+    for arg in (sys.argv[1:] if argv is None else argv):
+        key = arg.lstrip("+~").split("=", 1)[0]
+        if "=" in arg and not arg.startswith("hydra") and (msg := renamed(key, entry)):
+            fail(msg)
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path`` through a temp file in the same folder and a rename (readable as umask allows)."""
     path = Path(path)

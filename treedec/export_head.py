@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig
 
 import treedec.config_schema  # noqa: F401  (registers the structured schema before Hydra composes)
-from treedec.cli import entry
+from treedec.cli import entry, refuse_renamed
 
 log = logging.getLogger(__name__)
 MARKER = ".treedec-export"
@@ -89,4 +89,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_renamed("export_head")
     main()

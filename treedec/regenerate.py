@@ -44,7 +44,7 @@ import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
 import treedec.config_schema  # noqa: F401  (registers the structured schema before Hydra composes)
-from treedec.cli import entry, load_stack, write_text_atomic
+from treedec.cli import entry, load_stack, refuse_renamed, write_text_atomic
 
 log = logging.getLogger(__name__)
 DECODING_KEYS = ("model", "draft", "tree", "kernel", "sampling", "max_new_tokens", "prompt_tokens", "chat_template",
@@ -340,4 +340,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_renamed("regenerate")
     main()

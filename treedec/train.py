@@ -23,7 +23,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from treedec.cli import entry
+from treedec.cli import entry, refuse_renamed
 
 log = logging.getLogger(__name__)
 
@@ -130,4 +130,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_renamed("train")
     main()

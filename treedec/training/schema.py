@@ -27,6 +27,7 @@ from typing import Any, List, Optional
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from treedec.config_schema import ConfigError, ModelSchema, unknown_key_hint
+from treedec.errors import renamed
 
 HYDRA_KEYS = ("_target_", "_recursive_", "_convert_", "_partial_", "_args_")
 REQUEUE = ("auto", "submitit", "lightning", "none")
@@ -115,17 +116,13 @@ class PretrainSchema(JobSchema):
 
 
 # ------------------------------------------------------------------------------------------- keys
-# Keys renamed by the config layout of issue 13: an old command fails naming the new key.
-RENAMED = {"target": "model.path (the model group, as in generate)", "target_dtype": "model.dtype",
-           "draft": "draft_arch (the head to train; `draft` is a head to load in generate)"}
-
-
 def _unknown(keys, known: list[str], group: str) -> None:
     for key in keys:
         if key not in known:
             where = f"{group}.{key}" if group else str(key)
-            if not group and where in RENAMED:
-                raise ConfigError(f"{where} is now {RENAMED[where]}: pass that instead")
+            moved = None if group else renamed(where, "train")
+            if moved:
+                raise ConfigError(moved)
             raise ConfigError(f"unknown key {where}; {unknown_key_hint(str(key), known, group)}")
 
 
