@@ -134,3 +134,12 @@ def test_bench_config_validates_and_rejects_wrong_types():
         gen(["bench.repeats=many"], "bench")
     with pytest.raises(schema.ConfigError, match=r"Did you mean bench\.trees\.chain\.depth\?"):
         schema.validate(gen(["+bench.trees.chain.dept=3"], "bench"), "bench")
+
+
+def test_tree_schemas_are_looked_up_by_class():
+    """Every import path of a policy class finds its schema; a target of your own, or one that does not import, none."""
+    for path in ("treedec.tree.policies.StaticPolicy", "treedec.tree.policies.static.StaticPolicy"):
+        assert schema.tree_schema(path) is schema.StaticTreeSchema
+    assert schema.tree_schema("treedec.tree.policies.dynamic.DynamicPolicy") is schema.DynamicTreeSchema
+    assert schema.tree_schema("tests.helpers.make_pair") is None and schema.tree_schema("no.such.Policy") is None
+    assert all(schema.tree_schema(key) is cls for key, cls in schema.TREE_SCHEMAS.items())  # no stale class name

@@ -119,18 +119,28 @@ class PathsSchema:  # conf/paths/default.yaml
     run_dir: str = MISSING
 
 
-# Policies (by `_target_`) whose config node validate() checks; other targets are user code.
+# Policy classes (by their defining module and name) whose config node validate() checks; other targets are user code.
 TREE_SCHEMAS: dict[str, type] = {
-    "treedec.tree.policies.StaticPolicy": StaticTreeSchema,
     "treedec.tree.policies.static.StaticPolicy": StaticTreeSchema,
-    "treedec.tree.policies.DynamicPolicy": DynamicTreeSchema,
     "treedec.tree.policies.dynamic.DynamicPolicy": DynamicTreeSchema,
-    "treedec.tree.policies.ChainPolicy": ChainTreeSchema,
     "treedec.tree.policies.static.ChainPolicy": ChainTreeSchema,
-    "treedec.tree.policies.LearnedPolicy": LearnedTreeSchema,
     "treedec.tree.policies.learned.LearnedPolicy": LearnedTreeSchema,
     "treedec.tree.sequoia.comb_probe": CombProbeSchema,
 }
+
+
+def tree_schema(target: Any) -> type | None:
+    """The schema of a tree-policy ``_target_``, looked up by the class (or function) it names, so every import
+    path of one class (``treedec.tree.policies.StaticPolicy``, ``...policies.static.StaticPolicy``) finds it;
+    None for a target of your own (left alone) or one that does not import (instantiating it says why)."""
+    import importlib
+
+    module, _, name = str(target).rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return TREE_SCHEMAS.get(f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}")
 
 
 # ------------------------------------------------------------------------------------- entry points
@@ -138,7 +148,7 @@ TREE_SCHEMAS: dict[str, type] = {
 class GenerateSchema:
     model: ModelSchema = field(default_factory=ModelSchema)
     draft: DraftSchema = field(default_factory=DraftSchema)
-    tree: Any = MISSING  # checked by validate() against TREE_SCHEMAS[tree._target_]
+    tree: Any = MISSING  # checked by validate() against the schema of tree._target_'s class
     sampling: SamplingSchema = field(default_factory=SamplingSchema)
     prompt: str = MISSING
     prompt_file: Optional[str] = None
@@ -351,7 +361,7 @@ def validate_tree(node, where: str = "tree") -> None:
     if node is None or not isinstance(node, (DictConfig, dict)):
         raise ConfigError(f"invalid {where} config: expected a policy config with a _target_, got {node!r}")
     target = node.get("_target_")
-    schema = TREE_SCHEMAS.get(str(target))
+    schema = tree_schema(target)
     if schema is None:
         return
     _merge(schema, node, where, f"{target.rsplit('.', 1)[-1]} takes: {', '.join(_fields(schema))}")
