@@ -108,7 +108,7 @@ def test_validate_errors_name_the_key(override, needle):
 
 def test_cli_typo_fails_before_loading_the_model(tmp_path):
     """A subprocess: the schema (registered when treedec.generate is imported) rejects a wrong type while
-    composing, the ValidateConfig callback rejects an unknown tree key; the (nonexistent) model is never touched."""
+    composing, generate's run() rejects an unknown tree key; the (nonexistent) model is never touched."""
     base = [sys.executable, "-m", "treedec.generate", "model.path=/nonexistent/model", f"hydra.run.dir={tmp_path}"]
     for override, needle in (("+tree.totl_tokens=8", "tree.totl_tokens"), ("max_new_tokens=lots", "max_new_tokens")):
         done = subprocess.run(base + [override], capture_output=True, text=True, timeout=120, cwd=Path(CONF).parents[1])

@@ -31,7 +31,6 @@ def test_one_run_dir_pattern_and_a_sweep_dir_per_entry():
         h = composed(name, hydra=True).hydra
         assert h.run.dir.startswith(f"./outputs/{name}/") and not h.job.chdir
         assert h.sweep.dir.startswith(f"./outputs/{name}/multirun/")
-        assert h.callbacks.validate.schema == name  # every job is checked against its own schema
         sweeps.add(h.sweep.dir.split("/multirun/")[0])
     assert len(sweeps) == len(ENTRIES)  # generate and calibrate never share a sweep dir
 

@@ -1,4 +1,4 @@
-"""What the entry points share: errors, the config check of every job, output files, the model stack.
+"""What the entry points share: errors, renamed keys, output files, the model stack.
 
 **Errors.** A wrong option, a missing file or a checkpoint that does not load is the user's to
 fix, not a bug: it prints one line ``Error: <what is wrong and how to fix it>`` on stderr and exits with
@@ -16,8 +16,6 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, NoReturn, TypeVar
-
-from hydra.experimental.callback import Callback
 
 # Errors whose message is written for the user (ConfigError, CheckpointError, TreeError are ValueErrors).
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, IsADirectoryError,
@@ -109,26 +107,3 @@ def load(node: Any, **kwargs: Any) -> Any:
         if isinstance(e.__cause__, USER_ERRORS):
             raise e.__cause__ from None
         raise
-
-
-class ValidateConfig(Callback):
-    """Hydra callback (``hydra.callbacks.validate`` in conf/hydra/default.yaml): check each job's config before the
-    job runs, so a typo or a wrong type fails before any model loads (``schema``: the entry's config name)."""
-
-    def __init__(self, schema: str = "generate"):
-        self.schema = schema
-
-    def on_job_start(self, config: Any, **kwargs: Any) -> None:
-        try:
-            if self.schema in ("train", "pretrain"):  # the training jobs' schema (Lightning nodes checked by signature)
-                from treedec.training.schema import check_job_config
-
-                check_job_config(config, self.schema)
-            else:
-                from treedec.config_schema import validate
-
-                validate(config, self.schema)
-        except USER_ERRORS as e:
-            # Hydra turns an exception raised by a callback into a warning and runs the job anyway;
-            # SystemExit is not an Exception, so it stops the run here with the message on stderr.
-            fail(e)

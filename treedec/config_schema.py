@@ -15,10 +15,9 @@ Importing this module registers, in Hydra's ConfigStore:
 this is where they are caught, with the keys of the group meant and the closest match), checks
 the node of a ``tree`` (or ``probe``, or ``bench.trees.*``) group by its ``_target_`` (a policy
 class of your own is left alone), and checks values: ranges, the device and dtype, prompt
-files (readable text, well-formed JSON lines, unique ids), learned-tree paths. The
-Hydra callback :class:`treedec.cli.ValidateConfig` runs it before every job of each entry
-point, and each entry's ``run`` runs it again first, so every mistake is a clear error before
-any model loads.
+files (readable text, well-formed JSON lines, unique ids), learned-tree paths. Each
+entry's ``run`` calls it first (once per job, multirun jobs included), so every mistake is a clear
+error before any model loads.
 """
 from __future__ import annotations
 

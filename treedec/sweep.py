@@ -8,7 +8,6 @@ sibling rank, one line per job); the drawing is :mod:`treedec.bench.sweep_plots`
 
 ``python -m treedec.sweep <sweep dir>`` rebuilds the summary of a sweep by hand (for
 example after a job failed, which stops Hydra before ``on_multirun_end``).
-The config check run before every job is :class:`treedec.cli.ValidateConfig`.
 """
 from __future__ import annotations
 
