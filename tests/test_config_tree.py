@@ -86,3 +86,13 @@ def test_yaml_and_schema_defaults_agree(name):
         if node is not MISSING and node != "???" and node != default:
             differ.append(f"{key}: yaml {node!r}, schema {default!r}")
     assert not differ, f"{name}: " + "; ".join(differ)
+
+
+@pytest.mark.parametrize("name, module", [("train", "DraftModule"), ("pretrain", "CausalLMModule")])
+def test_the_training_module_is_a_group(name, module, tmp_path):
+    from hydra.utils import instantiate
+
+    cfg = composed(name, [f"paths.run_dir={tmp_path}"])
+    assert instantiate(cfg.module).func.__name__ == module  # a partial: the job passes the target/architecture
+    with pytest.raises(train_schema.ConfigError, match=r"module\._target_='no\.Such' cannot be imported"):
+        train_schema.check_job_config(composed(name, ["module._target_=no.Such", f"paths.run_dir={tmp_path}"]), name)

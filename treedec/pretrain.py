@@ -61,7 +61,6 @@ def _pretrain(cfg: DictConfig, run_dir: Path) -> dict:
 
     from treedec.data.tokenizer_train import tokenizer_file
     from treedec.models.paths import bundled_dir, export_path
-    from treedec.training.lm import CausalLMModule
     from treedec.training.schedule import seconds, time_budget
     from treedec.training.trainer import build_trainer, stop_reason, use_hint, write_json
 
@@ -85,7 +84,7 @@ def _pretrain(cfg: DictConfig, run_dir: Path) -> dict:
 
     max_steps = int(cfg.trainer.max_steps)
     optim = time_budget(OmegaConf.to_container(cfg.optim, resolve=True), cfg.trainer)
-    module = CausalLMModule(arch, max_steps=max_steps, seed=int(cfg.seed), **optim)
+    module = hydra.utils.instantiate(cfg.module)(arch, max_steps=max_steps, seed=int(cfg.seed), **optim)
     log.info("model: %.2fM parameters", module.n_params / 1e6)
 
     trainer, resume = build_trainer(cfg, run_dir)

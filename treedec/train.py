@@ -42,7 +42,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     from treedec.models.draft import DraftHead
     from treedec.models.paths import bundled_dir, export_path
     from treedec.models.tokenizer import load_tokenizer
-    from treedec.training.draft import DraftModule, SpeculativeEvalCallback
+    from treedec.training.draft import SpeculativeEvalCallback
     from treedec.training.schedule import seconds, time_budget
     from treedec.training.trainer import atomic_dir, build_trainer, stop_reason, use_hint, write_json
 
@@ -64,7 +64,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     k3 = draft_vocab_size(cfg) if kind == "eagle3" else 0
     if k3:
         draft["draft_vocab_size"] = k3
-    module = DraftModule(str(target_dir), draft=draft,
+    module = hydra.utils.instantiate(cfg.module)(str(target_dir), draft=draft,
                          max_steps=int(cfg.trainer.max_steps), target_dtype=cfg.model.dtype, seed=int(cfg.seed),
                          init_from=cfg.init_from, **optim)
     if k3:  # EAGLE-3's LM head is over the draft vocabulary from the start (EAGLE-1/2: restricted at export)

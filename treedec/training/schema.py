@@ -95,6 +95,7 @@ class JobSchema:
     logger: Any = MISSING  # name -> logger config (checked by _target_)
     data: Any = MISSING  # checked by _target_
     trainer: Any = MISSING  # checked by _target_
+    module: Any = MISSING  # the LightningModule (conf/module), checked by _target_
 
 
 @dataclass
@@ -375,6 +376,7 @@ def check_job_config(cfg: DictConfig, kind: str) -> None:
         check_fields(node, schema)
         check_instantiated(node._get_node("data"), "data")
         check_instantiated(node._get_node("trainer"), "trainer")
+        check_instantiated(node._get_node("module"), "module")
         check_named_targets(node._get_node("logger") if "logger" in node else None, "logger")
         check_named_targets(node._get_node("callbacks") if "callbacks" in node else None, "callbacks")
     except ConfigError as e:
