@@ -81,7 +81,7 @@ def test_readme_results_command_runs_the_shipped_learned_tree():
 @pytest.mark.parametrize("entry, arg, new", [
     ("train", "target=/models/x", "model.path"), ("train", "+target_dtype=float32", "model.dtype"),
     ("train", "draft=eagle3", "draft_arch"), ("generate", "kernel.backend=sdpa", "model.attn_backend"),
-    ("generate", "+experiment=optuna_tree", "hparams_search"),
+    ("generate", "+experiment=optuna_tree", "hparams_search"), ("export_head", "head=/heads/x", "draft.path"),
 ])
 def test_renamed_keys_fail_naming_the_new_key(entry, arg, new):
     from treedec.cli import refuse_renamed

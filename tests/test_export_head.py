@@ -129,7 +129,7 @@ def test_cli_exports_and_reports_errors(tmp_path):
     run = lambda *a: subprocess.run([sys.executable, "-m", "treedec.export_head", *a,  # noqa: E731
                                      f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True,
                                     timeout=180, cwd=ROOT)
-    done = run("head=tiny-code-eagle", "format=eagle", f"out={out}")
+    done = run("draft.path=tiny-code-eagle", "format=eagle", f"out={out}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
     bundled = DraftHead.load("tiny-code-eagle")
@@ -137,7 +137,7 @@ def test_cli_exports_and_reports_errors(tmp_path):
     for k, v in again.state_dict().items():
         if k != "vocab_ids":
             torch.testing.assert_close(v, bundled.state_dict()[k], atol=0, rtol=0)
-    done = run("head=tiny-code-eagle", "format=eagle3", f"out={tmp_path / 'x'}")
+    done = run("format=eagle3", f"out={tmp_path / 'x'}")  # the default: the bundled head
     assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("Error: the head is kind 'eagle'")
     assert not (tmp_path / "x").exists()
 
@@ -147,7 +147,8 @@ def test_config_is_checked_before_loading():
 
     from treedec.config_schema import ConfigError, validate
 
-    ok = dict(head="tiny-code-eagle", format="eagle", out="x", dtype=None)
+    ok = dict(draft={"_target_": "treedec.models.draft.DraftHead.load", "path": "tiny-code-eagle"}, format="eagle",
+              out="x", dtype=None)
     validate(OmegaConf.create(ok), "export_head")
     for bad, needle in ((dict(format="medusa"), "format='medusa'"), (dict(dtype="int8"), "invalid dtype"),
                         (dict(outt="y"), "outt")):

@@ -256,7 +256,7 @@ class BenchSchema:
 
 @dataclass
 class ExportHeadSchema:
-    head: str = "tiny-code-eagle"  # a bundled head or a treedec head directory
+    draft: DraftSchema = field(default_factory=DraftSchema)  # the head to export
     format: str = "eagle"  # eagle | eagle3 (the head's kind): the public layout to write
     out: str = MISSING  # the directory to create
     dtype: Optional[str] = None  # null: the head's own

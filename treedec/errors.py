@@ -7,20 +7,21 @@ class ConfigError(ValueError):
 
 
 # Keys the config layout renamed (issue 13): an old command or config fails with the new name, never silently.
-RENAMED = {
-    "target": "model.path (train's target is the model group, as in generate: model=hf model.path=DIR)",
-    "target_dtype": "model.dtype",
-    "draft": "draft_arch (the head to train; draft is a head to load, in generate)",  # train only
-    "kernel.backend": "model.attn_backend (or kernel=NAME)",
-    "experiment": "hparams_search (hparams_search=optuna_tree)",
+# old key -> (its new name, the entry points where it was renamed; () = all of them)
+RENAMED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "target": ("model.path (train's target is the model group, as in generate: model=hf model.path=DIR)", ("train",)),
+    "target_dtype": ("model.dtype", ("train",)),
+    "draft": ("draft_arch (the head to train; draft is a head to load, as in generate)", ("train",)),
+    "head": ("draft.path (the head to export: draft.path=DIR, or the bundled draft=tiny_code)", ("export_head",)),
+    "kernel.backend": ("model.attn_backend (or kernel=NAME)", ()),
+    "experiment": ("hparams_search (hparams_search=optuna_tree)", ()),
 }
-TRAIN_ONLY = ("target", "target_dtype", "draft")
 
 
 def renamed(key: str, entry: str) -> str | None:
     """The message for a key (``a.b`` or a group ``a``) that ``entry``'s configs renamed; None if it is current."""
-    for old, new in RENAMED.items():
-        if (key == old or key.startswith(old + ".")) and (entry == "train" or old not in TRAIN_ONLY):
+    for old, (new, entries) in RENAMED.items():
+        if (key == old or key.startswith(old + ".")) and (not entries or entry in entries):
             return f"{old} is now {new}: pass that instead"
     return None
 

@@ -1,4 +1,4 @@
-"""Export a treedec draft head for other engines: ``python -m treedec.export_head head=<name|dir> format=eagle|eagle3 out=DIR``.
+"""Export a treedec draft head for other engines: ``python -m treedec.export_head draft.path=<name|dir> format=eagle|eagle3 out=DIR``.
 
 Writes ``config.json`` + ``model.safetensors`` in the layout the public EAGLE-1/2 or EAGLE-3
 (SpecForge / SGLang, which vLLM also reads) heads use (treedec/models/head_formats.py), so
@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig
 
 import treedec.config_schema  # noqa: F401  (registers the structured schema before Hydra composes)
-from treedec.cli import entry, refuse_renamed
+from treedec.cli import entry, load, refuse_renamed
 
 log = logging.getLogger(__name__)
 MARKER = ".treedec-export"
@@ -71,14 +71,13 @@ def export_head(head, out: str | os.PathLike, fmt: str, dtype: torch.dtype | Non
 def run(cfg: DictConfig) -> Path:
     from treedec.config_schema import validate
     from treedec.models.checkpoint import resolve_dtype
-    from treedec.models.draft import DraftHead
 
     validate(cfg, "export_head")
     _check_out(Path(cfg.out).expanduser())  # before loading anything
-    head = DraftHead.load(cfg.head)
+    head = load(cfg.draft)
     out = export_head(head, cfg.out, cfg.format, resolve_dtype(cfg.dtype) if cfg.dtype else None)
     log.info("wrote the %s head %s as format=%s to %s (load it with draft.path=%s)",
-             head.config.kind, cfg.head, cfg.format, out, out)
+             head.config.kind, cfg.draft.path, cfg.format, out, out)
     return out
 
 
