@@ -28,9 +28,6 @@ KNOWN_CYCLES = {
         "bench/peers.py imports Method, Prompt, RunOutput from bench/harness.py, which imports peers (lazily) "
         "to run them, and config_schema imports bench.peers for PEERS: move the shared types and PEERS to a "
         "module below both (e.g. bench/methods.py)",
-    frozenset({"treedec.models.draft", "treedec.models.eagle3", "treedec.models.head_formats"}):
-        "models/eagle3.py and models/head_formats.py import DraftHead/DraftConfig from models/draft.py, which "
-        "imports them back: the config and the layer classes belong below the head that assembles them",
 }
 
 

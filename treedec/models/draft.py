@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -25,63 +25,8 @@ import torch.nn as nn
 
 from treedec.attention import prefix_tree_mask
 from treedec.models.cache import KVCache
-from treedec.models.config import LlamaConfig
+from treedec.models.draft_config import BUNDLED_DRAFTS, DRAFT_CONFIG, DRAFT_WEIGHTS, KINDS, DraftConfig
 from treedec.models.llama import DecoderLayer, ModelOutput, Transformer, rope_cos_sin, rope_inv_freq
-from treedec.models.paths import ASSETS
-
-BUNDLED_DRAFTS = {name: ASSETS / name for name in ("tiny-code-eagle", "tiny-code-eagle3")}  # heads shipped for tiny-code
-KINDS = ("eagle", "eagle3")
-DRAFT_CONFIG = "draft_config.json"
-DRAFT_WEIGHTS = "draft.safetensors"
-
-
-@dataclass
-class DraftConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    kind: str = "eagle"  # "eagle" (EAGLE-1/2) | "eagle3" (fused low/mid/high layer inputs; fc: 3H -> H; own LM head)
-    feature_layers: list[int] = field(default_factory=lambda: [-1])  # eagle: [-1] (final normed hidden); eagle3: layer ids
-    target: str = ""  # what it was trained for (informational)
-    target_fingerprint: str = ""  # target_fingerprint() of the target it was trained with ("" = unknown)
-    draft_vocab_size: int = 0  # > 0: draft only over these most frequent target tokens (buffer vocab_ids); 0: all
-    fc_bias: bool = True  # EAGLE-1/2's fc has a bias unless its config says "bias": false (head_formats.py)
-    qkv_bias: bool = False  # the layer's q/k/v biases (published Qwen2 heads)
-    o_bias: bool = False
-    qk_norm: bool = False  # the layer's per-head q/k RMSNorms (Qwen3-layer heads)
-    norm_before_residual: bool = False  # eagle3: the midlayer's residual is hidden_norm(h), not h (speculators heads)
-
-    @classmethod
-    def for_target(cls, cfg: LlamaConfig, target: str = "", **overrides) -> "DraftConfig":
-        """A head shaped like one layer of the target (EAGLE's choice).
-
-        ``feature_layers=None`` (or absent) is the kind's default: [-1] for eagle, EAGLE-3's
-        [2, L//2, L-3] of this target for eagle3.
-        """
-        d = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                 num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-                 head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
-                 rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, target=target)
-        d.update(overrides)
-        if d.get("feature_layers") is None:
-            L = cfg.num_hidden_layers
-            d["feature_layers"] = [min(2, L - 1), L // 2, max(L - 3, 0)] if d.get("kind") == "eagle3" else [-1]
-        return cls(**d)
-
-    def layer_config(self) -> LlamaConfig:
-        return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_hidden_layers=1,
-                           num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-                           head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
-                           rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-                           qkv_bias=self.qkv_bias, o_bias=self.o_bias, qk_norm=self.qk_norm)
 
 
 def target_fingerprint(target: Transformer) -> str:
@@ -106,16 +51,23 @@ class DraftHead(nn.Module):
     """Trainable part of an EAGLE head; ``bind(target)`` attaches the shared embedding (and LM head).
 
     ``DraftHead(cfg)`` builds the class of ``cfg.kind``: this one for "eagle", an
-    :class:`~treedec.models.eagle3.Eagle3Head` for "eagle3".
+    :class:`~treedec.models.eagle3.Eagle3Head` for "eagle3". A subclass registers its kind
+    (``class Eagle3Head(DraftHead, kind="eagle3")``), so this module never imports the heads built on
+    it; ``treedec/models/__init__.py`` imports them all.
     """
+
+    _KINDS: dict[str, type] = {}
+
+    def __init_subclass__(cls, kind: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if kind is not None:
+            DraftHead._KINDS[kind] = cls
 
     def __new__(cls, cfg: DraftConfig | None = None, *args, **kwargs):
         if cls is DraftHead and cfg is not None and cfg.kind != "eagle":
-            if cfg.kind not in KINDS:
+            if cfg.kind not in DraftHead._KINDS:
                 raise ValueError(f"unknown draft kind {cfg.kind!r}; treedec builds {', '.join(KINDS)}")
-            from treedec.models.eagle3 import Eagle3Head
-
-            cls = Eagle3Head
+            cls = DraftHead._KINDS[cfg.kind]
         return super().__new__(cls)
 
     def __init__(self, cfg: DraftConfig):
@@ -291,7 +243,7 @@ class DraftHead(nn.Module):
         if not (path / DRAFT_CONFIG).is_file() and (path / "config.json").is_file():  # EAGLE / EAGLE-3 / speculators
             from treedec.models.head_formats import load_published
 
-            return load_published(path, target, dtype=dtype, device=device)
+            return load_published(path, cls, target, dtype=dtype, device=device)
         if not (path / DRAFT_CONFIG).is_file():
             raise FileNotFoundError(f"no draft head at {path}: expected {DRAFT_CONFIG} and {DRAFT_WEIGHTS} (train one with `python -m treedec.train`)")
         try:

@@ -61,7 +61,7 @@ def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
-class Eagle3Head(DraftHead):
+class Eagle3Head(DraftHead, kind="eagle3"):
     """``DraftHead(DraftConfig(kind="eagle3", ...))`` builds one (see :class:`DraftHead`)."""
 
     def _build(self, cfg: DraftConfig) -> None:

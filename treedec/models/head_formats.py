@@ -25,12 +25,14 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
+import torch.nn as nn
 
 from treedec.models.checkpoint import INDEX, WEIGHTS, CheckpointError, _open
 from treedec.models.config import LlamaConfig
-from treedec.models.draft import DraftConfig, DraftHead
+from treedec.models.draft_config import DraftConfig
 from treedec.models.llama import Transformer
 
 PICKLE = "pytorch_model.bin"
@@ -198,10 +200,12 @@ def _check_fits(path: Path, cfg: LlamaConfig, target: Transformer | None, embed:
                           "uses the target's (output stays exact, acceptance may drop)", stacklevel=3)
 
 
-def load_published(path: str | Path, target: Transformer | None = None, dtype=None, device=None) -> DraftHead:
-    """A published head as a treedec :class:`DraftHead` (fused, bound to ``target`` when given)."""
+def load_published(path: str | Path, build: Callable[[DraftConfig], nn.Module], target: Transformer | None = None,
+                   dtype=None, device=None) -> nn.Module:
+    """A published head as a treedec head (``build(cfg)``: ``DraftHead``, which picks the class of the kind; passed
+    in so this module stays below the head classes), fused, bound to ``target`` when given."""
     cfg, state, layout = convert(path, target)
-    head = DraftHead(cfg)
+    head = build(cfg)
     try:
         missing, unexpected = head.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a tensor whose shape does not fit the config
@@ -216,7 +220,7 @@ def load_published(path: str | Path, target: Transformer | None = None, dtype=No
 
 
 # ------------------------------------------------------------------ treedec -> published (export_head)
-def to_published(head: DraftHead, fmt: str) -> tuple[dict, dict[str, torch.Tensor]]:
+def to_published(head: nn.Module, fmt: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, tensors) of a treedec head in a public layout: ``eagle`` or ``eagle3`` (SpecForge/SGLang).
 
     The embedding (and an EAGLE-1/2 head's LM head) stay out: SGLang and vLLM share the target's.
