@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,11 @@ def test_wheel_installs_and_generates_from_any_directory(tmp_path):
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist",
           "."], cwd=src)
     wheel = next((tmp_path / "dist").glob("treedec-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        shipped = set(z.namelist())
+    package_data = {p.relative_to(src).as_posix() for d in ("conf", "assets") for p in (src / "treedec" / d).rglob("*")
+                    if p.is_file()}
+    assert package_data - shipped == set()  # every config and asset file is in the wheel
     venv.create(tmp_path / "venv", system_site_packages=True, with_pip=False)
     py = tmp_path / "venv" / "bin" / "python"
     _run([sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "-q", wheel], cwd=tmp_path)
