@@ -95,7 +95,7 @@ class DraftModule(WallTimeScheduled):
             self.head.init_from_target()  # start the output layer from the target's (set_draft_vocab redoes it)
         elif self.head.config.kind != "eagle3" and unroll not in (None, 1):
             raise ValueError(f"optim.unroll={unroll}: the training-time test unrolls EAGLE-3 heads only "
-                             "(draft=eagle3); EAGLE-1/2 heads train one step (unroll null or 1)")
+                             "(draft_arch=eagle3); EAGLE-1/2 heads train one step (unroll null or 1)")
         self._noise_gen: torch.Generator | None = None  # the feature noise's own RNG, saved in checkpoints
         self._noise_state: torch.Tensor | None = None
 
