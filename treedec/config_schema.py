@@ -230,14 +230,14 @@ class BenchOptionsSchema:
     warmup: int = 1
     num_threads: Optional[int] = None
     seed: int = 0
-    methods: List[str] = field(default_factory=lambda: ["vanilla", "chain", "static", "dynamic", "learned"])
+    methods: List[str] = MISSING  # conf/bench.yaml
     sampling: bool = False
     sample_temperatures: Optional[List[float]] = field(default_factory=lambda: [0.8, 0.3])  # null: the group's
     learned_path: Optional[str] = "auto"  # auto: the tree shipped for the bundled head (treedec/bench/bundled.py)
     compile: bool = False  # also run vanilla and each tree method with compile=True (NAME_compile)
     dynamic_sweep: Optional[List[int]] = None  # also dynamic_T<n> (bench.trees.dynamic at total_tokens=n) per n
     trees: Dict[str, Any] = MISSING  # method name -> tree policy config (checked by _target_)
-    peers: List[str] = field(default_factory=lambda: ["hf_greedy", "hf_prompt_lookup", "hf_assisted", "hf_sample"])
+    peers: List[str] = MISSING  # conf/bench.yaml
     prompt_lookup_num_tokens: int = 10
     assistant_path: Optional[str] = "auto"  # auto: tiny-code-assistant for the bundled target; or a directory
     tie_ulps: float = 1.0
