@@ -50,16 +50,17 @@ def entry(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def refuse_renamed(entry: str, argv: list[str] | None = None) -> None:
+def refuse_renamed(name: str, argv: list[str] | None = None) -> None:
     """Before Hydra parses the command line: an override of a renamed key (``target=``, ``kernel.backend=``,
-    ``+experiment=``...) stops with one ``Error:`` line naming the new key (Hydra would only say "not in struct")."""
+    ``+experiment=``...) of entry point ``name`` stops with one ``Error:`` line naming the new key (Hydra would only
+    say "not in struct")."""
     import sys
 
     from treedec.errors import renamed
 
     for arg in (sys.argv[1:] if argv is None else argv):
         key = arg.lstrip("+~").split("=", 1)[0]
-        if "=" in arg and not arg.startswith("hydra") and (msg := renamed(key, entry)):
+        if "=" in arg and not arg.startswith("hydra") and (msg := renamed(key, name)):
             fail(msg)
 
 
