@@ -33,11 +33,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from treedec.errors import ConfigError  # in its own module: the data layer raises it too
+
 KERNEL_BACKENDS = ("auto", "eager", "sdpa", "triton")
-
-
-class ConfigError(ValueError):
-    """A config that does not match its schema (unknown key, wrong type, bad value)."""
 
 
 # ------------------------------------------------------------------------------------------ groups
@@ -428,7 +426,7 @@ def _check_model(cfg) -> None:
 
 
 def _check_generate(cfg) -> None:
-    from treedec.bench.prompts import read_text
+    from treedec.data.prompts import read_text
 
     if _get(cfg, "prompt_file") not in (None, "-"):
         read_text(_get(cfg, "prompt_file"), "prompt_file")
@@ -441,7 +439,7 @@ def _check_generate(cfg) -> None:
 
 
 def _check_calibrate(cfg) -> None:
-    from treedec.bench.prompts import read_prompt_file
+    from treedec.data.prompts import read_prompt_file
 
     source = _get(cfg, "prompts.source")
     if source not in CALIBRATE_SOURCES:
@@ -466,7 +464,7 @@ def _check_calibrate(cfg) -> None:
 
 
 def _check_bench(cfg) -> None:
-    from treedec.bench.prompts import SOURCES, read_prompt_file
+    from treedec.data.prompts import SOURCES, read_prompt_file
 
     b = "bench."
     source = _get(cfg, b + "prompt_source")

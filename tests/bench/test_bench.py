@@ -18,7 +18,7 @@ from treedec.models.draft import DraftConfig, DraftHead
 from treedec.models.llama import Transformer
 from treedec.tree.shapes import SHAPE_DIR
 
-from ..training.test_pretrain import TINY_ARCH, corpus, tokenizer  # noqa: F401  (fixtures)
+from tests.helpers import TINY_ARCH
 
 CONF = str(SHAPE_DIR.parents[1])
 
@@ -211,7 +211,7 @@ def test_third_party_prompts_are_recorded(stack, tmp_path):
 
 
 def test_gpu_check_reports_all_skipped_tests_as_skipped():
-    from treedec.bench.gpu import pytest_status
+    from scripts.gpu import pytest_status
 
     assert pytest_status("ssss\n4 skipped, 120 deselected in 1.20s\n", 0) == "skipped"
     assert pytest_status("\n120 deselected in 0.50s\n", 5) == "skipped"
