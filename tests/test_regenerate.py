@@ -152,7 +152,7 @@ def test_resume_refuses_other_settings_and_a_running_worker(stack, text_input, r
 
     out = tmp_path / "out"
     regenerate(stack, text_input, out, "part=0", "parts=3")
-    with pytest.raises(ValueError, match=r"another input or config \(differs in: config\)"):
+    with pytest.raises(ValueError, match=r"another input or config \(differs in: max_new_tokens\)"):
         regenerate(stack, text_input, out, "max_new_tokens=8")
     claim = out / ".claims" / "worker-1-of-3"
     claim.mkdir(parents=True)

@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import treedec.config_schema  # noqa: F401  (registers the structured schema before Hydra composes)
 from treedec.cli import entry, load_stack, write_text_atomic
+from treedec.training.predict import Prompt
 
 log = logging.getLogger(__name__)
 DECODING_KEYS = ("model", "draft", "tree", "kernel", "sampling", "max_new_tokens", "prompt_tokens", "chat_template",
@@ -95,21 +96,15 @@ def read_records(path: str, fmt: str = "auto", on_error: str = "fail") -> tuple[
     return records, skipped
 
 
-class TextRequest:
-    """A text record: the first ``prompt_tokens`` tokens, continued once."""
+class TextRequest(Prompt):
+    """A text record: its first ``prompt_tokens`` tokens, continued once."""
 
     def __init__(self, rec: Record, tok, prompt_tokens: int):
-        self.rec, self.tok, self.key = rec, tok, rec.id
-        self.prompt, self.tokens = tok.encode(rec.payload)[:prompt_tokens], None
-
-    def next_prompt(self) -> list[int] | None:
-        return self.prompt if self.tokens is None else None
-
-    def take(self, tokens: list[int]) -> None:
-        self.tokens = tokens
+        super().__init__(rec.id, tok.encode(rec.payload)[:prompt_tokens])
+        self.rec, self.tok = rec, tok
 
     def output(self) -> dict:
-        return {**self.rec.obj, "id": self.key, "text": self.tok.decode(self.prompt + _cut_eos(self.tokens, self.tok))}
+        return {**self.rec.obj, "id": self.key, "text": self.tok.decode(self.ids + _cut_eos(self.tokens, self.tok))}
 
 
 class ChatRequest:
@@ -119,7 +114,6 @@ class ChatRequest:
         self.rec, self.tok, self.renderer, self.key = rec, tok, renderer, rec.id
         self.messages = [dict(m) for m in rec.payload]
         self.todo = [i for i, m in enumerate(self.messages) if m["role"] == "assistant"]
-        self.new_tokens = 0
 
     def next_prompt(self) -> list[int] | None:
         if not self.todo:
@@ -129,7 +123,6 @@ class ChatRequest:
 
     def take(self, tokens: list[int]) -> None:
         self.messages[self.todo.pop(0)]["content"] = self.tok.decode(_cut_eos(tokens, self.tok))
-        self.new_tokens += len(tokens)
 
     def output(self) -> dict:
         obj = copy.deepcopy(self.rec.obj)
@@ -288,8 +281,7 @@ def run(cfg: DictConfig) -> dict:
 
     settings = OmegaConf.to_container(cfg, resolve=True)
     check_manifest(out_dir, {"input": str(Path(cfg.input).resolve()), "input_sha1": file_fingerprint(cfg.input),
-                             "records": len(records), "shards": n_shards,
-                             "config": {k: settings.get(k) for k in DECODING_KEYS}})
+                             "records": len(records), "shards": n_shards, **{k: settings.get(k) for k in DECODING_KEYS}})
 
     import torch
 
