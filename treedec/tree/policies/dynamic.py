@@ -18,6 +18,8 @@ All per-step bookkeeping is batched tensor work on the device; nothing is read b
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from treedec.decoding.sampling import SamplingParams
@@ -25,6 +27,8 @@ from treedec.tree import calibration as calib
 from treedec.tree.budget import BUCKETS, BudgetController
 from treedec.tree.policies.base import ForestAncestry, TreePolicy, ancestry
 from treedec.tree.tree import Tree, TreeError
+
+log = logging.getLogger(__name__)
 
 
 def n_drafted(top_k: int, depth: int) -> int:
@@ -65,6 +69,7 @@ class DynamicPolicy(TreePolicy):
             self.budget, self.total_tokens = None, total_tokens
         self.max_depth, self.top_k = depth, top_k
         self.calibration = calib.resolve(calibration, draft_path)
+        self._mode_checked = self.calibration is None
         self.max_size = self.total_tokens
         self.max_inputs = top_k * (depth - 1)
         self.max_rank = top_k - 1
@@ -86,6 +91,15 @@ class DynamicPolicy(TreePolicy):
             self._const_key = key
         return self._const
 
+    def _check_mode(self, params: SamplingParams | None) -> None:
+        """Warn once when the calibration was measured under another acceptance rule than the one decoding uses."""
+        self._mode_checked = True
+        rule = (self.calibration.meta.get("mode") or {}).get("rule")
+        now = "greedy" if params is None or params.greedy else "sampling"
+        if rule is not None and rule != now:
+            log.warning("tree.calibration was measured under %s acceptance but decoding is %s: the tree may be "
+                        "mis-sized (still lossless); recalibrate with the same sampling settings", rule, now)
+
     def _edge(self, logq: torch.Tensor, depth: int) -> torch.Tensor:
         """Score term of edges into ``depth``: log calibrated acceptance, or the raw draft log-prob."""
         return logq if self.calibration is None else self.calibration.log_accept(logq, depth)
@@ -95,6 +109,8 @@ class DynamicPolicy(TreePolicy):
         c = self._constants(B, dev)
         T, D = self.budget.start(drafter, B) if self.budget is not None else (self.total_tokens, self.max_depth)
         temp = 1.0 if params is None or params.greedy else float(params.temperature)
+        if not self._mode_checked:
+            self._check_mode(params)
         n_all = n_drafted(k, D)
         # Every drafted node (candidate): token, cumulative draft log-prob, path score, parent candidate (-1 = root).
         toks = torch.empty(B, n_all, dtype=torch.long, device=dev)
