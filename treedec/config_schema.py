@@ -531,7 +531,9 @@ def _check_regenerate(cfg) -> None:
         if _get(cfg, key) not in known:
             raise ConfigError(f"{key}={_get(cfg, key)!r}; choose one of {', '.join(known)}")
     src = _get(cfg, "input")
-    if not src or not Path(src).expanduser().is_file():
+    if not src:
+        raise ConfigError("input is required: input=<records.jsonl> ({\"text\": ...} lines or chats)")
+    if not Path(src).expanduser().is_file():
         raise ConfigError(f"input={src!r} is not a file; pass input=<records.jsonl> ({{\"text\": ...}} lines or chats)")
     if not 0 <= _get(cfg, "part") < _get(cfg, "parts"):
         raise ConfigError(f"part={_get(cfg, 'part')} must be in [0, parts={_get(cfg, 'parts')})")
