@@ -9,8 +9,8 @@ from torch.utils.data import DataLoader
 
 from treedec.decoding.sampling import RowSeededGenerator, RowStreams, SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
-from treedec.training.predict import Prompt, SpeculativeGenerationModule, row_seed
-from treedec.tree.policies import DynamicPolicy, StaticPolicy
+from treedec.training.predict import CompactingDecoder, Prompt, SpeculativeGenerationModule, row_seed
+from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
 
 MAX_NEW, EOS = 14, [5]
 
@@ -108,3 +108,22 @@ def test_row_seeds_name_the_streams():
     assert torch.equal(a[1], b[0]) and not torch.equal(a[0], a[1])
     with pytest.raises(ValueError, match="2 row seeds for a batch of 3"):
         RowStreams(RowSeededGenerator([1, 2]), 3, "cpu")
+
+
+@pytest.mark.parametrize("policy", [DynamicPolicy(10, 3, 4), StaticPolicy([[0], [1], [0, 0], [1, 0]]), ChainPolicy(3)],
+                         ids=["dynamic", "static", "chain"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_compacting_decoder_drops_finished_rows_and_decodes_the_same(tiny_target, tiny_head, policy, temperature):
+    sampling = SamplingParams(temperature=temperature)
+    for seed in range(3):
+        prompts = ragged_prompts(20 + seed, (4, 9, 2, 6))
+        gen = lambda: RowSeededGenerator([seed * 10 + b for b in range(4)])  # noqa: E731
+        free = SpeculativeDecoder(tiny_target, tiny_head, policy, sampling, eos_ids=[]).generate(prompts, 12, gen())
+        eos = [free.tokens[1][2], free.tokens[3][5]]  # rows 1 and 3 stop early, the others may too
+        want = SpeculativeDecoder(tiny_target, tiny_head, policy, sampling, eos_ids=eos).generate(prompts, 12, gen())
+        dec = CompactingDecoder(tiny_target, tiny_head, policy, sampling, eos_ids=eos)
+        got = dec.generate(prompts, 12, gen())
+        assert got.tokens == want.tokens
+        assert (got.stats.tau, got.stats.row_steps, got.stats.steps) == (want.stats.tau, want.stats.row_steps,
+                                                                          want.stats.steps)
+        assert dec.cache.batch == dec.drafter.batch < 4  # finished rows left the batch
