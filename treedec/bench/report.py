@@ -65,7 +65,7 @@ def _hist(h: dict) -> str:
 
 def tree_table(methods: dict) -> list[str]:
     """Speculative methods by tree: τ, tok/s, the mean tree size actually verified, the accepted-length histogram."""
-    rows = [(n, e) for n, e in methods.items() if e.get("accepted_hist")]
+    rows = [(n, e) for n, e in methods.items() if e.get("accepted_hist") and e.get("policy")]
     if not rows:
         return []
     lines = ["", "Trees: mean tree size verified per step (T, root included) and how many steps accepted 0, 1, 2, … "

@@ -17,6 +17,7 @@ T is restricted to a few buckets so ``compile=True`` builds few graphs. The cloc
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Sequence
 
@@ -28,16 +29,19 @@ BUCKETS = (8, 16, 24, 32, 40, 48, 64)
 class StepTimeModel:
     """Step seconds as f(rows, T, depth): per-arm EMA, a linear fit for arms not measured yet."""
 
-    def __init__(self, alpha: float = 0.25):
-        self.alpha = alpha
+    def __init__(self, alpha: float = 0.25, refit_every: int = 8):
+        self.alpha, self.refit_every = alpha, refit_every
         self.ema: dict[tuple[int, int, int], float] = {}
         self._fit: dict[int, tuple[float, float, float]] = {}
+        self._fresh: dict[int, int] = {}  # rows -> observations since its fit (a fit per step would cost ~0.1 ms)
 
     def observe(self, rows: int, T: int, depth: int, seconds: float) -> None:
         key = (rows, T, depth)
         old = self.ema.get(key)
         self.ema[key] = seconds if old is None else old + self.alpha * (seconds - old)
-        self._fit.pop(rows, None)
+        self._fresh[rows] = self._fresh.get(rows, 0) + 1
+        if old is None or self._fresh[rows] >= self.refit_every:  # a new arm changes the fit most: refit at once
+            self._fit.pop(rows, None)
 
     def _coef(self, rows: int) -> tuple[float, float, float] | None:
         if rows not in self._fit:
@@ -56,6 +60,7 @@ class StepTimeModel:
                     coef[cols] = c
                     break
             self._fit[rows] = tuple(float(v) for v in coef)
+            self._fresh[rows] = 0
         return self._fit[rows]
 
     def predict(self, rows: int, T: int, depth: int) -> float | None:
@@ -118,7 +123,7 @@ class BudgetController:
         self._pending = None
         vals = curve.numpy() if hasattr(curve, "numpy") else np.asarray(curve)
         for arm, v in zip(arms, vals.tolist()):
-            if np.isfinite(v):
+            if math.isfinite(v):
                 old = self.gain.get(arm)
                 self.gain[arm] = v if old is None else old + self.alpha * (v - old)
 

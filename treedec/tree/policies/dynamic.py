@@ -146,28 +146,28 @@ class DynamicPolicy(TreePolicy):
             n_cand += k * k
         order = torch.sort(score, dim=1, descending=True, stable=True)
         if self.budget is not None:
-            self._offer(order.values, c["depth"][:, :n_all], score, D)
+            self._offer(c["depth"][:, :n_all], score, D)
         return self._rerank(drafter.root_tokens, toks, logq, parents, order.indices[:, : T - 1], D)
 
-    def _offer(self, sorted_score: torch.Tensor, depths: torch.Tensor, score: torch.Tensor, D: int) -> None:
+    def _offer(self, depths: torch.Tensor, score: torch.Tensor, D: int) -> None:
         """E[accepted] of the best T-subtree for every arm drafted this step, copied to the host asynchronously.
 
         A node is accepted with probability exp(score) (calibrated), E[accepted] is the sum over kept
         nodes, and the best T-subtree holds the T-1 highest scores, so prefix sums of the sorted
-        probabilities give every T at once; a shallower depth limit masks deeper nodes out first.
-        Arms deeper than D get NaN (not measured this step).
+        probabilities give every T at once; a depth limit masks deeper nodes out first (all limits in
+        one sort). Arms deeper than D get NaN (not measured this step).
         """
         arms = self.budget.arms
-        limits = sorted({d for _, d in arms if d <= D})
         if D not in self._arm_plan:  # host ints -> index tensors, once per drafted depth
             dev = score.device
-            self._arm_plan[D] = (torch.tensor([limits.index(d) if d <= D else 0 for _, d in arms], device=dev),
+            limits = sorted({d for _, d in arms if d <= D})
+            self._arm_plan[D] = (torch.tensor(limits, device=dev)[:, None, None],
+                                 torch.tensor([limits.index(d) if d <= D else 0 for _, d in arms], device=dev),
                                  torch.tensor([T - 2 if d <= D else 0 for T, d in arms], device=dev),
                                  torch.tensor([d <= D for _, d in arms], device=dev))
-        row, col, ok = self._arm_plan[D]
-        table = torch.stack([(sorted_score if lim == D else
-                              torch.where(depths <= lim, score, -torch.inf).sort(1, descending=True).values)
-                             .exp().cumsum(1).mean(0) for lim in limits])  # [limits, candidates]
+        lims, row, col, ok = self._arm_plan[D]
+        masked = torch.where(depths[None] <= lims, score[None], -torch.inf)  # [limits, B, candidates]
+        table = masked.sort(-1, descending=True).values.exp().cumsum(-1).mean(1)  # [limits, candidates]
         self._curve.copy_(torch.where(ok, table[row, col], torch.nan), non_blocking=True)
         self.budget.offer(self._curve, arms)
 
