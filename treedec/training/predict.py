@@ -15,7 +15,7 @@ finishes early (EOS or its budget) leaves the batch too (:class:`CompactingDecod
 verify passes run over the live rows only. Freed slots are not refilled until the next batch.
 
 Randomness is per request: row b of a round draws from a stream seeded by (``seed``, request key,
-round) (:class:`~treedec.decoding.sampling.RowSeededGenerator`), so a sampled record decodes the
+round; a request's round is its own prompt count, as requests only ever leave) (:class:`~treedec.decoding.sampling.RowSeededGenerator`), so a sampled record decodes the
 same whatever batch, position or process it lands in; greedy fp32 is batch-independent as long as
 the batches are (the float sums of a batched pass depend on the batch's shape).
 """
@@ -32,8 +32,8 @@ import torch
 from treedec.decoding.loop import DecodeStats, StepInfo
 from treedec.decoding.sampling import RowSeededGenerator, SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
-from treedec.models.draft import DraftHead
 from treedec.models.cache import KVCache
+from treedec.models.draft import DraftHead
 from treedec.models.llama import Transformer
 from treedec.tree.policies.base import TreePolicy
 
