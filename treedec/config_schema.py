@@ -89,6 +89,7 @@ class DynamicTreeSchema:
     max_total_tokens: int = 64  # total_tokens=auto: the largest T tried
     min_depth: Optional[int] = None  # total_tokens=auto: the shallowest depth tried (null: depth - 2)
     explore_every: int = 8  # total_tokens=auto: try a neighbouring (T, depth) every this many steps
+    node_share: float = 1.0  # per-row budgets: share of the batch's B*(T-1) candidate slots kept (rest: padding)
 
 
 @dataclass
@@ -228,6 +229,7 @@ class BenchOptionsSchema:
     learned_path: Optional[str] = "auto"  # auto: the tree shipped for the bundled head (treedec/bench/bundled.py)
     compile: bool = False  # also run vanilla and each tree method with compile=True (NAME_compile)
     dynamic_sweep: Optional[List[int]] = None  # also dynamic_T<n> (bench.trees.dynamic at total_tokens=n) per n
+    batch_sizes: Optional[List[int]] = None  # e.g. [1, 4, 16]: also decode in batches of each size (bench/batched.py)
     trees: Dict[str, Any] = field(default_factory=dict)  # method name -> tree policy config (checked by _target_)
     peers: List[str] = field(default_factory=lambda: ["hf_greedy", "hf_prompt_lookup", "hf_assisted", "hf_sample"])
     prompt_lookup_num_tokens: int = 10
