@@ -717,6 +717,10 @@ def run(cfg: DictConfig) -> dict:
         "failures": failures,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
+    if bench.get("batch_sizes"):  # issue 17 hook: throughput at several batch sizes (treedec/bench/batched.py)
+        from treedec.bench import batched
+        metrics["batched"] = batched.run(cfg, target, draft, eos_ids, prompts, policies)
+        failures += metrics["batched"]["failures"]  # end of the issue 17 hook
     write_text_atomic(run_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     write_text_atomic(run_dir / "outputs.jsonl", "".join(
         json.dumps({"method": m.name.rsplit("@", 1)[0], "prompt": p.id,

@@ -129,6 +129,10 @@ def markdown(metrics: dict) -> str:
     lines += tree_table(metrics["methods"])
     if metrics.get("sampled"):
         lines += sampled_tables(metrics["sampled"])
+    if metrics.get("batched"):  # bench.batch_sizes (treedec/bench/batched.py)
+        from treedec.bench.batched import markdown as batched_markdown
+
+        lines += batched_markdown(metrics["batched"])
     if metrics.get("skipped"):
         lines += ["", "Skipped: " + "; ".join(f"`{k}`: {v}" for k, v in metrics["skipped"].items())]
     if metrics.get("failures"):
@@ -137,7 +141,7 @@ def markdown(metrics: dict) -> str:
 
 
 def plots(metrics: dict, out_dir: str | Path) -> list[Path]:
-    """tokens_per_s.png, tau.png and time_split.png; returns the files written (none without matplotlib)."""
+    """tokens_per_s.png, tau.png, time_split.png (and dynamic_sweep.png, batch_throughput.png); returns the files written (none without matplotlib)."""
     try:
         import matplotlib
 
@@ -197,6 +201,10 @@ def plots(metrics: dict, out_dir: str | Path) -> list[Path]:
             fig.savefig(out_dir / "time_split.png", dpi=120)
             plt.close(fig)
             written.append(out_dir / "time_split.png")
+        if metrics.get("batched"):  # bench.batch_sizes: batch_throughput.png
+            from treedec.bench.batched import plot as batched_plot
+
+            written.append(batched_plot(metrics["batched"], out_dir, plt))
         sweep = sweep_plot(metrics, out_dir, plt)
         if sweep is not None:
             written.append(sweep)
