@@ -25,9 +25,9 @@ def test_step_time_model_fits_unmeasured_sizes_with_non_negative_slopes():
 
 
 def test_step_time_model_predicts_a_new_row_count_from_the_others():
-    cost = lambda r, T, d: 0.004 + 0.0002 * r * T + 0.001 * d  # noqa: E731  (compute-bound in rows*T)
+    cost = lambda r, T, d: 0.004 + 0.0002 * r * T + 0.001 * d + 0.0003 * r * d  # noqa: E731  (compute-bound in rows)
     m = StepTimeModel()
-    for r, T, d in ((1, 8, 3), (1, 32, 3), (1, 16, 5), (4, 8, 4), (4, 64, 5)):
+    for r, T, d in ((1, 8, 3), (1, 32, 3), (1, 16, 5), (4, 8, 4), (4, 64, 5), (2, 16, 6)):
         m.observe(r, T, d, cost(r, T, d))
     for r, T, d in ((16, 24, 4), (2, 1, 0), (64, 8, 3)):  # row counts never measured
         assert m.predict(r, T, d) == pytest.approx(cost(r, T, d), rel=1e-6)
@@ -35,6 +35,10 @@ def test_step_time_model_predicts_a_new_row_count_from_the_others():
     for T in (8, 32):
         one.observe(1, T, 4, 0.01 + 0.001 * T)
     assert one.predict(16, 32, 4) > one.predict(4, 32, 4) > one.predict(1, 32, 4)
+    before = one.predict(16, 8, 4)
+    for _ in range(8):  # 16 rows run 3x slower than the batch-1 fit says: its other arms are scaled alike
+        one.observe(16, 32, 4, 3 * one.predict(16, 32, 4) if (16, 32, 4) not in one.ema else one.ema[16, 32, 4])
+    assert one.predict(16, 8, 4) > 1.5 * before
 
 
 class FakeClock:

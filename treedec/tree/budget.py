@@ -24,16 +24,18 @@ from typing import Callable, Sequence
 import numpy as np
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64)  # 1: the root alone (plain decoding); 2, 4: a chain or a twig
-FEATURES = ("1", "rows", "T", "rows*T", "depth")  # the step-time fit's columns
-# The fullest model whose slopes come out >= 0 wins; rows*T first, so one row count's data already
-# predicts another (a compute-bound target costs per verified token; launches cost per step or per depth).
-_SUBSETS = ([0, 1, 2, 3, 4], [0, 1, 3, 4], [0, 3, 4], [0, 2, 4], [0, 1, 3], [0, 3], [0, 2], [0, 4], [0])
+FEATURES = ("1", "rows", "T", "rows*T", "depth", "rows*depth")  # the step-time fit's columns
+# The first model (fullest first) whose slopes come out >= 0 wins. rows*T and rows*depth come before
+# T and depth, so batch-1 data alone already predicts a wider batch as compute-bound: a verified
+# token and a drafted level cost the same in every row (launch-bound costs: 1, T, depth).
+_SUBSETS = ([0, 1, 2, 3, 4, 5], [0, 1, 3, 4, 5], [0, 1, 2, 3, 4], [0, 3, 4, 5], [0, 1, 3, 5], [0, 3, 5],
+            [0, 1, 3, 4], [0, 3, 4], [0, 2, 4], [0, 1, 3], [0, 3], [0, 2], [0, 4], [0])
 
 
 class StepTimeModel:
     """Step seconds as f(rows, T, depth): per-arm EMA, one linear fit over every row count for the rest.
 
-    The fit ``a + b*rows + c*T + e*rows*T + f*depth`` (non-negative slopes) is shared by all row
+    The fit ``a + b*rows + c*T + e*rows*T + f*depth + g*rows*depth`` (non-negative slopes) is shared by all row
     counts, so a batch size never seen (or one that a finished row just produced) is predicted
     from the others, and a compute-bound machine (cost in ``rows*T``) is recognised from batch 1.
     """
@@ -42,6 +44,7 @@ class StepTimeModel:
         self.alpha, self.refit_every = alpha, refit_every
         self.ema: dict[tuple[int, int, int], float] = {}
         self._coef: np.ndarray | None = None
+        self._ratio: dict[int, float] = {}  # rows -> median measured / fitted time of its arms (since the fit)
         self._fresh = 0  # observations since the fit (a fit per step would cost ~0.1 ms)
 
     def observe(self, rows: int, T: int, depth: int, seconds: float) -> None:
@@ -54,24 +57,33 @@ class StepTimeModel:
 
     @staticmethod
     def features(rows: int, T: int, depth: int) -> list[float]:
-        return [1.0, rows, T, rows * T, depth]
+        return [1.0, rows, T, rows * T, depth, rows * depth]
 
     def coef(self) -> np.ndarray | None:
         """The fit's coefficients in :data:`FEATURES` order (None before any measurement)."""
         if self._coef is None and self.ema:
             X = np.array([self.features(*k) for k in self.ema])
             y = np.array(list(self.ema.values()))
-            coef = np.array([y.mean(), 0.0, 0.0, 0.0, 0.0])
+            coef = np.zeros(len(FEATURES))
+            coef[0] = y.mean()
             for cols in _SUBSETS:
                 if np.linalg.matrix_rank(X[:, cols]) < len(cols):
                     continue
                 c = np.linalg.lstsq(X[:, cols], y, rcond=None)[0]
-                if (c[1:] >= 0).all():
+                if (c[1:] >= -1e-9 * y.max()).all():  # an exact zero may come out as -1e-18
                     coef = np.zeros(len(FEATURES))
-                    coef[cols] = c
+                    coef[cols] = np.maximum(c, [-np.inf] + [0.0] * (len(cols) - 1))
                     break
-            self._coef, self._fresh = coef, 0
+            self._coef, self._fresh, self._ratio = coef, 0, {}
         return self._coef
+
+    def _scale(self, rows: int, c: np.ndarray) -> float:
+        """How much slower this row count ran than the shared fit says (its measured arms' median ratio), so an
+        arm never measured at ``rows`` is compared fairly with the measured ones (1.0 when none is)."""
+        if rows not in self._ratio:
+            r = [t / f for k, t in self.ema.items() if k[0] == rows and (f := float(c @ self.features(*k))) > 0]
+            self._ratio[rows] = float(np.median(r)) if r else 1.0
+        return self._ratio[rows]
 
     def predict(self, rows: int, T: int, depth: int) -> float | None:
         """Predicted seconds of a step (None before any measurement)."""
@@ -79,7 +91,9 @@ class StepTimeModel:
         if t is not None:
             return t
         c = self.coef()
-        return None if c is None else max(float(c @ np.array(self.features(rows, T, depth))), 1e-9)
+        if c is None:
+            return None
+        return max(float(c @ np.array(self.features(rows, T, depth))) * self._scale(rows, c), 1e-9)
 
 
 class BudgetController:
