@@ -25,11 +25,13 @@ import numpy as np
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64)  # 1: the root alone (plain decoding); 2, 4: a chain or a twig
 FEATURES = ("1", "rows", "T", "rows*T", "depth", "rows*depth")  # the step-time fit's columns
-# The first model (fullest first) whose slopes come out >= 0 wins. rows*T and rows*depth come before
-# T and depth, so batch-1 data alone already predicts a wider batch as compute-bound: a verified
-# token and a drafted level cost the same in every row (launch-bound costs: 1, T, depth).
-_SUBSETS = ([0, 1, 2, 3, 4, 5], [0, 1, 3, 4, 5], [0, 1, 2, 3, 4], [0, 3, 4, 5], [0, 1, 3, 5], [0, 3, 5],
-            [0, 1, 3, 4], [0, 3, 4], [0, 2, 4], [0, 1, 3], [0, 3], [0, 2], [0, 4], [0])
+# The first model (fullest first) whose slopes come out >= 0 wins. While one row count only has been
+# measured, its rows terms are not identifiable and the launch-bound model (1, T, depth) comes first:
+# a new row count is first predicted as costly as the known one, scaled by its own first measurement
+# (StepTimeModel._scale), and the rows terms enter once two row counts are measured. (Assuming
+# compute-bound instead shrinks trees at batch 4 on a CPU where they still pay 1.5x.)
+_SUBSETS = ([0, 1, 2, 3, 4, 5], [0, 1, 3, 4, 5], [0, 1, 2, 3, 4], [0, 3, 4, 5], [0, 1, 3, 5], [0, 1, 3, 4],
+            [0, 2, 4], [0, 3, 5], [0, 3, 4], [0, 1, 3], [0, 2], [0, 3], [0, 4], [0])
 
 
 class StepTimeModel:
@@ -37,7 +39,7 @@ class StepTimeModel:
 
     The fit ``a + b*rows + c*T + e*rows*T + f*depth + g*rows*depth`` (non-negative slopes) is shared by all row
     counts, so a batch size never seen (or one that a finished row just produced) is predicted
-    from the others, and a compute-bound machine (cost in ``rows*T``) is recognised from batch 1.
+    from the others, and a machine that gets compute-bound in ``rows*T`` is recognised as such.
     """
 
     def __init__(self, alpha: float = 0.25, refit_every: int = 8):
