@@ -86,6 +86,7 @@ class DynamicTreeSchema:
     max_total_tokens: int = 64  # total_tokens=auto: the largest T tried
     min_depth: Optional[int] = None  # total_tokens=auto: the shallowest depth tried (null: depth - 2)
     explore_every: int = 8  # total_tokens=auto: try a neighbouring (T, depth) every this many steps
+    node_share: float = 1.0  # per-row budgets: share of the batch's B*(T-1) candidate slots kept (rest: padding)
 
 
 @dataclass
@@ -236,6 +237,7 @@ class BenchOptionsSchema:
     learned_path: Optional[str] = "auto"  # auto: the tree shipped for the bundled head (treedec/bench/bundled.py)
     compile: bool = False  # also run vanilla and each tree method with compile=True (NAME_compile)
     dynamic_sweep: Optional[List[int]] = None  # also dynamic_T<n> (bench.trees.dynamic at total_tokens=n) per n
+    batch_sizes: Optional[List[int]] = None  # e.g. [1, 4, 16]: also decode in batches of each size (bench/batched.py)
     trees: Dict[str, Any] = MISSING  # method name -> tree policy config (checked by _target_)
     peers: List[str] = MISSING  # conf/bench.yaml
     prompt_lookup_num_tokens: int = 10
@@ -538,7 +540,9 @@ def _check_regenerate(cfg) -> None:
         if _get(cfg, key) not in known:
             raise ConfigError(f"{key}={_get(cfg, key)!r}; choose one of {', '.join(known)}")
     src = _get(cfg, "input")
-    if not src or not Path(src).expanduser().is_file():
+    if not src:
+        raise ConfigError("input is required: input=<records.jsonl> ({\"text\": ...} lines or chats)")
+    if not Path(src).expanduser().is_file():
         raise ConfigError(f"input={src!r} is not a file; pass input=<records.jsonl> ({{\"text\": ...}} lines or chats)")
     if not 0 <= _get(cfg, "part") < _get(cfg, "parts"):
         raise ConfigError(f"part={_get(cfg, 'part')} must be in [0, parts={_get(cfg, 'parts')})")

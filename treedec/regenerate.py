@@ -45,9 +45,10 @@ from omegaconf import DictConfig, OmegaConf
 
 import treedec.config_schema  # noqa: F401  (registers the structured schema before Hydra composes)
 from treedec.cli import entry, load_stack, refuse_renamed, write_text_atomic
+from treedec.training.predict import Prompt
 
 log = logging.getLogger(__name__)
-DECODING_KEYS = ("model", "draft", "tree", "kernel", "sampling", "max_new_tokens", "prompt_tokens", "chat_template",
+DECODING_KEYS = ("model", "draft", "tree", "sampling", "max_new_tokens", "prompt_tokens", "chat_template",
                  "format", "batch_size", "shard_size", "on_error", "seed")  # what a resumed run must share
 
 
@@ -95,21 +96,15 @@ def read_records(path: str, fmt: str = "auto", on_error: str = "fail") -> tuple[
     return records, skipped
 
 
-class TextRequest:
-    """A text record: the first ``prompt_tokens`` tokens, continued once."""
+class TextRequest(Prompt):
+    """A text record: its first ``prompt_tokens`` tokens, continued once."""
 
     def __init__(self, rec: Record, tok, prompt_tokens: int):
-        self.rec, self.tok, self.key = rec, tok, rec.id
-        self.prompt, self.tokens = tok.encode(rec.payload)[:prompt_tokens], None
-
-    def next_prompt(self) -> list[int] | None:
-        return self.prompt if self.tokens is None else None
-
-    def take(self, tokens: list[int]) -> None:
-        self.tokens = tokens
+        super().__init__(rec.id, tok.encode(rec.payload)[:prompt_tokens])
+        self.rec, self.tok = rec, tok
 
     def output(self) -> dict:
-        return {**self.rec.obj, "id": self.key, "text": self.tok.decode(self.prompt + _cut_eos(self.tokens, self.tok))}
+        return {**self.rec.obj, "id": self.key, "text": self.tok.decode(self.ids + _cut_eos(self.tokens, self.tok))}
 
 
 class ChatRequest:
@@ -119,7 +114,6 @@ class ChatRequest:
         self.rec, self.tok, self.renderer, self.key = rec, tok, renderer, rec.id
         self.messages = [dict(m) for m in rec.payload]
         self.todo = [i for i, m in enumerate(self.messages) if m["role"] == "assistant"]
-        self.new_tokens = 0
 
     def next_prompt(self) -> list[int] | None:
         if not self.todo:
@@ -129,7 +123,6 @@ class ChatRequest:
 
     def take(self, tokens: list[int]) -> None:
         self.messages[self.todo.pop(0)]["content"] = self.tok.decode(_cut_eos(tokens, self.tok))
-        self.new_tokens += len(tokens)
 
     def output(self) -> dict:
         obj = copy.deepcopy(self.rec.obj)
@@ -234,6 +227,9 @@ class ShardData(L.LightningDataModule):
         self.lock = RunDirLock(claim).acquire()  # a second copy of this worker is refused
         mine = {k: self.records[k * S:(k + 1) * S] for k in range(w, -(-len(self.records) // S), W)}
         todo = {k: recs for k, recs in mine.items() if not shard_done(self.out_dir, k, len(recs))}
+        for k in todo:  # temp files a killed run left behind (this worker's shards only: others may be writing)
+            for tmp in shard_path(self.out_dir, k).parent.glob(f".part-{k:05d}.*.tmp"):
+                tmp.unlink(missing_ok=True)
         log.info("worker %d of %d: %d shards, %d finished before, %d to do", w, W, len(mine), len(mine) - len(todo),
                  len(todo))
         self.writer.start({k: len(v) for k, v in todo.items()}, show=rank == 0)
@@ -285,8 +281,7 @@ def run(cfg: DictConfig) -> dict:
 
     settings = OmegaConf.to_container(cfg, resolve=True)
     check_manifest(out_dir, {"input": str(Path(cfg.input).resolve()), "input_sha1": file_fingerprint(cfg.input),
-                             "records": len(records), "shards": n_shards,
-                             "config": {k: settings.get(k) for k in DECODING_KEYS}})
+                             "records": len(records), "shards": n_shards, **{k: settings.get(k) for k in DECODING_KEYS}})
 
     import torch
 
@@ -310,7 +305,9 @@ def run(cfg: DictConfig) -> dict:
                                       enable_progress_bar=False, use_distributed_sampler=False, callbacks=[writer],
                                       default_root_dir=str(cfg.paths.run_dir), _convert_="all")
     try:
+        t_run = time.time()
         trainer.predict(module, datamodule=data, return_predictions=False)
+        t_run = time.time() - t_run
         done = torch.tensor([writer.done["shards"], writer.done["records"], writer.done["tokens"]])
         done = trainer.strategy.reduce(done, reduce_op="sum")  # every rank's count (DDP); itself on one process
         trainer.strategy.barrier()
@@ -322,13 +319,15 @@ def run(cfg: DictConfig) -> dict:
     shards_run, records_run, tokens_run = (int(x) for x in done.tolist())
     metrics = summarize(out_dir, n_shards, {
         "records_input": len(records) + len(skipped), "skipped_lines": len(skipped), "skipped": skipped,
-        "this_run": {"shards": shards_run, "records": records_run, "new_tokens": tokens_run, "wall_time_s": wall,
-                     "tokens_per_s": tokens_run / wall, "records_per_s": records_run / wall,
-                     "world_size": trainer.world_size, "part": int(cfg.part), "parts": int(cfg.parts)},
-        "wall_time_s": wall, "tokens_per_s": tokens_run / wall, "shards_dir": str(out_dir / "shards")})
+        "this_run": {"shards": shards_run, "records": records_run, "new_tokens": tokens_run,
+                     "decode_time_s": t_run, "world_size": trainer.world_size, "part": int(cfg.part),
+                     "parts": int(cfg.parts)},
+        "wall_time_s": wall,  # this job, loading included
+        "tokens_per_s": tokens_run / t_run if t_run else None,  # this job's new tokens / its trainer.predict time
+        "records_per_s": records_run / t_run if t_run else None, "shards_dir": str(out_dir / "shards")})
     tau = "n/a" if metrics["tau"] is None else f"{metrics['tau']:.2f}"
     print(f"{metrics['records']} records in {metrics['shards_done']}/{n_shards} shards ({shards_run} this run), "
-          f"{tokens_run} tokens this run, {tokens_run / wall:.1f} tok/s, tau {tau}, "
+          f"{tokens_run} tokens this run, {metrics['tokens_per_s'] or 0:.1f} tok/s, tau {tau}, "
           f"{len(skipped)} lines skipped; train on it: data=jsonl data.path={out_dir / 'shards'}")
     return metrics
 

@@ -18,7 +18,7 @@ from treedec.models.draft import DraftConfig, DraftHead
 from treedec.models.llama import Transformer
 from treedec.tree.shapes import SHAPE_DIR
 
-from ..training.test_pretrain import TINY_ARCH, corpus, tokenizer  # noqa: F401  (fixtures)
+from tests.helpers import TINY_ARCH
 
 CONF = str(SHAPE_DIR.parents[1])
 
@@ -53,6 +53,8 @@ def overrides(stack, run_dir, *extra):
             "bench.repeats=2", "bench.warmup=1", "bench.num_threads=1", f"bench.learned_path={stack / 'learned.yaml'}",
             "tree/shape@bench.trees.static.shape=balanced_2x3", "bench.trees.dynamic.total_tokens=8",
             "bench.trees.dynamic.depth=3", "bench.trees.dynamic.top_k=3", "bench.trees.chain.depth=3",
+            "bench.trees.dynamic_raw.total_tokens=8", "bench.trees.dynamic_raw.depth=3", "bench.trees.dynamic_raw.top_k=3",
+            "bench.trees.dynamic_auto.depth=3", "bench.trees.dynamic_auto.top_k=3",
             f"bench.assistant_path={stack / 'assistant'}", "bench.plots=false", f"paths.run_dir={run_dir}"]
     keys = {e.split("=", 1)[0] for e in extra}
     return [o for o in base if o.split("=", 1)[0] not in keys] + list(extra)
@@ -68,7 +70,7 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["methods"].keys() == m["methods"].keys()
     names = set(saved["methods"])
-    treedec = {"vanilla", "chain", "static", "dynamic", "learned"}
+    treedec = {"vanilla", "chain", "static", "dynamic_raw", "dynamic", "dynamic_auto", "learned"}
     expected = set(treedec)
     if HAVE_HF:
         expected |= {"hf_greedy", "hf_prompt_lookup", "hf_assisted"}
@@ -113,7 +115,7 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
             assert e["op_counts"]["steps"] >= 1 and e["op_counts"]["aten_ops_total"] > e["aten_ops_per_step"]
         else:
             assert "host_reads_per_step" not in e, name
-    for name in ("chain", "static", "dynamic", "learned"):  # issue 11: at most 4 host reads per speculative step
+    for name in ("chain", "static", "dynamic_raw", "dynamic", "dynamic_auto", "learned"):  # issue 11: at most 4 host reads per speculative step
         assert saved["methods"][name]["host_reads_per_step"] <= 4, (name, saved["methods"][name]["op_counts"])
     assert saved["methods"]["vanilla"]["host_reads_per_step"] <= 2
     if HAVE_HF:
@@ -123,6 +125,12 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
     assert saved["config"]["bench"]["max_new_tokens"] == 12
     table = (tmp_path / "results.md").read_text()
     assert "| dynamic |" in table and "speedup ÷ τ" in table
+    for name in ("dynamic_raw", "dynamic", "dynamic_auto", "static"):  # issue 15: tree size and histogram per tree
+        e = saved["methods"][name]
+        assert sum(e["accepted_hist"].values()) > 0 and 1 <= e["mean_tree_size"] <= e["tree_size"], name
+    assert saved["methods"]["dynamic"]["mean_tree_size"] == pytest.approx(8.0)
+    assert {a["total_tokens"] for a in saved["methods"]["dynamic_auto"]["auto_arms"]} <= {1, 2, 4, 8, 16}  # issue 17: 1, 2, 4
+    assert "accepted length histogram" in table and "auto: T" in table
     assert "host reads/step | aten ops/step |" in table
     row = next(ln for ln in table.splitlines() if ln.startswith("| dynamic |") and "%" in ln).split("|")
     assert float(row[-3]) == pytest.approx(saved["methods"]["dynamic"]["host_reads_per_step"], abs=0.05)
@@ -130,6 +138,17 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
     n_sampled = sum(len(g["methods"]) for g in saved["sampled"].values())
     assert len(lines) == 2 * (len(names) + n_sampled)
     assert {ln["temperature"] for ln in lines if "temperature" in ln} == {0.8, 0.3}
+
+
+def test_dynamic_sweep_puts_the_auto_budget_on_the_fixed_budget_curve(stack, tmp_path):
+    m = harness.run(compose_bench(stack, tmp_path, "bench.methods=[vanilla,dynamic_auto]", "bench.peers=[]",
+                                  "bench.repeats=1", "bench.dynamic_sweep=[8,16]", "bench.plots=true"))
+    assert m["dynamic_sweep"] == {"methods": ["dynamic_T8", "dynamic_T16"], "auto": "dynamic_auto"}
+    for T in (8, 16):
+        e = m["methods"][f"dynamic_T{T}"]
+        assert e["identical_to_vanilla"] is True and e["mean_tree_size"] == pytest.approx(T)
+        assert e["tree_size"] == T and e["tree_depth"] == 3  # dynamic_auto's pool at a fixed T
+    assert (tmp_path / "dynamic_sweep.png").is_file()
 
 
 def test_mismatch_fails_the_cli_after_writing_metrics(stack, tmp_path, monkeypatch):
@@ -211,7 +230,7 @@ def test_third_party_prompts_are_recorded(stack, tmp_path):
 
 
 def test_gpu_check_reports_all_skipped_tests_as_skipped():
-    from treedec.bench.gpu import pytest_status
+    from scripts.gpu import pytest_status
 
     assert pytest_status("ssss\n4 skipped, 120 deselected in 1.20s\n", 0) == "skipped"
     assert pytest_status("\n120 deselected in 0.50s\n", 5) == "skipped"

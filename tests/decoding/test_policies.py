@@ -7,7 +7,7 @@ from treedec.tree import Tree, TreeError
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
 from treedec.tree.shapes import list_shapes, load_shape
 
-from .helpers import make_pair
+from tests.helpers import make_pair
 
 
 def primed_drafter(seed=0, batch=2, prompt_len=(9, 4)):

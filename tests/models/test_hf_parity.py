@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tests.models.helpers import full_logits, randomize_, tiny_model
+from tests.helpers import full_logits, randomize_, tiny_model
 from treedec.models import load_model
 from treedec.models.checkpoint import save_pretrained
 

@@ -108,6 +108,7 @@ class RunOutput:
     forwards: int  # every target forward, prefill included
     split: dict[str, float] = field(default_factory=dict)  # seconds, by phase (the method's own clocks)
     accepted: Counter = field(default_factory=Counter)  # accepted drafts per step -> steps (speculative)
+    tree_nodes: int = 0  # tree nodes verified, summed over passes (speculative; mean tree size = / passes)
 
 
 @dataclass
@@ -139,7 +140,7 @@ def run_output(res) -> RunOutput:
     st = res.stats
     split = {k: v for k, v in st.as_dict()["time_split"].items() if k != "total"}
     return RunOutput(res.tokens[0], st.row_steps, st.step_tokens, st.target_passes + st.prefills, split,
-                     Counter(st.accepted))
+                     Counter(st.accepted), st.tree_nodes)
 
 
 def measure_ops(call: Callable[..., object]) -> dict:
@@ -243,13 +244,37 @@ def sample_settings(cfg: DictConfig) -> list:
     return [replace(base, temperature=float(t)) for t in temps]
 
 
+SWEEP_BASE = "dynamic_auto"  # bench.dynamic_sweep's fixed budgets use this method's tree, so auto is on the same curve
+
+
+def sweep_name(n: int) -> str:
+    return f"dynamic_T{int(n)}"
+
+
 def method_names(bench: DictConfig) -> list[str]:
-    """``bench.methods`` without repeats, vanilla first (every speedup and identity check is measured against it)."""
+    """``bench.methods`` without repeats, vanilla first (every speedup and identity check is measured against it),
+    then ``dynamic_T<n>`` for each size of ``bench.dynamic_sweep``."""
     names = list(dict.fromkeys(bench.methods))
     if "vanilla" not in names:
         log.info("adding `vanilla` to bench.methods: every speedup and identity check is measured against it")
         names.insert(0, "vanilla")
-    return names
+    sweep = [sweep_name(n) for n in (bench.get("dynamic_sweep") or [])]
+    return names + [n for n in dict.fromkeys(sweep) if n not in names]
+
+
+def tree_config(bench: DictConfig, name: str):
+    """The tree config of method ``name``: ``bench.trees[name]``, or for ``dynamic_T<n>`` the sweep base at T=n."""
+    from treedec.config_schema import ConfigError
+
+    if name.startswith("dynamic_T") and name[len("dynamic_T"):].isdigit() and name not in bench.trees:
+        if SWEEP_BASE not in bench.trees:
+            raise ConfigError(f"bench.dynamic_sweep needs bench.trees.{SWEEP_BASE} (the tree the sweep varies T of)")
+        node = OmegaConf.merge(bench.trees[SWEEP_BASE], {"total_tokens": int(name[len("dynamic_T"):])})
+        return node
+    if name not in bench.trees:
+        raise ConfigError(f"bench.methods names {name!r}, which has no tree config under bench.trees "
+                          f"(have: vanilla, {', '.join(bench.trees)}); add bench.trees.{name} with a _target_")
+    return bench.trees[name]
 
 
 def resolve_auto(cfg: DictConfig) -> dict[str, str]:
@@ -270,7 +295,7 @@ def resolve_auto(cfg: DictConfig) -> dict[str, str]:
 
 def build_policies(cfg: DictConfig) -> dict:
     """The tree policy of every speculative method that will run (no model needed: errors come before loading)."""
-    from treedec.config_schema import ConfigError, instantiate_checked
+    from treedec.config_schema import instantiate_checked
 
     resolve_auto(cfg)
     bench = cfg.bench
@@ -278,10 +303,7 @@ def build_policies(cfg: DictConfig) -> dict:
     for name in method_names(bench):
         if name == "vanilla" or (name == "learned" and not bench.learned_path):
             continue
-        if name not in bench.trees:
-            raise ConfigError(f"bench.methods names {name!r}, which has no tree config under bench.trees "
-                              f"(have: vanilla, {', '.join(bench.trees)}); add bench.trees.{name} with a _target_")
-        out[name] = instantiate_checked(bench.trees[name], f"bench.trees.{name}")
+        out[name] = instantiate_checked(tree_config(bench, name), f"bench.trees.{name}")
     return out
 
 
@@ -319,11 +341,11 @@ def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None
         methods.append(speculative_method(name, target, draft, policies[name], n, greedy, eos_ids))
         if compiled:  # its own policy object: a compiled decoder may pad or precompute per policy
             methods.append(speculative_method(f"{name}_compile", target, draft,
-                                              instantiate_checked(bench.trees[name], f"bench.trees.{name}"), n,
+                                              instantiate_checked(tree_config(bench, name), f"bench.trees.{name}"), n,
                                               greedy, eos_ids, compile=True, reference="vanilla_compile"))
         for s in settings:  # its own policy object per row, as for the compiled variants
             methods.append(speculative_method(sampled_name(f"{name}_sample", s.temperature), target, draft,
-                                              instantiate_checked(bench.trees[name], f"bench.trees.{name}"), n,
+                                              instantiate_checked(tree_config(bench, name), f"bench.trees.{name}"), n,
                                               s, eos_ids))
     return methods, skipped
 
@@ -526,6 +548,8 @@ def summarize(methods: list[Method], prompts: list[Prompt], timing: dict[str, di
         acc = sum((o.accepted for o in outs), Counter())
         if acc:
             entry["accepted_hist"] = {int(k): v for k, v in sorted(acc.items())}
+            steps = sum(o.passes for o in outs)
+            entry["mean_tree_size"] = sum(o.tree_nodes for o in outs) / steps if steps else None
         out[m.name] = entry
     for m in methods:
         e, ref = out[m.name], out.get(m.reference)
@@ -669,14 +693,21 @@ def run(cfg: DictConfig) -> dict:
     failures = classify_mismatches(table, float(bench.tie_ulps))
     if bench.strict_peers:
         failures += [e["failure_message"] for e in table.values() if e.get("failure_message") and not e.get("lossless_check")]
+    for name, pol in policies.items():  # the auto budget's choices over the whole run, most frequent first
+        if getattr(pol, "budget", None) is not None and name in table:
+            arms = Counter(pol.budget.history).most_common(6)
+            table[name]["auto_arms"] = [{"total_tokens": T, "depth": d, "steps": k} for (T, d), k in arms]
     greedy_rows, sampled_rows = group_sampled(table, methods)
     machine = machine_info(target)
     try:
         machine["loadavg_start"], machine["loadavg_end"] = load_start, list(os.getloadavg())
     except OSError:
         pass
+    sweep = [sweep_name(n) for n in (bench.get("dynamic_sweep") or []) if sweep_name(n) in greedy_rows]
     metrics = {
         "methods": greedy_rows,
+        **({"dynamic_sweep": {"methods": sweep, "auto": SWEEP_BASE if SWEEP_BASE in greedy_rows else None}}
+           if sweep else {}),
         **({"sampled": sampled_rows} if sampled_rows else {}),
         "machine": machine,
         "prompts": {"n": len(prompts), "source": str(bench.prompts) if bench.prompts else prompt_source_name(bench),
@@ -686,6 +717,10 @@ def run(cfg: DictConfig) -> dict:
         "failures": failures,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
+    if bench.get("batch_sizes"):  # issue 17 hook: throughput at several batch sizes (treedec/bench/batched.py)
+        from treedec.bench import batched
+        metrics["batched"] = batched.run(cfg, target, draft, eos_ids, prompts, policies)
+        failures += metrics["batched"]["failures"]  # end of the issue 17 hook
     write_text_atomic(run_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     write_text_atomic(run_dir / "outputs.jsonl", "".join(
         json.dumps({"method": m.name.rsplit("@", 1)[0], "prompt": p.id,
@@ -705,4 +740,5 @@ def run(cfg: DictConfig) -> dict:
 
 __all__ = ["Method", "OutputMismatch", "Prompt", "RunOutput", "build_methods", "build_policies", "count_method_ops",
            "first_difference", "group_sampled", "load_prompts", "machine_info", "measure_ops", "method_names",
-           "resolve_auto", "run", "sample_settings", "sampled_name", "summarize", "temperature_key", "time_methods"]
+           "resolve_auto", "run", "sample_settings", "sampled_name", "summarize", "sweep_name", "temperature_key",
+           "time_methods", "tree_config"]

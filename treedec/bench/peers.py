@@ -1,6 +1,7 @@
 """Peers: what a user would run instead of treedec, on identical weights, through ``transformers``.
 
-* ``hf_greedy``: ``model.generate(do_sample=False)``: plain decoding, transformers' own loop.
+* ``hf_greedy``: ``model.generate(do_sample=False)``: plain decoding, transformers' own loop; with
+  ``bench.batch_sizes`` also batched (:func:`hf_generate_batch`: left padding and an attention mask).
 * ``hf_prompt_lookup``: the same with ``prompt_lookup_num_tokens`` (n-gram drafts copied
   from the prompt; no draft model). Lossless greedy.
 * ``hf_assisted``: assisted generation with ``assistant_model`` (a smaller model that shares
@@ -93,6 +94,28 @@ def hf_method(name: str, model, max_new_tokens: int, eos_ids: list[int], samplin
     info["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
     return Method(sampled_name(name, sampling.temperature), "peer", False, fn, info,
                   reference=sampled_name("vanilla_sample", sampling.temperature))
+
+
+def hf_generate_batch(model, rows: list[list[int]], max_new_tokens: int, eos_ids: list[int]) -> tuple[list, int]:
+    """Greedy ``model.generate`` of a ragged batch (left padding and an attention mask, as a server batches)
+    -> (new tokens per row, cut after its first EOS; target forwards)."""
+    pad = eos_ids[0] if eos_ids else 0
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], device=model.device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=model.device)
+    counter = ForwardCounter(model)
+    try:
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = model.generate(ids, attention_mask=mask, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
+                                 eos_token_id=list(eos_ids), pad_token_id=pad)
+    finally:
+        counter.handle.remove()
+    toks = []
+    for row in out[:, width:].tolist():  # a finished row is padded after its EOS: cut there
+        stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
+        toks.append(row if stop is None else row[: stop + 1])
+    return toks, counter.n
 
 
 def build_peers(cfg: DictConfig, target, eos_ids: list[int],
@@ -193,4 +216,4 @@ def _load_assistant(path, model, target, skipped: dict[str, str]):
     return None
 
 
-__all__ = ["PEERS", "ForwardCounter", "build_peers", "hf_method", "load_hf"]
+__all__ = ["PEERS", "ForwardCounter", "build_peers", "hf_generate_batch", "hf_method", "load_hf"]

@@ -57,6 +57,29 @@ def sampled_tables(sampled: dict) -> list[str]:
     return lines
 
 
+def _hist(h: dict) -> str:
+    """Accepted-length histogram {length: steps} as ``n0, n1, …`` (every length from 0 to the longest)."""
+    h = {int(k): v for k, v in h.items()}
+    return ", ".join(str(h.get(k, 0)) for k in range(max(h) + 1)) if h else "–"
+
+
+def tree_table(methods: dict) -> list[str]:
+    """Speculative methods by tree: τ, tok/s, the mean tree size actually verified, the accepted-length histogram."""
+    rows = [(n, e) for n, e in methods.items() if e.get("accepted_hist") and e.get("policy")]
+    if not rows:
+        return []
+    lines = ["", "Trees: mean tree size verified per step (T, root included) and how many steps accepted 0, 1, 2, … "
+             "drafts (auto: the most used (T, depth) arms):", "",
+             "| method | τ | tok/s | mean T | accepted length histogram (0, 1, 2, …) |", "|---|---:|---:|---:|---|"]
+    for n, e in rows:
+        arms = e.get("auto_arms")
+        note = (" — auto: " + ", ".join(f"T{a['total_tokens']}/d{a['depth']} ×{a['steps']}" for a in arms[:3])
+                if arms else "")
+        lines.append(f"| {n} | {_f(e['tau'], '.2f')} | {_f(e['tokens_per_s'], '.1f')} | "
+                     f"{_f(e.get('mean_tree_size'), '.1f')} | {_hist(e['accepted_hist'])}{note} |")
+    return lines
+
+
 def markdown(metrics: dict) -> str:
     """The results table plus a header naming the model, the prompts and the machine."""
     cfg, mach, pr = metrics.get("config", {}), metrics.get("machine", {}), metrics.get("prompts", {})
@@ -103,8 +126,13 @@ def markdown(metrics: dict) -> str:
         if leaked:
             lines += ["", "**Compiled during the timed runs** (their tok/s includes compilation): "
                       + ", ".join(leaked)]
+    lines += tree_table(metrics["methods"])
     if metrics.get("sampled"):
         lines += sampled_tables(metrics["sampled"])
+    if metrics.get("batched"):  # bench.batch_sizes (treedec/bench/batched.py)
+        from treedec.bench.batched import markdown as batched_markdown
+
+        lines += batched_markdown(metrics["batched"])
     if metrics.get("skipped"):
         lines += ["", "Skipped: " + "; ".join(f"`{k}`: {v}" for k, v in metrics["skipped"].items())]
     if metrics.get("failures"):
@@ -113,7 +141,7 @@ def markdown(metrics: dict) -> str:
 
 
 def plots(metrics: dict, out_dir: str | Path) -> list[Path]:
-    """tokens_per_s.png, tau.png and time_split.png; returns the files written (none without matplotlib)."""
+    """tokens_per_s.png, tau.png, time_split.png (and dynamic_sweep.png, batch_throughput.png); returns the files written (none without matplotlib)."""
     try:
         import matplotlib
 
@@ -173,9 +201,41 @@ def plots(metrics: dict, out_dir: str | Path) -> list[Path]:
             fig.savefig(out_dir / "time_split.png", dpi=120)
             plt.close(fig)
             written.append(out_dir / "time_split.png")
+        if metrics.get("batched"):  # bench.batch_sizes: batch_throughput.png
+            from treedec.bench.batched import plot as batched_plot
+
+            written.append(batched_plot(metrics["batched"], out_dir, plt))
+        sweep = sweep_plot(metrics, out_dir, plt)
+        if sweep is not None:
+            written.append(sweep)
     except Exception as exc:  # a plot is never worth failing a benchmark for
         log.warning("plotting failed: %s: %s", type(exc).__name__, exc)
     return written
 
 
-__all__ = ["all_rows", "markdown", "plots", "sampled_tables"]
+def sweep_plot(metrics: dict, out_dir: Path, plt) -> Path | None:
+    """dynamic_sweep.png: τ and tok/s against the tree size T of the fixed budgets, the auto budget as a star."""
+    sw = metrics.get("dynamic_sweep")
+    if not sw or not sw.get("methods"):
+        return None
+    ms = metrics["methods"]
+    pts = sorted((ms[n]["mean_tree_size"] or 0.0, ms[n]) for n in sw["methods"] if n in ms)
+    auto = ms.get(sw.get("auto") or "")
+    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.4))
+    for ax, key, label in ((axes[0], "tau", "τ (tokens per target pass)"), (axes[1], "tokens_per_s", "tokens / s")):
+        ax.plot([t for t, _ in pts], [e[key] for _, e in pts], "o-", label="fixed T")
+        if auto is not None:
+            ax.plot([auto["mean_tree_size"]], [auto[key]], "*", ms=13, color="C3", label="auto (mean T)")
+        ax.set_xlabel("tree size T (root included)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("dynamic tree: fixed budgets vs total_tokens=auto", fontsize=10)
+    fig.tight_layout()
+    path = out_dir / "dynamic_sweep.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["all_rows", "markdown", "plots", "sampled_tables", "sweep_plot", "tree_table"]

@@ -71,10 +71,7 @@ class SpeculativeDecoder(Decoder):
 
     def _root_only(self) -> Tree:
         """A one-node tree: the root alone, i.e. a plain decoding step."""
-        B, dev = self.drafter.batch, self.target.device
-        zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
-        return Tree(zero - 1, zero, zero, self.drafter.root_tokens[:, None], torch.zeros(B, 1, device=dev),
-                    anc=torch.ones(1, 1, dtype=torch.bool, device=dev))
+        return Tree.root_only(self.drafter.root_tokens)
 
     def _step(self, active: list[bool], generator, timer: Timer) -> tuple[StepInfo, int]:
         tgt, pol, cache = self.target, self.policy, self.cache

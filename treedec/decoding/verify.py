@@ -63,6 +63,8 @@ def accept_paths(tree, choice: torch.Tensor, max_depth: int, miss: torch.Tensor 
         anc = anc.expand(B, T, T)
     match = tokens == choice.gather(1, parents.clamp(min=0))
     match[:, 0] = True
+    if getattr(tree, "pad", None) is not None:  # padding nodes (per-row budgets) are never accepted
+        match &= ~tree.pad
     ok = ~(anc & ~match[:, None, :]).any(-1)  # every ancestor (and the node) matched
     key = torch.where(ok, depth * T + (T - 1 - torch.arange(T, device=tokens.device)), -1)
     best = key.argmax(-1)  # deepest accepted node (ties: the earliest)
@@ -100,6 +102,8 @@ def acceptance_counts(tree, acc: Acceptance, active: torch.Tensor, width: int) -
     W = width
     on = acc.on_path & active[:, None]
     is_child = torch.arange(T, device=parents.device)[None] > 0
+    if getattr(tree, "pad", None) is not None:  # padding is never tried
+        is_child = is_child & ~tree.pad
     par = parents.clamp(min=0)
     parent_on = on.gather(1, par) & is_child
     hit = on & is_child

@@ -11,11 +11,11 @@ A batch is a list of requests (:class:`Prompt`, or anything with ``key``, ``next
 turn, each prompt holding the replies generated before): the module decodes the batch in rounds,
 one ragged :meth:`SpeculativeDecoder.generate` per round over the requests that still want one, so
 a conversation with fewer turns leaves the batch after its last one. Within a round a row that
-finishes early stops emitting and commits nothing but stays in the batched pass until the round
-ends (no refill).
+finishes early (EOS or its budget) leaves the batch too (:class:`CompactingDecoder`): the draft and
+verify passes run over the live rows only. Freed slots are not refilled until the next batch.
 
 Randomness is per request: row b of a round draws from a stream seeded by (``seed``, request key,
-round) (:class:`~treedec.decoding.sampling.RowSeededGenerator`), so a sampled record decodes the
+round; a request's round is its own prompt count, as requests only ever leave) (:class:`~treedec.decoding.sampling.RowSeededGenerator`), so a sampled record decodes the
 same whatever batch, position or process it lands in; greedy fp32 is batch-independent as long as
 the batches are (the float sums of a batched pass depend on the batch's shape).
 """
@@ -29,9 +29,10 @@ from typing import Protocol, Sequence
 import lightning as L
 import torch
 
-from treedec.decoding.loop import DecodeStats
+from treedec.decoding.loop import DecodeStats, StepInfo
 from treedec.decoding.sampling import RowSeededGenerator, SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
+from treedec.models.cache import KVCache
 from treedec.models.draft import DraftHead
 from treedec.models.llama import Transformer
 from treedec.tree.policies.base import TreePolicy
@@ -62,6 +63,55 @@ class Prompt:
         self.tokens = list(tokens)
 
 
+def _keep_rows(cache: KVCache, idx: torch.Tensor, rows: list[int]) -> KVCache:
+    """A cache holding only rows ``rows`` (``idx`` on the device) of ``cache``, its host mirror carried over."""
+    n_layers, _, heads, max_len, head_dim = cache.k.shape
+    out = KVCache(n_layers, len(rows), heads, max_len, head_dim, cache.k.dtype, cache.k.device)
+    out.k.copy_(cache.k.index_select(1, idx))
+    out.v.copy_(cache.v.index_select(1, idx))
+    out.lengths.copy_(cache.lengths.index_select(0, idx))
+    out.host_lengths = [cache.host_lengths[r] for r in rows]
+    out._synced()  # the lengths were written here, and the host mirror with them: no host read
+    return out
+
+
+class CompactingDecoder(SpeculativeDecoder):
+    """Speculative decoding that drops a row from the batch once it is done, so the draft and verify
+    passes run over the live rows only (no refill: a freed slot stays empty until ``generate`` returns).
+
+    Between steps the per-row state (both KV caches, the drafter's root token / feature / logits and
+    the row's random stream) is cut down to the live rows whenever the live set changes; each step's
+    tokens are mapped back to the original rows. Its ``StepInfo`` carries no tree, path or logits
+    (their rows would be the live ones). Every row still decodes exactly as in a full batch (the rows
+    of a batched pass do not interact; greedy fp32 is compared token for token in the tests).
+    """
+
+    def _prefill(self, rows, max_new_tokens, generator):
+        self._live = list(range(len(rows)))
+        return super()._prefill(rows, max_new_tokens, generator)
+
+    def _compact(self, live: list[int]) -> None:
+        keep = [self._live.index(b) for b in live]
+        idx = torch.tensor(keep, device=self.target.device)
+        d = self.drafter
+        self.cache, d.cache = _keep_rows(self.cache, idx, keep), _keep_rows(d.cache, idx, keep)
+        d.root_feat, d.root_logits, d.root_tokens = (t.index_select(0, idx) for t in (d.root_feat, d.root_logits,
+                                                                                      d.root_tokens))
+        if self._streams is not None:
+            self._streams.generators = [self._streams.generators[i] for i in keep]
+        self._active, self._live = None, live
+
+    def _step(self, active: list[bool], generator, timer) -> tuple[StepInfo, int]:
+        live = [b for b, a in enumerate(active) if a]
+        if live != self._live:
+            self._compact(live)
+        info, size = super()._step([True] * len(live), generator, timer)
+        tokens, n_accept = [[] for _ in active], [0] * len(active)
+        for i, b in enumerate(live):
+            tokens[b], n_accept[b] = info.tokens[i], info.n_accept[i]
+        return StepInfo(info.index, list(active), tokens, n_accept), size
+
+
 def row_seed(seed: int, key: object, turn: int) -> int:
     """A 63-bit seed from (job seed, record key, turn): the same on every process and in every batch."""
     digest = hashlib.sha1(f"{int(seed)}\0{key!r}\0{int(turn)}".encode()).digest()
@@ -73,19 +123,23 @@ class SpeculativeGenerationModule(L.LightningModule):
 
     def __init__(self, target: Transformer, draft: DraftHead, policy: TreePolicy,
                  sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
-                 eos_ids: Sequence[int] | None = None, seed: int = 0, compile: bool = False):
+                 eos_ids: Sequence[int] | None = None, seed: int = 0, compile: bool = False, compact: bool = True):
+        """``compact``: finished rows leave the batch (:class:`CompactingDecoder`; off with ``compile``, whose
+        graphs are per batch shape); False: they ride along frozen, as in ``SpeculativeDecoder``."""
         super().__init__()
         self.target, self.draft = target, draft
         self.policy, self.sampling, self.max_new_tokens = policy, sampling, int(max_new_tokens)
         self.eos_ids, self.seed, self.compile = eos_ids, int(seed), bool(compile)
+        self.compact = bool(compact) and not self.compile
         self._decoder: SpeculativeDecoder | None = None
 
     @property
     def decoder(self) -> SpeculativeDecoder:
         """Built on first use, after Lightning has moved the stack to this rank's device."""
         if self._decoder is None or self._decoder.target.device != self.target.device:
-            self._decoder = SpeculativeDecoder(self.target, self.draft, self.policy, self.sampling,
-                                               eos_ids=self.eos_ids, compile=self.compile)
+            cls = CompactingDecoder if self.compact else SpeculativeDecoder
+            self._decoder = cls(self.target, self.draft, self.policy, self.sampling, eos_ids=self.eos_ids,
+                                compile=self.compile)
         return self._decoder
 
     def fit_prompt(self, ids: list[int]) -> list[int]:
@@ -116,4 +170,4 @@ class SpeculativeGenerationModule(L.LightningModule):
         return {"requests": batch, "stats": stats, "seconds": time.perf_counter() - t0}
 
 
-__all__ = ["Prompt", "Request", "SpeculativeGenerationModule", "row_seed"]
+__all__ = ["CompactingDecoder", "Prompt", "Request", "SpeculativeGenerationModule", "row_seed"]

@@ -17,54 +17,85 @@ T is restricted to a few buckets so ``compile=True`` builds few graphs. The cloc
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 
-BUCKETS = (8, 16, 24, 32, 40, 48, 64)
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64)  # 1: the root alone (plain decoding); 2, 4: a chain or a twig
+FEATURES = ("1", "rows", "T", "rows*T", "depth", "rows*depth")  # the step-time fit's columns
+# The first model (fullest first) whose slopes come out >= 0 wins. While one row count only has been
+# measured, its rows terms are not identifiable and the launch-bound model (1, T, depth) comes first:
+# a new row count is first predicted as costly as the known one, scaled by its own first measurement
+# (StepTimeModel._scale), and the rows terms enter once two row counts are measured. (Assuming
+# compute-bound instead shrinks trees at batch 4 on a CPU where they still pay 1.5x.)
+_SUBSETS = ([0, 1, 2, 3, 4, 5], [0, 1, 3, 4, 5], [0, 1, 2, 3, 4], [0, 3, 4, 5], [0, 1, 3, 5], [0, 1, 3, 4],
+            [0, 2, 4], [0, 3, 5], [0, 3, 4], [0, 1, 3], [0, 2], [0, 3], [0, 4], [0])
 
 
 class StepTimeModel:
-    """Step seconds as f(rows, T, depth): per-arm EMA, a linear fit for arms not measured yet."""
+    """Step seconds as f(rows, T, depth): per-arm EMA, one linear fit over every row count for the rest.
 
-    def __init__(self, alpha: float = 0.25):
-        self.alpha = alpha
+    The fit ``a + b*rows + c*T + e*rows*T + f*depth + g*rows*depth`` (non-negative slopes) is shared by all row
+    counts, so a batch size never seen (or one that a finished row just produced) is predicted
+    from the others, and a machine that gets compute-bound in ``rows*T`` is recognised as such.
+    """
+
+    def __init__(self, alpha: float = 0.25, refit_every: int = 8):
+        self.alpha, self.refit_every = alpha, refit_every
         self.ema: dict[tuple[int, int, int], float] = {}
-        self._fit: dict[int, tuple[float, float, float]] = {}
+        self._coef: np.ndarray | None = None
+        self._ratio: dict[int, float] = {}  # rows -> median measured / fitted time of its arms (since the fit)
+        self._fresh = 0  # observations since the fit (a fit per step would cost ~0.1 ms)
 
     def observe(self, rows: int, T: int, depth: int, seconds: float) -> None:
         key = (rows, T, depth)
         old = self.ema.get(key)
         self.ema[key] = seconds if old is None else old + self.alpha * (seconds - old)
-        self._fit.pop(rows, None)
+        self._fresh += 1
+        if old is None or self._fresh >= self.refit_every:  # a new arm changes the fit most: refit at once
+            self._coef = None
 
-    def _coef(self, rows: int) -> tuple[float, float, float] | None:
-        if rows not in self._fit:
-            pts = [(T, d, t) for (r, T, d), t in self.ema.items() if r == rows]
-            if not pts:
-                return None
-            X = np.array([[1.0, T, d] for T, d, _ in pts])
-            y = np.array([t for *_, t in pts])
-            coef = np.array([y.mean(), 0.0, 0.0])
-            for cols in ([0, 1, 2], [0, 1], [0, 2]):  # the fullest model whose slopes come out >= 0
+    @staticmethod
+    def features(rows: int, T: int, depth: int) -> list[float]:
+        return [1.0, rows, T, rows * T, depth, rows * depth]
+
+    def coef(self) -> np.ndarray | None:
+        """The fit's coefficients in :data:`FEATURES` order (None before any measurement)."""
+        if self._coef is None and self.ema:
+            X = np.array([self.features(*k) for k in self.ema])
+            y = np.array(list(self.ema.values()))
+            coef = np.zeros(len(FEATURES))
+            coef[0] = y.mean()
+            for cols in _SUBSETS:
                 if np.linalg.matrix_rank(X[:, cols]) < len(cols):
                     continue
                 c = np.linalg.lstsq(X[:, cols], y, rcond=None)[0]
-                if (c[1:] >= 0).all():
-                    coef = np.zeros(3)
-                    coef[cols] = c
+                if (c[1:] >= -1e-9 * y.max()).all():  # an exact zero may come out as -1e-18
+                    coef = np.zeros(len(FEATURES))
+                    coef[cols] = np.maximum(c, [-np.inf] + [0.0] * (len(cols) - 1))
                     break
-            self._fit[rows] = tuple(float(v) for v in coef)
-        return self._fit[rows]
+            self._coef, self._fresh, self._ratio = coef, 0, {}
+        return self._coef
+
+    def _scale(self, rows: int, c: np.ndarray) -> float:
+        """How much slower this row count ran than the shared fit says (its measured arms' median ratio), so an
+        arm never measured at ``rows`` is compared fairly with the measured ones (1.0 when none is)."""
+        if rows not in self._ratio:
+            r = [t / f for k, t in self.ema.items() if k[0] == rows and (f := float(c @ self.features(*k))) > 0]
+            self._ratio[rows] = float(np.median(r)) if r else 1.0
+        return self._ratio[rows]
 
     def predict(self, rows: int, T: int, depth: int) -> float | None:
-        """Predicted seconds of a step (None before any measurement of ``rows`` rows)."""
+        """Predicted seconds of a step (None before any measurement)."""
         t = self.ema.get((rows, T, depth))
         if t is not None:
             return t
-        c = self._coef(rows)
-        return None if c is None else max(c[0] + c[1] * T + c[2] * depth, 1e-9)
+        c = self.coef()
+        if c is None:
+            return None
+        return max(float(c @ np.array(self.features(rows, T, depth))) * self._scale(rows, c), 1e-9)
 
 
 class BudgetController:
@@ -118,14 +149,16 @@ class BudgetController:
         self._pending = None
         vals = curve.numpy() if hasattr(curve, "numpy") else np.asarray(curve)
         for arm, v in zip(arms, vals.tolist()):
-            if np.isfinite(v):
+            if math.isfinite(v):
                 old = self.gain.get(arm)
                 self.gain[arm] = v if old is None else old + self.alpha * (v - old)
 
     def rate(self, rows: int, T: int, depth: int) -> float | None:
-        """Expected tokens per second of an arm (None while its acceptance or time is unknown)."""
-        g, t = self.gain.get((T, depth)), self.times.predict(rows, T, depth)
-        return None if g is None or t is None else (1.0 + g) / t
+        """Expected tokens per second of an arm over the whole batch, sum over rows of (1 + E[accepted]) / step
+        time (None while its acceptance or time is unknown). The root alone (T=1) accepts nothing by definition."""
+        g = 0.0 if T == 1 else self.gain.get((T, depth))
+        t = self.times.predict(rows, T, depth)
+        return None if g is None or t is None else rows * (1.0 + g) / t
 
     def best(self, rows: int) -> tuple[int, int]:
         """The arm with the most expected tokens/s; the largest (deepest, widest) arm until data arrive."""
@@ -134,15 +167,26 @@ class BudgetController:
             return max(self.arms, key=lambda a: (a[1], a[0]))
         return max(scored, key=lambda x: x[0])[1]
 
+    def neighbours(self, arm: tuple[int, int]) -> list[tuple[int, int]]:
+        """The next smaller and larger T (at the nearest depth it has) and the next shallower and deeper depth."""
+        T, d = arm
+        sizes = sorted({t for t, _ in self.arms})
+        i = sizes.index(T)
+        out = []
+        for s in (-1, 1):
+            if 0 <= i + s < len(sizes):
+                depths = [dd for t, dd in self.arms if t == sizes[i + s]]
+                out.append((sizes[i + s], min(depths, key=lambda x: (abs(x - d), x))))
+        depths = sorted(dd for t, dd in self.arms if t == T)
+        j = depths.index(d)
+        return out + [(T, depths[j + s]) for s in (-1, 1) if 0 <= j + s < len(depths)]
+
     def choose(self, rows: int) -> tuple[int, int]:
-        """The best arm, or every ``explore_every`` steps one of its neighbours (next size or depth), in turn."""
-        T, d = self.best(rows)
+        """The best arm, or every ``explore_every`` steps one of its neighbours, in turn (so plain decoding,
+        once chosen, still tries a small tree now and then and comes back when trees pay again)."""
+        best = self.best(rows)
         if self.explore_every and self.steps % self.explore_every == 0:
-            sizes = sorted(t for t, dd in self.arms if dd == d)
-            depths = sorted(dd for t, dd in self.arms if t == T)
-            i, j = sizes.index(T), depths.index(d)
-            nbrs = [(sizes[i + s], d) for s in (-1, 1) if 0 <= i + s < len(sizes)]
-            nbrs += [(T, depths[j + s]) for s in (-1, 1) if 0 <= j + s < len(depths)]
+            nbrs = self.neighbours(best)
             if nbrs:
                 return nbrs[(self.steps // self.explore_every) % len(nbrs)]
-        return T, d
+        return best

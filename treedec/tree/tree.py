@@ -29,6 +29,9 @@ class Tree:
     ``draft_probs`` [B, T, V] is set only when children were *sampled* from the draft: then it
     is the distribution q each node's children were drawn from (the SpecInfer rule needs it).
     ``anc`` is an optional precomputed :meth:`ancestors` matrix (bool [(B,) T, T]).
+    ``pad`` (bool [B, T], optional) marks padding nodes: slots that fill a row whose own tree is
+    smaller than the batch's T (per-row budgets). A padding node sees only itself (and the prefix),
+    is nobody's parent, and :func:`~treedec.decoding.verify.accept_paths` never accepts it.
     """
 
     parents: torch.Tensor
@@ -38,6 +41,7 @@ class Tree:
     scores: torch.Tensor | None = None
     draft_probs: torch.Tensor | None = None
     anc: torch.Tensor | None = None
+    pad: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     # ---------------------------------------------------------------- construction
@@ -113,6 +117,13 @@ class Tree:
         return cls.from_parents(parents, rank=rank)
 
     @classmethod
+    def root_only(cls, root_tokens: torch.Tensor) -> "Tree":
+        """A batch of one-node trees: the roots [B] alone, i.e. a plain decoding step."""
+        zero = torch.zeros(root_tokens.shape[0], 1, dtype=torch.long, device=root_tokens.device)
+        return cls(zero - 1, zero, zero, root_tokens[:, None], torch.zeros(zero.shape, device=zero.device),
+                   anc=torch.ones(1, 1, dtype=torch.bool, device=zero.device))
+
+    @classmethod
     def chain(cls, length: int) -> "Tree":
         """A single path of ``length`` nodes, root included (classic speculative decoding)."""
         if length < 1:
@@ -145,7 +156,7 @@ class Tree:
         pick = lambda t: None if t is None else t[b]  # noqa: E731
         anc = self.anc if self.anc is None or self.anc.dim() == 2 else self.anc[b]  # a shared [T, T] ancestry
         return Tree(self.parents[b], self.depth[b], self.rank[b], pick(self.tokens), pick(self.scores),
-                    pick(self.draft_probs), anc)
+                    pick(self.draft_probs), anc, pick(self.pad))
 
     def _memo(self, key, fn):
         if key not in self._cache:
@@ -180,8 +191,10 @@ class Tree:
         def build():
             out: list[list[int]] = [[] for _ in range(len(self))]
             ranks = self.rank.tolist()
+            pad = [False] * len(self) if self.pad is None else self.pad.tolist()
             for i, p in enumerate(self.parents.tolist()[1:], start=1):
-                out[p].append(i)
+                if not pad[i]:  # padding nodes are nobody's child: never tried, never accepted
+                    out[p].append(i)
             for kids in out:
                 kids.sort(key=lambda c: ranks[c])
             return out

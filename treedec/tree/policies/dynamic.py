@@ -13,10 +13,22 @@ which is topological. Under sampling the draft's log-probs are taken at the samp
 ``total_tokens="auto"`` picks each step's T (from a few buckets up to ``max_total_tokens``) and
 depth to maximise expected tokens per second (tree/budget.py): the expected accepted length of
 the best T-node subtree is the prefix sum of the sorted path acceptances, computed here for
-every arm at once, and the step time is measured between successive ``draft()`` calls.
+every arm at once, and the step time is measured between successive ``draft()`` calls. The arms
+include T=1 (the root alone: a plain decoding step, nothing drafted) and T=2, 4 (a chain or a twig),
+so when the target gets compute-bound in rows*T (large batches) the budget shrinks, down to plain
+decoding, inside the same loop.
+
+``node_share < 1`` gives each row its own budget: of the B*(T-1) candidate slots of a step only
+the ``node_share`` best by calibrated path acceptance *across the batch* are kept (each row keeps a
+prefix of its own ranking, so its tree stays connected and topological); a row's other slots are
+padding nodes (``Tree.pad``), which see only themselves and are never accepted. The batch is still
+verified at width T (B*T tokens), the bucket the step-time model chose, so padding never adds a
+graph or a host read; on dense verification a padding slot costs as much as a real one.
 All per-step bookkeeping is batched tensor work on the device; nothing is read back.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -25,6 +37,8 @@ from treedec.tree import calibration as calib
 from treedec.tree.budget import BUCKETS, BudgetController
 from treedec.tree.policies.base import ForestAncestry, TreePolicy, ancestry
 from treedec.tree.tree import Tree, TreeError
+
+log = logging.getLogger(__name__)
 
 
 def n_drafted(top_k: int, depth: int) -> int:
@@ -35,10 +49,12 @@ def n_drafted(top_k: int, depth: int) -> int:
 class DynamicPolicy(TreePolicy):
     def __init__(self, total_tokens: int | str = 60, depth: int = 6, top_k: int = 10, calibration=None,
                  draft_path: str | None = None, max_total_tokens: int = 64, min_depth: int | None = None,
-                 explore_every: int = 8, clock=None):
+                 explore_every: int = 8, clock=None, node_share: float = 1.0):
         """``calibration``: a calibration file, ``auto`` (the one next to ``draft_path``'s head, if any) or
-        None (raw draft probabilities). ``total_tokens="auto"``: online budget in [8, ``max_total_tokens``]
-        and depth in [``min_depth`` (None: depth - 2), ``depth``]; ``clock`` replaces ``time.perf_counter``."""
+        None (raw draft probabilities). ``total_tokens="auto"``: online budget in [1, ``max_total_tokens``]
+        (1: plain decoding) and depth in [``min_depth`` (None: depth - 2), ``depth``]; ``clock`` replaces
+        ``time.perf_counter``. ``node_share`` in (0, 1]: the share of the batch's B*(T-1) candidate slots kept,
+        best calibrated acceptances first across rows (per-row budgets; the rest is padding)."""
         if top_k < 1 or depth < 1:
             raise TreeError(f"dynamic tree needs top_k >= 1 and depth >= 1, got top_k={top_k}, depth={depth}")
         most = n_drafted(top_k, depth) + 1
@@ -48,9 +64,12 @@ class DynamicPolicy(TreePolicy):
             if not 1 <= lo <= depth:
                 raise TreeError(f"tree.min_depth={min_depth} must be in [1, depth={depth}]")
             cap = min(int(max_total_tokens), most)
-            sizes = [T for T in BUCKETS if T <= cap] or [cap]
-            arms = [(T, d) for d in range(lo, depth + 1) for T in sizes if T <= n_drafted(top_k, d) + 1]
-            if cap < 2 or not arms:
+            sizes = [T for T in BUCKETS if 2 <= T <= cap] or [cap]
+            # A T-node tree is at most T-1 deep: the small buckets draft only that deep. (1, 0): the root alone.
+            arms = {(T, min(d, T - 1)) for d in range(lo, depth + 1) for T in sizes
+                    if T <= n_drafted(top_k, min(d, T - 1)) + 1}
+            arms = [(1, 0), *arms]
+            if cap < 2 or len(arms) < 2:
                 raise TreeError(f"tree.total_tokens=auto needs max_total_tokens >= 2 (got {max_total_tokens}) and "
                                 f"top_k/depth drafting at least 7 nodes")
             self.budget = BudgetController(arms, explore_every=explore_every, clock=clock)
@@ -63,8 +82,12 @@ class DynamicPolicy(TreePolicy):
                     f"total_tokens={total_tokens} must be in [2, {most}]: top_k={top_k} and depth={depth} "
                     f"draft only {most - 1} nodes (raise depth/top_k or lower total_tokens)")
             self.budget, self.total_tokens = None, total_tokens
+        if not 0 < float(node_share) <= 1:
+            raise TreeError(f"tree.node_share={node_share} must be in (0, 1] (1: every row keeps T-1 nodes)")
+        self.node_share = float(node_share)
         self.max_depth, self.top_k = depth, top_k
         self.calibration = calib.resolve(calibration, draft_path)
+        self._mode_checked = self.calibration is None
         self.max_size = self.total_tokens
         self.max_inputs = top_k * (depth - 1)
         self.max_rank = top_k - 1
@@ -83,8 +106,18 @@ class DynamicPolicy(TreePolicy):
             if self.budget is not None:  # the host buffer the arms' estimates are copied into
                 self._curve = torch.empty(len(self.budget.arms), pin_memory=dev.type == "cuda")
                 self._arm_plan: dict = {}
+                self._arm_rows: dict = {}
             self._const_key = key
         return self._const
+
+    def _check_mode(self, params: SamplingParams | None) -> None:
+        """Warn once when the calibration was measured under another acceptance rule than the one decoding uses."""
+        self._mode_checked = True
+        rule = (self.calibration.meta.get("mode") or {}).get("rule")
+        now = "greedy" if params is None or params.greedy else "sampling"
+        if rule is not None and rule != now:
+            log.warning("tree.calibration was measured under %s acceptance but decoding is %s: the tree may be "
+                        "mis-sized (still lossless); recalibrate with the same sampling settings", rule, now)
 
     def _edge(self, logq: torch.Tensor, depth: int) -> torch.Tensor:
         """Score term of edges into ``depth``: log calibrated acceptance, or the raw draft log-prob."""
@@ -94,7 +127,11 @@ class DynamicPolicy(TreePolicy):
         B, k, dev = drafter.batch, self.top_k, drafter.device
         c = self._constants(B, dev)
         T, D = self.budget.start(drafter, B) if self.budget is not None else (self.total_tokens, self.max_depth)
+        if T == 1:  # the budget found that no tree pays: a plain decoding step, nothing drafted
+            return Tree.root_only(drafter.root_tokens)
         temp = 1.0 if params is None or params.greedy else float(params.temperature)
+        if not self._mode_checked:
+            self._check_mode(params)
         n_all = n_drafted(k, D)
         # Every drafted node (candidate): token, cumulative draft log-prob, path score, parent candidate (-1 = root).
         toks = torch.empty(B, n_all, dtype=torch.long, device=dev)
@@ -130,49 +167,89 @@ class DynamicPolicy(TreePolicy):
             n_cand += k * k
         order = torch.sort(score, dim=1, descending=True, stable=True)
         if self.budget is not None:
-            self._offer(order.values, c["depth"][:, :n_all], score, D)
-        return self._rerank(drafter.root_tokens, toks, logq, parents, order.indices[:, : T - 1], D)
+            self._offer(c["depth"][:, :n_all], score, D)
+        pad = None if self.node_share >= 1 else self.row_pad(order.values[:, : T - 1])
+        return self._rerank(drafter.root_tokens, toks, logq, parents, order.indices[:, : T - 1], D, pad)
 
-    def _offer(self, sorted_score: torch.Tensor, depths: torch.Tensor, score: torch.Tensor, D: int) -> None:
+    def kept(self, B: int, T: int) -> int:
+        """Real (non-root) nodes kept over a batch of B rows at width T: the per-row budgets' global cap."""
+        return max(1, round(self.node_share * B * (T - 1)))
+
+    def row_pad(self, ranked: torch.Tensor) -> torch.Tensor:
+        """Per-row budgets: ``ranked`` [B, T-1] each row's best scores (descending) -> padding mask [B, T-1].
+
+        The :meth:`kept` best scores across the batch are kept; a row keeps a prefix of its own
+        ranking (ties count by rank), so a kept node's parent, which ranks before it, is kept too.
+        """
+        B, n = ranked.shape
+        top = ranked.flatten().topk(self.kept(B, n + 1)).indices
+        counts = torch.zeros(B, dtype=torch.long, device=ranked.device).scatter_add_(0, top // n, torch.ones_like(top))
+        return torch.arange(n, device=ranked.device)[None] >= counts[:, None]
+
+    def _offer(self, depths: torch.Tensor, score: torch.Tensor, D: int) -> None:
         """E[accepted] of the best T-subtree for every arm drafted this step, copied to the host asynchronously.
 
         A node is accepted with probability exp(score) (calibrated), E[accepted] is the sum over kept
         nodes, and the best T-subtree holds the T-1 highest scores, so prefix sums of the sorted
-        probabilities give every T at once; a shallower depth limit masks deeper nodes out first.
-        Arms deeper than D get NaN (not measured this step).
+        probabilities give every T at once; a depth limit masks deeper nodes out first (all limits in
+        one sort). Arms deeper than D get NaN (not measured this step).
         """
         arms = self.budget.arms
-        limits = sorted({d for _, d in arms if d <= D})
         if D not in self._arm_plan:  # host ints -> index tensors, once per drafted depth
             dev = score.device
-            self._arm_plan[D] = (torch.tensor([limits.index(d) if d <= D else 0 for _, d in arms], device=dev),
-                                 torch.tensor([T - 2 if d <= D else 0 for T, d in arms], device=dev),
-                                 torch.tensor([d <= D for _, d in arms], device=dev))
-        row, col, ok = self._arm_plan[D]
-        table = torch.stack([(sorted_score if lim == D else
-                              torch.where(depths <= lim, score, -torch.inf).sort(1, descending=True).values)
-                             .exp().cumsum(1).mean(0) for lim in limits])  # [limits, candidates]
-        self._curve.copy_(torch.where(ok, table[row, col], torch.nan), non_blocking=True)
+            limits = sorted({d for T, d in arms if 1 < T and d <= D})
+            self._arm_plan[D] = (torch.tensor(limits, device=dev)[:, None, None],
+                                 torch.tensor([limits.index(d) if 1 < T and d <= D else 0 for T, d in arms], device=dev),
+                                 torch.tensor([T - 2 if 1 < T and d <= D else 0 for T, d in arms], device=dev),
+                                 torch.tensor([1 < T and d <= D for T, d in arms], device=dev))
+            self._arm_rows[D] = [limits.index(d) if 1 < T and d <= D else 0 for T, d in arms]
+        lims, row, col, ok = self._arm_plan[D]
+        masked = torch.where(depths[None] <= lims, score[None], -torch.inf)  # [limits, B, candidates]
+        probs = masked.sort(-1, descending=True).values.exp()
+        if self.node_share >= 1:
+            vals = probs.cumsum(-1).mean(1)[row, col]  # [limits, candidates] -> per arm
+        else:  # per-row budgets: the kept() best of the rows' top T-1, for each width T, per row
+            B = probs.shape[1]
+            flat = {T: probs[:, :, : T - 1].flatten(1) for T in {T for T, _ in arms if T > 1}}
+            per_T = {T: f.topk(min(self.kept(B, T), f.shape[1]), -1).values.sum(-1) / B for T, f in flat.items()}
+            vals = torch.stack([per_T[T][r] if T > 1 else probs.new_zeros(())
+                                for (T, _), r in zip(arms, self._arm_rows[D])])
+        self._curve.copy_(torch.where(ok, vals, torch.nan), non_blocking=True)
         self.budget.offer(self._curve, arms)
 
-    def _rerank(self, root, toks, logq, parents, keep, depth: int) -> Tree:
+    def _rerank(self, root, toks, logq, parents, keep, depth: int, pad: torch.Tensor | None = None) -> Tree:
+        """The kept candidates ``keep`` [B, T-1] (best first) as a [B, T] tree; ``pad`` [B, T-1]: slots to pad."""
         B, dev = toks.shape[0], toks.device
         c = self._constants(B, dev)
+        n = toks.shape[1]
+        if pad is not None:  # padding sorts after every real node: each row's real tree comes first
+            keep = torch.where(pad, keep + n, keep)
         keep = keep.sort(dim=1).values  # drafting order is topological
+        is_pad = None if pad is None else keep >= n
+        keep = keep % n
         pick = lambda t: t.gather(1, keep)  # noqa: E731
         # Map a candidate's parent id to its position in the kept tree (+1 for the root; -1 -> root 0).
-        pos = torch.full((B, toks.shape[1] + 1), -1, dtype=torch.long, device=dev)
+        pos = torch.full((B, n + 1), -1, dtype=torch.long, device=dev)
         pos[:, 0] = 0
         pos.scatter_(1, keep + 1, c["slots"][:, : keep.shape[1]])
         new_par = pos.gather(1, pick(parents) + 1)  # connected by construction: never -1 (tests check it)
+        node_depth, rank = pick(c["depth"][:, :n]), pick(c["rank"][:, :n])
+        if is_pad is not None:  # a padding node: a depth-1 leaf under the root (positions stay valid)
+            new_par, node_depth, rank = (torch.where(is_pad, v, t) for v, t in ((0, new_par), (1, node_depth),
+                                                                             (0, rank)))
         z = lambda dtype: torch.zeros(B, 1, dtype=dtype, device=dev)  # noqa: E731
         par = torch.cat([z(torch.long) - 1, new_par], 1)
-        n = toks.shape[1]
+        anc = ancestry(par, depth)
+        pad_mask = None
+        if is_pad is not None:  # it sees only itself (and the prefix): the root row is cut off
+            pad_mask = torch.cat([z(torch.bool), is_pad], 1)
+            anc = anc & ~(pad_mask[:, :, None] & ~torch.eye(anc.shape[-1], dtype=torch.bool, device=dev))
         return Tree(
             parents=par,
-            depth=torch.cat([z(torch.long), pick(c["depth"][:, :n])], 1),
-            rank=torch.cat([z(torch.long), pick(c["rank"][:, :n])], 1),
+            depth=torch.cat([z(torch.long), node_depth], 1),
+            rank=torch.cat([z(torch.long), rank], 1),
             tokens=torch.cat([root[:, None], pick(toks)], 1),
             scores=torch.cat([z(logq.dtype), pick(logq)], 1),
-            anc=ancestry(par, depth),
+            anc=anc,
+            pad=pad_mask,
         )

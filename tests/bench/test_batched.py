@@ -1,0 +1,50 @@
+"""`python -m treedec.bench bench.batch_sizes=[...]` on the tiny stack: throughput, τ and × vanilla per batch size."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from treedec.bench import batched, harness
+from treedec.bench.harness import Prompt
+
+from tests.bench.test_bench import HAVE_HF, compose_bench, stack  # noqa: F401  (the module's tiny stack)
+
+
+def test_batches_are_full_and_take_the_prompts_in_turn():
+    ps = [Prompt(str(i), "", [i] * (i + 1)) for i in range(3)]
+    assert batched.batches(ps, 2) == [[[0], [1, 1]], [[2, 2, 2], [0]]]
+    assert [len(g) for g in batched.batches(ps, 4)] == [4]
+    with pytest.raises(ValueError, match="batch_sizes"):
+        batched.batches(ps, 0)
+
+
+def test_bench_reports_every_method_per_batch_size(stack, tmp_path):  # noqa: F811
+    cfg = compose_bench(stack, tmp_path, "bench.batch_sizes=[1,2,3]", "bench.methods=[vanilla,dynamic,dynamic_auto]",
+                        "bench.peers=[hf_greedy]", "bench.repeats=1", "bench.plots=true")
+    m = harness.run(cfg)
+    saved = json.loads((tmp_path / "metrics.json").read_text())["batched"]
+    assert saved["sizes"] == [1, 2, 3] and not saved["failures"] and m["batched"]["sizes"] == [1, 2, 3]
+    names = {"vanilla", "dynamic", "dynamic_auto"} | ({"hf_greedy"} if HAVE_HF else set())
+    for b in ("1", "2", "3"):
+        rows = saved["by_size"][b]
+        assert set(rows) == names
+        assert rows["vanilla"]["speedup"] == pytest.approx(1.0) and rows["vanilla"]["tau"] == pytest.approx(1.0)
+        for name in ("dynamic", "dynamic_auto"):
+            e = rows[name]
+            assert e["identical_to_vanilla"] and e["tokens_per_s"] > 0 and e["tau"] >= 1.0
+            assert e["new_tokens"] == rows["vanilla"]["new_tokens"]
+        assert rows["dynamic_auto"]["auto_arms"]
+    # 2 prompts of different lengths: batch 3 wraps around, so it decodes 3 rows, batch 2 two.
+    assert saved["by_size"]["3"]["vanilla"]["new_tokens"] > saved["by_size"]["2"]["vanilla"]["new_tokens"]
+    md = (tmp_path / "results.md").read_text()
+    assert "Throughput by batch size" in md and "b=3 tok/s" in md
+    assert (tmp_path / "batch_throughput.png").stat().st_size > 0
+
+
+def test_bad_batch_size_fails_with_a_clear_error(stack, tmp_path):  # noqa: F811
+    from treedec.config_schema import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match="batch"):
+        harness.run(compose_bench(stack, tmp_path, "bench.batch_sizes=[0]", "bench.methods=[vanilla]", "bench.peers=[]",
+                                  "bench.repeats=1"))

@@ -1,0 +1,207 @@
+"""`python -m treedec.regenerate` on a tiny random target: text and chat records keep their ids and format and feed
+`data=jsonl` as a directory or a glob of shards; malformed lines name their line (or are skipped and counted); a run
+killed with SIGKILL resumes to the uninterrupted output; parts and 2-process DDP give the 1-process output."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from treedec.models.checkpoint import save_pretrained
+from treedec.models.config import LlamaConfig
+from treedec.models.draft import DraftConfig, DraftHead
+from treedec.models.llama import Transformer
+from treedec.tree.shapes import SHAPE_DIR
+
+from tests.helpers import TINY_ARCH
+
+CONF = str(SHAPE_DIR.parents[1])
+CODE = ["def add(a, b):\n    return a + b\n", "class Stack:\n    def push(self, x):\n", "import os\nprint(os.getcwd())\n",
+        "for i in range(10):\n    print(i)\n", "x = [1, 2, 3]\ny = sorted(x)\n", "with open(p) as f:\n    data = f.read()\n"]
+
+
+@pytest.fixture(scope="module")
+def stack(tokenizer, tmp_path_factory):
+    torch.manual_seed(0)
+    target = Transformer(LlamaConfig(**{**TINY_ARCH, "max_position_embeddings": 256}), "sdpa")
+    root = tmp_path_factory.mktemp("regen_stack")
+    save_pretrained(target, root / "target", tokenizer=str(tokenizer[0]))
+    DraftHead(DraftConfig.for_target(target.config)).save(root / "draft")
+    return root
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def args(stack, inp, out, *extra) -> list[str]:
+    return [f"model.path={stack / 'target'}", "model.dtype=float32", f"draft.path={stack / 'draft'}", f"input={inp}",
+            "max_new_tokens=16", "prompt_tokens=5", "shard_size=2", "batch_size=2", "progress=false", "num_threads=1",
+            "trainer.enable_model_summary=false", f"out_dir={out}", *extra]
+
+
+def regenerate(stack, inp, out, *extra) -> dict:
+    from treedec.regenerate import run
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="regenerate", overrides=args(stack, inp, out, f"paths.run_dir={out}", *extra))
+    return run(cfg)
+
+
+def shards(out) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((out / "shards").glob("*.jsonl"))}
+
+
+def records(out) -> list[dict]:
+    return [json.loads(line) for text in shards(out).values() for line in text.decode().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def text_input(tmp_path_factory):
+    d = tmp_path_factory.mktemp("regen_in")
+    return write_jsonl(d / "code.jsonl", [{"text": t, **({"id": f"doc{i}"} if i % 2 else {})}
+                                          for i, t in enumerate(CODE * 2)])
+
+
+@pytest.fixture(scope="module")
+def reference(stack, text_input, tmp_path_factory):
+    """One uninterrupted single-process run: what every split or resumed run must reproduce."""
+    out = tmp_path_factory.mktemp("regen_ref")
+    return out, regenerate(stack, text_input, out)
+
+
+def test_text_records_keep_ids_and_feed_the_jsonl_data_module(stack, text_input, reference, tokenizer, tmp_path):
+    from treedec.data.datamodules import JsonlDataModule
+    from treedec.models.tokenizer import load_tokenizer
+
+    out, m = reference
+    got = records(out)
+    assert [r["id"] for r in got] == [f"doc{i}" if i % 2 else i + 1 for i in range(12)]  # own id, else line number
+    tok = load_tokenizer(stack / "target")
+    for r, src in zip(got, CODE * 2):
+        prompt = tok.decode(tok.encode(src)[:5])
+        assert r["text"].startswith(prompt) and len(tok.encode(r["text"])) > 5  # the prompt, then the target's text
+    assert m["records"] == 12 and m["complete"] and m["shards"] == 6 and m["skipped_lines"] == 0
+    assert m["new_tokens"] > 0 and m["tau"] >= 1.0 and len(m["tau_per_shard"]) == 6
+    assert json.loads((out / "metrics.json").read_text())["records"] == 12
+    for path, n in ((out / "shards", 12), (out / "shards" / "part-0000[01].jsonl", 4)):
+        dm = JsonlDataModule(str(path), str(tokenizer[0]), val_path=str(out / "shards" / "part-00005.jsonl"),
+                             seq_len=16, batch_size=2, cache_dir=str(tmp_path / "cache"))
+        dm.setup("fit")
+        assert dm.meta["format"] == "text" and dm.meta["splits"]["train"]["docs"] == n
+
+
+def test_chat_assistant_turns_are_regenerated_in_place(stack, tokenizer, tmp_path):
+    from treedec.data.datamodules import JsonlDataModule
+
+    chats = [
+        {"id": "c1", "conversations": [{"from": "human", "value": "add two numbers"}, {"from": "gpt", "value": "OLD"},
+                                       {"from": "human", "value": "and subtract"}, {"from": "gpt", "value": "OLD"}]},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort a list"},
+                      {"role": "assistant", "content": "OLD"}], "source": "kept"},
+        {"conversations": [{"from": "human", "value": "read a file"}, {"from": "gpt", "value": "OLD"}]},
+    ]
+    inp = write_jsonl(tmp_path / "chat.jsonl", chats)
+    m = regenerate(stack, inp, tmp_path / "out")
+    got = records(tmp_path / "out")
+    assert [r["id"] for r in got] == ["c1", 2, 3] and got[1]["source"] == "kept"
+    for new, old in zip(got, chats):
+        key, text = ("conversations", "value") if "conversations" in old else ("messages", "content")
+        assert [set(t) for t in new[key]] == [set(t) for t in old[key]]  # the record's own field names
+        for t_new, t_old in zip(new[key], old[key]):
+            assistant = t_old.get("from", t_old.get("role")) in ("gpt", "assistant")
+            assert (t_new[text] != "OLD") if assistant else (t_new == t_old)
+    assert m["records"] == 3 and m["complete"]
+    dm = JsonlDataModule(str(tmp_path / "out" / "shards"), str(tokenizer[0]), val_path=inp, seq_len=64,
+                         batch_size=2, cache_dir=str(tmp_path / "cache"))
+    dm.setup("fit")
+    assert dm.is_chat and len(dm.train_set) >= 1
+
+
+def test_malformed_line_names_its_line_or_is_skipped_and_counted(stack, tmp_path):
+    inp = write_jsonl(tmp_path / "bad.jsonl", [{"text": CODE[0]}, '{"text": "unterminated', {"text": CODE[1]},
+                                               {"txt": "wrong key"}, {"text": CODE[2]}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not valid JSON.*on_error=skip"):
+        regenerate(stack, inp, tmp_path / "fail")
+    assert not (tmp_path / "fail" / "shards").exists()  # nothing decoded before the input was checked
+    m = regenerate(stack, inp, tmp_path / "skip", "on_error=skip")
+    assert m["skipped_lines"] == 2 and [s["line"] for s in m["skipped"]] == [2, 4]
+    assert "needs a 'text' string" in m["skipped"][1]["error"]
+    assert m["records"] == 3 and [r["id"] for r in records(tmp_path / "skip")] == [1, 3, 5]
+
+
+def test_parts_union_equals_one_process(stack, text_input, reference, tmp_path):
+    out = tmp_path / "parts"
+    a = regenerate(stack, text_input, out, "part=1", "parts=2")
+    assert not a["complete"] and a["shards_done"] == 3  # shards 1, 3, 5
+    b = regenerate(stack, text_input, out, "part=0", "parts=2")
+    assert b["complete"] and b["this_run"]["shards"] == 3
+    assert shards(out) == shards(reference[0])
+
+
+def test_resume_refuses_other_settings_and_a_running_worker(stack, text_input, reference, tmp_path):
+    from treedec.training.trainer import JobError, RunDirLock
+
+    out = tmp_path / "out"
+    regenerate(stack, text_input, out, "part=0", "parts=3")
+    with pytest.raises(ValueError, match=r"another input or config \(differs in: max_new_tokens\)"):
+        regenerate(stack, text_input, out, "max_new_tokens=8")
+    claim = out / ".claims" / "worker-1-of-3"
+    claim.mkdir(parents=True)
+    with RunDirLock(claim), pytest.raises(JobError, match="in use by another job"):
+        regenerate(stack, text_input, out, "part=1", "parts=3")
+
+
+def subprocess_env() -> dict:
+    from tests.training.test_ddp import ddp_env
+
+    return ddp_env()
+
+
+@pytest.mark.slow  # a subprocess: ~10 s of interpreter, torch and Lightning start-up
+def test_kill_9_then_rerun_equals_an_uninterrupted_run(stack, text_input, reference, tmp_path):
+    from tests.training.test_ddp import REPO
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "treedec.regenerate", *args(stack, text_input, out, f"hydra.run.dir={out}",
+                                                              "shard_size=1", "batch_size=1")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.time() + 240
+    while len(list((out / "shards").glob("*.jsonl"))) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-3000:]
+    done = len(shards(out))
+    assert 2 <= done < 12  # killed mid-run
+    m = regenerate(stack, text_input, out, "shard_size=1", "batch_size=1")
+    assert m["complete"] and m["this_run"]["shards"] == 12 - done and m["records"] == 12
+    regenerate(stack, text_input, tmp_path / "through", "shard_size=1", "batch_size=1")  # the same batches, unkilled
+    assert shards(out) == shards(tmp_path / "through")  # complete, no duplicate, token for token
+    assert [r["id"] for r in records(out)] == [r["id"] for r in records(reference[0])]
+    assert not list((out / "shards").glob(".*.tmp"))
+
+
+@pytest.mark.slow  # two interpreters under DDP (gloo): ~30 s on two busy cores
+def test_ddp_two_processes_equal_one(stack, text_input, reference, tmp_path):
+    from tests.training.test_ddp import REPO
+
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "treedec.regenerate", *args(stack, text_input, out, f"hydra.run.dir={out}"),
+           "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "Starting with 2 processes" in log and "worker 1 of 2" in log
+    assert shards(out) == shards(reference[0])  # the union, token for token (greedy fp32)
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["complete"] and m["this_run"]["world_size"] == 2 and m["this_run"]["shards"] == 6

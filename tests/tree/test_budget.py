@@ -1,0 +1,152 @@
+"""The online tree budget: step-time model, bounds, and a reaction to a synthetic slowdown (injected clock)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treedec.tree import TreeError
+from treedec.tree.budget import BudgetController, StepTimeModel
+from treedec.tree.policies import DynamicPolicy
+
+from tests.decoding.test_policies import primed_drafter
+from tests.helpers import greedy_reference, make_pair
+
+
+def test_step_time_model_fits_unmeasured_sizes_with_non_negative_slopes():
+    m = StepTimeModel()
+    assert m.predict(1, 16, 5) is None
+    for T in (8, 32):
+        m.observe(1, T, 5, 0.01 + 0.001 * T)
+    assert m.predict(1, 64, 5) == pytest.approx(0.01 + 0.064)  # the linear fit a + b*T
+    m2 = StepTimeModel()
+    for T, t in ((8, 0.05), (32, 0.02)):  # noise that makes big trees look cheaper: no negative slope
+        m2.observe(1, T, 5, t)
+    assert m2.predict(1, 64, 5) >= min(0.05, 0.02)
+
+
+def test_step_time_model_predicts_a_new_row_count_from_the_others():
+    cost = lambda r, T, d: 0.004 + 0.0002 * r * T + 0.001 * d + 0.0003 * r * d  # noqa: E731  (compute-bound in rows)
+    m = StepTimeModel()
+    for r, T, d in ((1, 8, 3), (1, 32, 3), (1, 16, 5), (4, 8, 4), (4, 64, 5), (2, 16, 6)):
+        m.observe(r, T, d, cost(r, T, d))
+    for r, T, d in ((16, 24, 4), (2, 1, 0), (64, 8, 3)):  # row counts never measured
+        assert m.predict(r, T, d) == pytest.approx(cost(r, T, d), rel=1e-6)
+    one = StepTimeModel()  # batch 1 alone: its rows terms are unknown, so 16 rows are first predicted alike
+    for T in (8, 32):
+        one.observe(1, T, 4, 0.01 + 0.001 * T)
+    before = one.predict(16, 8, 4)
+    assert before == pytest.approx(one.predict(1, 8, 4))
+    for _ in range(8):  # 16 rows run 3x slower than the batch-1 fit says: its other arms are scaled alike
+        one.observe(16, 32, 4, 3 * (0.01 + 0.001 * 32))
+    assert one.predict(16, 8, 4) > 1.5 * before and one.predict(4, 8, 4) < one.predict(16, 8, 4)
+
+
+class FakeClock:
+    """Step seconds from a synthetic model of the arm the controller chose for the step that just ended."""
+
+    def __init__(self, cost, rows: bool = False):
+        """``rows``: ``cost(rows, T, depth)`` instead of ``cost(T, depth)``."""
+        self.now, self.cost, self.ctl, self.rows = 0.0, cost, None, rows
+
+    def __call__(self) -> float:
+        if self.ctl is not None and self.ctl.last is not None:
+            args = (self.ctl._rows, *self.ctl.last) if self.rows else self.ctl.last
+            self.now += self.cost(*args)
+        return self.now
+
+
+def drive(ctl: BudgetController, clock: FakeClock, steps: int, gain, rows: int = 1) -> list:
+    owner = object()
+    for _ in range(steps):
+        T, d = ctl.start(owner, rows)
+        ctl.offer([gain(a, b) if b <= d else float("nan") for a, b in ctl.arms], ctl.arms)
+    return ctl.history[-steps:]
+
+
+def test_auto_budget_moves_to_smaller_trees_when_the_machine_gets_slower_per_node():
+    gain = lambda T, d: min(d, 4.0) * (1 - 0.9 ** (T / 4))  # noqa: E731  (saturating in T and depth)
+    cheap = lambda T, d: 0.010 + 0.00002 * T + 0.001 * d  # noqa: E731  (nodes nearly free: a big tree pays)
+    clock = FakeClock(cheap)
+    ctl = BudgetController([(T, d) for d in (3, 4, 5) for T in (8, 16, 24, 32, 40, 48, 64)], clock=clock)
+    clock.ctl = ctl
+    early = drive(ctl, clock, 120, gain)
+    big = max(set(early[-40:]), key=early[-40:].count)
+    assert big[0] >= 48
+    clock.cost = lambda T, d: 0.010 + 0.002 * T + 0.001 * d  # noqa: E731  (the machine got busy: nodes cost)
+    late = drive(ctl, clock, 200, gain)
+    small = max(set(late[-40:]), key=late[-40:].count)
+    assert small[0] <= 24  # adapted, without being told
+    assert all((T, d) in ctl.arms for T, d in early + late)  # always within bounds
+
+
+def mode(arms: list) -> tuple[int, int]:
+    return max(set(arms), key=arms.count)
+
+
+def test_auto_budget_shrinks_its_trees_as_the_target_gets_compute_bound_in_rows_times_T():
+    gain = lambda T, d: min(d, 4.0) * (1 - 0.85 ** (T / 2))  # noqa: E731
+    clock = FakeClock(lambda r, T, d: 0.004 + 0.00005 * r * T + 0.0005 * d, rows=True)
+    arms = [(1, 0), (2, 1), (4, 3)] + [(T, d) for d in (3, 4, 5) for T in (8, 16, 24, 32, 40, 48, 64)]
+    ctl = BudgetController(arms, clock=clock)
+    clock.ctl = ctl
+    chosen = {rows: mode(drive(ctl, clock, 160, gain, rows)[-40:]) for rows in (1, 4, 16, 64)}
+    assert chosen[1][0] >= 24 and chosen[4][0] >= 8  # small batches: wide trees pay
+    assert chosen[1][0] > chosen[4][0] > chosen[16][0] > 1  # the wider the batch, the smaller the tree
+    assert chosen[64] == (1, 0)  # and at 64 rows no tree pays: plain decoding
+    back = mode(drive(ctl, clock, 160, gain, 1)[-40:])  # exploration leaves plain decoding when trees pay again
+    assert back[0] >= 24
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_auto_policy_stays_within_bounds_and_is_lossless(seed):
+    from treedec.decoding.speculative import SpeculativeDecoder
+
+    target, draft = make_pair(seed + 30)
+    pol = DynamicPolicy("auto", depth=5, top_k=4, max_total_tokens=40, explore_every=2)
+    assert pol.max_size == 40 and pol.max_depth == 5
+    assert (1, 0) in pol.budget.arms and (2, 1) in pol.budget.arms and (4, 3) in pol.budget.arms
+    prompt = list(range(3, 12 + seed))
+    out = SpeculativeDecoder(target, draft, pol).generate(prompt, 100)
+    assert out.tokens[0] == greedy_reference(target, prompt, 100)
+    assert {T for T, _ in pol.budget.history} <= {1, 2, 4, 8, 16, 24, 32, 40} and len(set(pol.budget.history)) > 1
+    assert {d for T, d in pol.budget.history if T >= 8} <= {3, 4, 5}
+    d = primed_drafter(seed)
+    with torch.inference_mode():
+        tree = pol.draft(d)
+    assert tree.size == pol.budget.last[0] and int(tree.depth.max()) <= max(pol.budget.last[1], 0)
+
+
+def test_auto_policy_picks_plain_decoding_when_no_tree_pays_and_stays_lossless():
+    from treedec.decoding.speculative import SpeculativeDecoder
+
+    target, draft = make_pair(33)
+    clock = FakeClock(lambda T, d: 0.001 * T ** 2)  # every node is dear: the root alone is fastest
+    pol = DynamicPolicy("auto", depth=4, top_k=4, explore_every=4, clock=clock)
+    clock.ctl = pol.budget
+    prompt = list(range(5, 15))
+    out = SpeculativeDecoder(target, draft, pol).generate(prompt, 150)
+    assert out.tokens[0] == greedy_reference(target, prompt, 150)
+    late = pol.budget.history[-20:]
+    assert mode(late) == (1, 0) and late.count((1, 0)) >= 15  # plain decoding, a neighbour tried now and then
+    assert out.stats.as_dict()["mean_tree_size"] < 4
+
+
+def test_auto_policy_keeps_trees_when_nodes_are_nearly_free():
+    from treedec.decoding.speculative import SpeculativeDecoder
+
+    target, draft = make_pair(33)
+    clock = FakeClock(lambda T, d: 0.01 + 1e-5 * T)  # drafting and verifying nearly free: any acceptance pays
+    pol = DynamicPolicy("auto", depth=4, top_k=4, explore_every=4, clock=clock)
+    clock.ctl = pol.budget
+    SpeculativeDecoder(target, draft, pol).generate(list(range(5, 15)), 150)
+    assert mode(pol.budget.history[-20:])[0] >= 8
+
+
+def test_auto_budget_validation():
+    with pytest.raises(TreeError, match="min_depth"):
+        DynamicPolicy("auto", depth=4, top_k=4, min_depth=6)
+    with pytest.raises(TreeError, match="total_tokens"):
+        DynamicPolicy("many", depth=4, top_k=4)
+    assert DynamicPolicy("auto", depth=3, top_k=2, max_total_tokens=64).max_size == 8  # 2 + 2*4 nodes drafted: 8 fits
+    with pytest.raises(TreeError, match="node_share"):
+        DynamicPolicy(16, depth=4, top_k=4, node_share=0)
