@@ -512,7 +512,7 @@ def _check_bench(cfg) -> None:
                               f"(0 is greedy decoding, which the greedy rows already cover)")
         if len({f"{t:g}" for t in temps}) != len(temps):  # as metrics.json names the groups
             raise ConfigError(f"bench.sample_temperatures={list(temps)} repeats a temperature")
-    from treedec.bench.peers import PEERS
+    from treedec.bench import PEERS
 
     for name in _get(cfg, b + "peers") or []:
         if name not in PEERS:

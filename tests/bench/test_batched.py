@@ -6,7 +6,7 @@ import json
 import pytest
 
 from treedec.bench import batched, harness
-from treedec.bench.harness import Prompt
+from treedec.bench.methods import Prompt
 
 from tests.bench.test_bench import HAVE_HF, compose_bench, stack  # noqa: F401  (the module's tiny stack)
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from treedec.bench import harness
+from treedec.bench import harness, timing
+from treedec.bench import methods as bm
 from treedec.models.checkpoint import save_pretrained
 from treedec.models.config import LlamaConfig
 from treedec.models.draft import DraftConfig, DraftHead
@@ -263,11 +264,11 @@ def test_defaults_run_learned_and_hf_assisted_on_third_party_prompts(tmp_path):
         cfg = compose(config_name="bench", overrides=[f"paths.run_dir={tmp_path}"])
     assert cfg.bench.prompt_source == "third_party" and "learned" in cfg.bench.methods
     assert "hf_assisted" in cfg.bench.peers
-    why = harness.resolve_auto(cfg)
+    why = bm.resolve_auto(cfg)
     assert cfg.bench.learned_path == str(bundled.LEARNED_TREE) and bundled.LEARNED_TREE.is_file()
     assert cfg.bench.trees.learned.path == str(bundled.LEARNED_TREE)  # the policy reads the resolved file
     assert cfg.bench.assistant_path == "tiny-code-assistant" and "auto" in why["hf_assisted"]
-    assert harness.build_policies(cfg)["learned"].max_size > 1
+    assert bm.build_policies(cfg)["learned"].max_size > 1
 
 
 def test_auto_is_off_for_other_checkpoints(stack, tmp_path):
@@ -331,42 +332,42 @@ def test_assistant_of_another_vocabulary_is_skipped(stack, tmp_path, tokenizer):
 
 
 # ------------------------------------------------------------------ compile variants: compile time kept apart
-def _fake(name: str, compiled: bool, compile_cost: float = 0.0, reference: str = "vanilla") -> harness.Method:
+def _fake(name: str, compiled: bool, compile_cost: float = 0.0, reference: str = "vanilla") -> bm.Method:
     calls = []
 
     def fn(p, seed):
         calls.append(p.id)
         if compiled and len(calls) == 1:
             time.sleep(compile_cost)  # the first call compiles
-        return harness.RunOutput([1, 2, 3], 3, 3, 4)
+        return bm.RunOutput([1, 2, 3], 3, 3, 4)
 
-    m = harness.Method(name, "treedec", True, fn, compiled=compiled, reference=reference)
+    m = bm.Method(name, "treedec", True, fn, compiled=compiled, reference=reference)
     m.calls = calls
     return m
 
 
 def test_compile_time_is_paid_by_the_warm_up_and_kept_out_of_the_timed_runs(monkeypatch):
-    prompts = [harness.Prompt("a", "x", [1]), harness.Prompt("b", "y", [2])]
+    prompts = [bm.Prompt("a", "x", [1]), bm.Prompt("b", "y", [2])]
     van, comp = _fake("vanilla", False), _fake("vanilla_compile", True, 0.3)
     graphs = iter(range(100))
-    monkeypatch.setattr(harness, "_graphs_compiled", lambda: 0)
-    res = harness.time_methods([van, comp], prompts, repeats=1, warmup=0, seed=0, device=torch.device("cpu"))
+    monkeypatch.setattr(timing, "_graphs_compiled", lambda: 0)
+    res = timing.time_methods([van, comp], prompts, repeats=1, warmup=0, seed=0, device=torch.device("cpu"))
     assert van.calls == ["a", "b"] and comp.calls == ["a", "a", "b"]  # warmup=0: only the compiled one warms up
     assert res["vanilla_compile"]["compile_s"] >= 0.3 and res["vanilla_compile"]["times"][0] < 0.3
     assert res["vanilla_compile"]["graphs_in_timed"] == 0
     table, _ = harness.summarize([van, comp], prompts, res)
     assert table["vanilla_compile"]["compile_s"] >= 0.3 and "compile_s" not in table["vanilla"]
 
-    monkeypatch.setattr(harness, "_graphs_compiled", lambda: next(graphs))  # a graph built inside every call
-    res = harness.time_methods([van, comp], prompts, repeats=1, warmup=1, seed=0, device=torch.device("cpu"))
+    monkeypatch.setattr(timing, "_graphs_compiled", lambda: next(graphs))  # a graph built inside every call
+    res = timing.time_methods([van, comp], prompts, repeats=1, warmup=1, seed=0, device=torch.device("cpu"))
     assert res["vanilla_compile"]["graphs_in_timed"] == 2 and res["vanilla"]["graphs_in_timed"] == 0
 
 
 def test_compiled_tree_methods_are_checked_against_compiled_vanilla():
-    prompts = [harness.Prompt("a", "x", [1])]
+    prompts = [bm.Prompt("a", "x", [1])]
     van, vc = _fake("vanilla", False), _fake("vanilla_compile", True)
     chain = _fake("chain_compile", True, reference="vanilla_compile")
-    res = harness.time_methods([van, vc, chain], prompts, repeats=1, warmup=0, seed=0, device=torch.device("cpu"),
+    res = timing.time_methods([van, vc, chain], prompts, repeats=1, warmup=0, seed=0, device=torch.device("cpu"),
                                ops=False)
     res["vanilla_compile"]["outputs"][0].tokens = [1, 2, 4]  # compiled kernels parted from eager ones...
     res["chain_compile"]["outputs"][0].tokens = [1, 2, 4]  # ... and the compiled tree follows compiled vanilla
@@ -413,11 +414,11 @@ def test_sample_temperatures_option(stack, tmp_path):
     from treedec.config_schema import ConfigError
 
     cfg = compose_bench(stack, tmp_path, "bench.sampling=true", "bench.sample_temperatures=[0.5]", "sampling.top_p=0.9")
-    assert [(s.temperature, s.top_p) for s in harness.sample_settings(cfg)] == [(0.5, 0.9)]
+    assert [(s.temperature, s.top_p) for s in bm.sample_settings(cfg)] == [(0.5, 0.9)]
     cfg = compose_bench(stack, tmp_path, "bench.sampling=true", "bench.sample_temperatures=null",
                         "sampling.temperature=0.7")
-    assert [s.temperature for s in harness.sample_settings(cfg)] == [0.7]  # null: the group's own
-    assert harness.sample_settings(compose_bench(stack, tmp_path)) == []  # bench.sampling=false
+    assert [s.temperature for s in bm.sample_settings(cfg)] == [0.7]  # null: the group's own
+    assert bm.sample_settings(compose_bench(stack, tmp_path)) == []  # bench.sampling=false
     for override, needle in [("bench.sample_temperatures=[0.8,0]", r"has 0\.0: every temperature must be > 0"),
                              ("bench.sample_temperatures=[]", r"at least one temperature"),
                              ("bench.sample_temperatures=[0.3,0.3]", r"repeats a temperature")]:
@@ -440,7 +441,7 @@ def test_hf_sample_is_seeded_and_runs_only_when_sampling(stack, tmp_path):
     assert set(by_name) == {"hf_greedy", "hf_sample@50"} and not skipped
     hs = by_name["hf_sample@50"]
     assert hs.greedy is False and hs.reference == "vanilla_sample@50" and hs.info["sampling"]["top_k"] == 0
-    p = harness.Prompt("a", "", [5, 6, 7])
+    p = bm.Prompt("a", "", [5, 6, 7])
     state = torch.get_rng_state()
     runs = [hs(p, seed).tokens for seed in (3, 3, 4, 5, 6)]
     assert torch.equal(torch.get_rng_state(), state)  # fork_rng: the process's random state is untouched

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from omegaconf import DictConfig
 
-from treedec.bench.harness import Prompt, method_names
+from treedec.bench.methods import Prompt, method_names
 
 log = logging.getLogger("treedec.bench")
 

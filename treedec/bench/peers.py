@@ -26,11 +26,11 @@ import warnings
 import torch
 from omegaconf import DictConfig
 
-from treedec.bench.harness import Method, Prompt, RunOutput, sample_settings, sampled_name
+from treedec.bench import PEERS
+from treedec.bench.methods import Method, Prompt, RunOutput, sample_settings, sampled_name
 
 log = logging.getLogger("treedec.bench")
 
-PEERS = ("hf_greedy", "hf_prompt_lookup", "hf_assisted", "hf_sample")
 
 
 def load_hf(path, dtype: torch.dtype, device):

@@ -1,0 +1,307 @@
+"""What every benchmark module shares: the prompt set, a method (a decoding call and its metadata) and
+one run's output, and how treedec's methods are built from the config (below harness.py and peers.py)."""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+
+log = logging.getLogger("treedec.bench")
+
+
+# --------------------------------------------------------------------------- prompts
+@dataclass
+class Prompt:
+    id: str
+    text: str
+    ids: list[int]
+    source: dict | None = None  # where the text came from (file and line; third_party: the package too)
+
+
+def prompt_source_name(bench: DictConfig) -> str:
+    """How metrics.json names a generated prompt set: ``heldout_stdlib`` or ``third_party``."""
+    source = str(bench.get("prompt_source", "third_party"))
+    return "heldout_stdlib" if source == "stdlib" else source
+
+
+def load_prompts(bench: DictConfig, tokenizer) -> list[Prompt]:
+    """The prompt set: ``bench.prompts`` (a file) or ``bench.n_prompts`` prompts of ``bench.prompt_source``."""
+    from treedec.data.prompts import load_prompt_set, read_prompt_file
+
+    if bench.prompts:
+        texts = read_prompt_file(bench.prompts, "bench.prompts")
+    else:
+        packages = bench.get("third_party_packages")
+        texts = load_prompt_set(str(bench.get("prompt_source", "third_party")), int(bench.n_prompts),
+                                int(bench.prompt_tokens), tokenizer, seed=int(bench.seed),
+                                packages=list(packages) if packages is not None else None,
+                                hint="pass bench.prompts=<file.jsonl>")
+    prompts = []
+    for t in texts:
+        if bench.get("chat"):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": t.text}], tokenize=True)
+        else:
+            ids = tokenizer.encode(t.text)
+        if not ids:
+            where = f" ({t.source['file']}:{t.source['line']})" if t.source else ""
+            raise ValueError(f"prompt {t.id!r}{where} encodes to no tokens; give it some text")
+        prompts.append(Prompt(t.id, t.text, list(ids), t.source))
+    return prompts
+
+
+# --------------------------------------------------------------------------- methods
+@dataclass
+class RunOutput:
+    """One method on one prompt."""
+
+    tokens: list[int]
+    passes: int  # target forward passes after the prefill (verification steps)
+    produced: int  # tokens those passes emitted, after the max_new_tokens/EOS cut (τ = produced / passes)
+    forwards: int  # every target forward, prefill included
+    split: dict[str, float] = field(default_factory=dict)  # seconds, by phase (the method's own clocks)
+    accepted: Counter = field(default_factory=Counter)  # accepted drafts per step -> steps (speculative)
+    tree_nodes: int = 0  # tree nodes verified, summed over passes (speculative; mean tree size = / passes)
+
+
+@dataclass
+class Method:
+    name: str
+    family: str  # "treedec" | "peer"
+    greedy: bool
+    fn: Callable[[Prompt, int], RunOutput]  # (prompt, seed) -> output
+    info: dict = field(default_factory=dict)
+    reference: str = "vanilla"  # the method its speedup (and, when greedy, its tokens) are measured against
+    ops_fn: Callable[[Prompt, int], dict] | None = None  # (prompt, seed) -> op counts per step (treedec methods)
+    compiled: bool = False  # torch.compile'd: the first warm-up run pays the compilation (compile_s)
+    lossless: bool | None = None  # a token mismatch with `reference` fails the run (default: treedec methods)
+
+    def __post_init__(self):
+        if self.lossless is None:
+            self.lossless = self.family == "treedec"
+
+    def __call__(self, prompt: Prompt, seed: int) -> RunOutput:
+        return self.fn(prompt, seed)
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
+def run_output(res) -> RunOutput:
+    """A treedec GenerateResult (one row) as a RunOutput: τ counts only the tokens actually emitted."""
+    st = res.stats
+    split = {k: v for k, v in st.as_dict()["time_split"].items() if k != "total"}
+    return RunOutput(res.tokens[0], st.row_steps, st.step_tokens, st.target_passes + st.prefills, split,
+                     Counter(st.accepted), st.tree_nodes)
+
+
+def measure_ops(call: Callable[..., object]) -> dict:
+    """Aten ops and host reads of one ``call(hook=...)`` (a ``generate``) inside :func:`count_ops`.
+
+    Per step counts the steady state: from the end of the first decoding step to the end of the
+    last, divided by the steps between (the prefill, the first step and the end-of-run read are in
+    the totals only). With a single step it is the whole call.
+    """
+    from treedec.profiling import count_ops
+
+    marks: list[tuple[int, int]] = []
+    with count_ops() as c:
+        res = call(hook=lambda _info: marks.append((c.aten_ops, c.host_reads)))
+        total = (c.aten_ops, c.host_reads)
+    steps = res.stats.target_passes
+    if len(marks) >= 2:
+        n = len(marks) - 1
+        per = ((marks[-1][0] - marks[0][0]) / n, (marks[-1][1] - marks[0][1]) / n)
+    else:
+        n = max(steps, 1)
+        per = (total[0] / n, total[1] / n)
+    return {"aten_ops_per_step": per[0], "host_reads_per_step": per[1], "steps": steps, "steps_averaged": n,
+            "aten_ops_total": total[0], "host_reads_total": total[1], "reads_total": dict(c.reads),
+            "top_ops_total": dict(c.ops.most_common(8))}
+
+
+def sampled_name(base: str, temperature: float) -> str:
+    """The unique name of a sampled row: ``chain_sample@0.8`` (metrics.json shows ``chain_sample`` under 0.8)."""
+    return f"{base}@{temperature:g}"
+
+
+def temperature_key(temperature: float) -> str:
+    """How metrics.json's ``sampled`` section names a temperature group: ``"0.8"``."""
+    return f"{temperature:g}"
+
+
+def _reference(sampling) -> str:
+    return "vanilla" if sampling.greedy else sampled_name("vanilla_sample", sampling.temperature)
+
+
+def vanilla_method(name: str, target, max_new_tokens: int, sampling, eos_ids, compile: bool = False,
+                   reference: str | None = None) -> Method:
+    from treedec.decoding import vanilla
+
+    # Compiled: one decoder for every call, so its context-sized cache (and, on CUDA, the graphs' static
+    # addresses) is reused; eager: vanilla.generate, a new cache per call like the speculative decoder's.
+    dec = vanilla.VanillaDecoder(target, sampling, eos_ids, compile=True) if compile else None
+
+    def call(p: Prompt, seed: int, **kw):
+        gen = None if sampling.greedy else _generator(target.device, seed)
+        if dec is not None:
+            return dec.generate(p.ids, max_new_tokens, generator=gen, **kw)
+        return vanilla.generate(target, p.ids, max_new_tokens, sampling=sampling, eos_ids=eos_ids, generator=gen, **kw)
+
+    ref = reference or _reference(sampling)
+    return Method(name, "treedec", sampling.greedy, lambda p, seed: run_output(call(p, seed, timing=True)),
+                  {"policy": None, "sampling": _sampling_dict(sampling), "compile": compile}, reference=ref,
+                  ops_fn=lambda p, seed: measure_ops(lambda **kw: call(p, seed, **kw)), compiled=compile)
+
+
+def speculative_method(name: str, target, draft, policy, max_new_tokens: int, sampling, eos_ids,
+                       compile: bool = False, reference: str | None = None) -> Method:
+    from treedec.decoding.speculative import SpeculativeDecoder
+
+    dec = SpeculativeDecoder(target, draft, policy, sampling, eos_ids=eos_ids, compile=compile)
+
+    def call(p: Prompt, seed: int, **kw):
+        gen = None if sampling.greedy else _generator(target.device, seed)
+        return dec.generate(p.ids, max_new_tokens, generator=gen, **kw)
+
+    info = {"policy": type(policy).__name__, "tree_size": policy.max_size, "tree_depth": policy.max_depth,
+            "sampling": _sampling_dict(sampling), "compile": compile}
+    ref = reference or _reference(sampling)
+    return Method(name, "treedec", sampling.greedy, lambda p, seed: run_output(call(p, seed, timing=True)), info,
+                  reference=ref, ops_fn=lambda p, seed: measure_ops(lambda **kw: call(p, seed, **kw)),
+                  compiled=compile)
+
+
+def _sampling_dict(s) -> dict:
+    return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
+
+
+def sample_settings(cfg: DictConfig) -> list:
+    """The SamplingParams of the sampled rows: one per ``bench.sample_temperatures`` (null: the group's own
+    temperature), with the ``sampling`` group's top-k and top-p; empty when ``bench.sampling`` is false."""
+    from dataclasses import replace
+
+    from treedec.config_schema import instantiate_checked
+
+    if not cfg.bench.sampling:
+        return []
+    base = instantiate_checked(cfg.sampling, "sampling")
+    temps = cfg.bench.get("sample_temperatures")
+    if temps is None:
+        if base.greedy:
+            log.warning("bench.sampling=true, bench.sample_temperatures=null and the sampling group is greedy "
+                        "(temperature 0): no sampled rows; pick sampling=sample or list temperatures")
+            return []
+        return [base]
+    return [replace(base, temperature=float(t)) for t in temps]
+
+
+SWEEP_BASE = "dynamic_auto"  # bench.dynamic_sweep's fixed budgets use this method's tree, so auto is on the same curve
+
+
+def sweep_name(n: int) -> str:
+    return f"dynamic_T{int(n)}"
+
+
+def method_names(bench: DictConfig) -> list[str]:
+    """``bench.methods`` without repeats, vanilla first (every speedup and identity check is measured against it),
+    then ``dynamic_T<n>`` for each size of ``bench.dynamic_sweep``."""
+    names = list(dict.fromkeys(bench.methods))
+    if "vanilla" not in names:
+        log.info("adding `vanilla` to bench.methods: every speedup and identity check is measured against it")
+        names.insert(0, "vanilla")
+    sweep = [sweep_name(n) for n in (bench.get("dynamic_sweep") or [])]
+    return names + [n for n in dict.fromkeys(sweep) if n not in names]
+
+
+def tree_config(bench: DictConfig, name: str):
+    """The tree config of method ``name``: ``bench.trees[name]``, or for ``dynamic_T<n>`` the sweep base at T=n."""
+    from treedec.config_schema import ConfigError
+
+    if name.startswith("dynamic_T") and name[len("dynamic_T"):].isdigit() and name not in bench.trees:
+        if SWEEP_BASE not in bench.trees:
+            raise ConfigError(f"bench.dynamic_sweep needs bench.trees.{SWEEP_BASE} (the tree the sweep varies T of)")
+        node = OmegaConf.merge(bench.trees[SWEEP_BASE], {"total_tokens": int(name[len("dynamic_T"):])})
+        return node
+    if name not in bench.trees:
+        raise ConfigError(f"bench.methods names {name!r}, which has no tree config under bench.trees "
+                          f"(have: vanilla, {', '.join(bench.trees)}); add bench.trees.{name} with a _target_")
+    return bench.trees[name]
+
+
+def resolve_auto(cfg: DictConfig) -> dict[str, str]:
+    """Replace ``bench.learned_path`` / ``bench.assistant_path`` = auto by what they mean here (bundled.py).
+
+    The config then records the file and model actually used; returns the reason for each, for the
+    log and for ``skipped`` when one resolves to null (a second call finds them resolved: keep the
+    first call's reasons).
+    """
+    from treedec.bench import bundled
+
+    bench = cfg.bench
+    learned, why_learned = bundled.learned_path(bench.get("learned_path"), OmegaConf.select(cfg, "draft.path"))
+    assistant, why_assistant = bundled.assistant_path(bench.get("assistant_path"), OmegaConf.select(cfg, "model.path"))
+    bench.learned_path, bench.assistant_path = learned, assistant
+    return {"learned": why_learned, "hf_assisted": why_assistant}
+
+
+def build_policies(cfg: DictConfig) -> dict:
+    """The tree policy of every speculative method that will run (no model needed: errors come before loading)."""
+    from treedec.config_schema import instantiate_checked
+
+    resolve_auto(cfg)
+    bench = cfg.bench
+    out = {}
+    for name in method_names(bench):
+        if name == "vanilla" or (name == "learned" and not bench.learned_path):
+            continue
+        out[name] = instantiate_checked(tree_config(bench, name), f"bench.trees.{name}")
+    return out
+
+
+def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None = None,
+                  why: dict[str, str] | None = None) -> tuple[list[Method], dict[str, str]]:
+    """treedec's methods from ``bench.methods`` (and their sampled variants); returns (methods, skipped)."""
+    from treedec.config_schema import instantiate_checked
+    from treedec.decoding.sampling import SamplingParams
+
+    why = {**resolve_auto(cfg), **(why or {})}  # the reasons of the first resolution, when given
+    bench = cfg.bench
+    n = int(bench.max_new_tokens)
+    greedy = SamplingParams()
+    names = method_names(bench)
+    policies = build_policies(cfg) if policies is None else policies
+    compiled = bool(bench.get("compile"))
+    settings = sample_settings(cfg)
+    methods, skipped = [], {}
+    for name in names:
+        if name == "vanilla":
+            methods.append(vanilla_method("vanilla", target, n, greedy, eos_ids))
+            if compiled:
+                # Eager and compiled kernels round differently: in fp32 a difference is a bug, in bf16 it is reported.
+                methods.append(vanilla_method("vanilla_compile", target, n, greedy, eos_ids, compile=True))
+                methods[-1].lossless = target.dtype == torch.float32
+            for s in settings:
+                methods.append(vanilla_method(sampled_name("vanilla_sample", s.temperature), target, n, s, eos_ids))
+            continue
+        if name == "learned" and not bench.learned_path:
+            skipped[name] = why["learned"]
+            log.info("skipping `learned`: %s", skipped[name])
+            continue
+        if name == "learned":
+            log.info("`learned`: %s", why["learned"])
+        methods.append(speculative_method(name, target, draft, policies[name], n, greedy, eos_ids))
+        if compiled:  # its own policy object: a compiled decoder may pad or precompute per policy
+            methods.append(speculative_method(f"{name}_compile", target, draft,
+                                              instantiate_checked(tree_config(bench, name), f"bench.trees.{name}"), n,
+                                              greedy, eos_ids, compile=True, reference="vanilla_compile"))
+        for s in settings:  # its own policy object per row, as for the compiled variants
+            methods.append(speculative_method(sampled_name(f"{name}_sample", s.temperature), target, draft,
+                                              instantiate_checked(tree_config(bench, name), f"bench.trees.{name}"), n,
+                                              s, eos_ids))
+    return methods, skipped
