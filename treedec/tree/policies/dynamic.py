@@ -198,11 +198,12 @@ class DynamicPolicy(TreePolicy):
         if D not in self._arm_plan:  # host ints -> index tensors, once per drafted depth
             dev = score.device
             limits = sorted({d for T, d in arms if 1 < T and d <= D})
+            drafted = [1 < T and d <= D for T, d in arms]  # T=1 (nothing drafted) and deeper arms: NaN
+            self._arm_rows[D] = [limits.index(d) if ok else 0 for (_, d), ok in zip(arms, drafted)]
             self._arm_plan[D] = (torch.tensor(limits, device=dev)[:, None, None],
-                                 torch.tensor([limits.index(d) if 1 < T and d <= D else 0 for T, d in arms], device=dev),
-                                 torch.tensor([T - 2 if 1 < T and d <= D else 0 for T, d in arms], device=dev),
-                                 torch.tensor([1 < T and d <= D for T, d in arms], device=dev))
-            self._arm_rows[D] = [limits.index(d) if 1 < T and d <= D else 0 for T, d in arms]
+                                 torch.tensor(self._arm_rows[D], device=dev),
+                                 torch.tensor([T - 2 if ok else 0 for (T, _), ok in zip(arms, drafted)], device=dev),
+                                 torch.tensor(drafted, device=dev))
         lims, row, col, ok = self._arm_plan[D]
         masked = torch.where(depths[None] <= lims, score[None], -torch.inf)  # [limits, B, candidates]
         probs = masked.sort(-1, descending=True).values.exp()
