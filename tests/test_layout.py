@@ -21,9 +21,6 @@ ENTRY_POINTS = ("treedec.train", "treedec.pretrain", "treedec.generate", "treede
                 "treedec.regenerate", "treedec.sweep", "treedec.bench")
 LIBRARY = ("treedec.data", "treedec.models", "treedec.attention", "treedec.tree", "treedec.decoding",
            "treedec.training")
-# Cycles in files other work is changing now; each entry says how to break it. Fixing one turns its
-# test_known_cycle_is_gone into an XPASS (strict: a failure): then delete the entry.
-KNOWN_CYCLES: dict = {}
 
 
 def _name(path: Path, root: Path) -> str:
@@ -115,15 +112,8 @@ def test_the_graph_sees_lazy_and_relative_imports(tmp_path):
 
 
 def test_no_import_cycles(graph):
-    found = [c for c in cycles(graph) if c not in KNOWN_CYCLES]
+    found = cycles(graph)
     assert not found, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in found)
-
-
-@pytest.mark.parametrize("cycle", [pytest.param(c, id="+".join(sorted(m.rpartition(".")[2] for m in c)),
-                                                marks=pytest.mark.xfail(strict=True, reason=why))
-                                   for c, why in KNOWN_CYCLES.items()])
-def test_known_cycle_is_gone(graph, cycle):
-    assert cycle not in cycles(graph)
 
 
 def test_the_library_never_imports_an_entry_point(graph):
