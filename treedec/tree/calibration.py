@@ -129,14 +129,10 @@ def save_calibration(path: str | Path, cal: Calibration) -> Path:
 
 
 def load_calibration(path: str | Path) -> Calibration:
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise TreeError(f"calibration file {str(p)!r} not found: `python -m treedec.calibrate` writes one "
-                        "(calibration.yaml beside learned_tree.yaml); pass tree.calibration=<that file>, auto or null")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise TreeError(f"cannot parse calibration file {p}: {e}") from e
+    from treedec.tree.policies.learned import read_yaml
+
+    p, data = read_yaml(path, "calibration file", "`python -m treedec.calibrate` writes one (calibration.yaml "
+                        "beside learned_tree.yaml); pass tree.calibration=<that file>, auto or null")
     if not isinstance(data, dict) or not isinstance(data.get("values"), list):
         raise TreeError(f"calibration file {p} has no 'values' table (per depth, acceptance at each grid point)")
     meta = {k: v for k, v in data.items() if k not in ("grid", "values")}

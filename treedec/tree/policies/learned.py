@@ -33,16 +33,21 @@ def _represent_list(dumper: yaml.SafeDumper, data: list):
 _Dumper.add_representer(list, _represent_list)
 
 
-def load_learned(path: str | Path) -> dict[str, Any]:
-    """The parsed shape file (a dict with at least ``choices``); clear errors for missing/malformed files."""
+def read_yaml(path: str | Path, what: str, hint: str) -> tuple[Path, Any]:
+    """(path, parsed YAML) of a file calibrate wrote; a missing or unparsable file is a TreeError naming ``what``."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise TreeError(f"learned tree file {str(p)!r} not found: run `python -m treedec.calibrate` and pass "
-                        "the learned_tree.yaml it writes (tree=learned tree.path=...)")
+        raise TreeError(f"{what} {str(p)!r} not found: {hint}")
     try:
-        data = yaml.safe_load(p.read_text())
+        return p, yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
-        raise TreeError(f"cannot parse learned tree file {p}: {e}") from e
+        raise TreeError(f"cannot parse {what} {p}: {e}") from e
+
+
+def load_learned(path: str | Path) -> dict[str, Any]:
+    """The parsed shape file (a dict with at least ``choices``); clear errors for missing/malformed files."""
+    p, data = read_yaml(path, "learned tree file", "run `python -m treedec.calibrate` and pass the "
+                        "learned_tree.yaml it writes (tree=learned tree.path=...)")
     if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
         raise TreeError(f"learned tree file {p} has no 'choices' list (a list of paths like [[0], [0, 0]])")
     return data
