@@ -1,6 +1,8 @@
 """The online tree budget: step-time model, bounds, and a reaction to a synthetic slowdown (injected clock)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -150,3 +152,26 @@ def test_auto_budget_validation():
     assert DynamicPolicy("auto", depth=3, top_k=2, max_total_tokens=64).max_size == 8  # 2 + 2*4 nodes drafted: 8 fits
     with pytest.raises(TreeError, match="node_share"):
         DynamicPolicy(16, depth=4, top_k=4, node_share=0)
+
+
+def test_observed_acceptance_rescales_the_estimates_and_deep_arms_follow_the_base():
+    """The calibrated E[accepted] is corrected by what the chosen arms really accepted, and an arm not
+    drafted this step moves with the always-drafted smallest tree instead of keeping a stale value."""
+    t = [0.0]
+    b = BudgetController([(1, 0), (2, 1), (8, 3)], explore_every=0, clock=lambda: t[0])
+    owner = object()
+    assert b.start(owner, 1) == (8, 3)  # no data yet: the largest arm
+    b.offer(torch.tensor([math.nan, 0.5, 1.0]), b.arms)
+    b.observe_accepted(2.0)  # twice what the estimate (1.0) said
+    assert b.correction == pytest.approx(2.0)
+    t[0] += 0.01
+    b.start(owner, 1)
+    assert b.gain[(8, 3)] == pytest.approx(1.0)
+    assert b.rate(1, 8, 3) == pytest.approx((1 + 2.0) / 0.01)
+    b.offer(torch.tensor([math.nan, 0.25, math.nan]), b.arms)  # a shallow step: (8, 3) not drafted
+    b.last = (2, 1)
+    b.observe_accepted(0.25)
+    t[0] += 0.01
+    b.start(owner, 1)
+    assert b.gain[(8, 3)] == pytest.approx((0.5 + b.alpha * (0.25 - 0.5)) * 2.0)  # base EMA x its ratio
+    assert b.correction == pytest.approx((0.95 * 2.0 + 0.25) / (0.95 * 1.0 + 0.25))

@@ -104,6 +104,7 @@ class SpeculativeDecoder(Decoder):
         self._index += 1
         info = StepInfo(self._index, list(active), [r[1:1 + k] for r, k in zip(packed, n_host)], n_host,
                         tree, acc.path, res.logits)
+        self.policy.observe(info)  # host values only (the step's one read has happened)
         return info, tree.size
 
     def _accept(self, tree: Tree, logits: torch.Tensor, depth_cap: int) -> tuple[Acceptance, torch.Tensor, list]:

@@ -109,7 +109,11 @@ class BudgetController:
         self.explore_every, self.alpha = explore_every, alpha
         self.clock = clock or time.perf_counter
         self.times = StepTimeModel()
-        self.gain: dict[tuple[int, int], float] = {}  # EMA of E[accepted] per (T, depth)
+        self.gain: dict[tuple[int, int], float] = {}  # E[accepted] per (T, depth), see _absorb
+        self.base = min((a for a in self.arms if a[0] > 1), default=None)  # drafted whenever anything is
+        self.decay = 0.9
+        self._base_ema: float | None = None
+        self._ratio: dict[tuple[int, int], tuple[float, float]] = {}
         self.steps = 0
         self.last: tuple[int, int] | None = None  # the arm of the step now running
         self.history: list[tuple[int, int]] = []  # every arm chosen (bench / tests read it)
@@ -117,6 +121,7 @@ class BudgetController:
         self._rows = 1
         self._owner = None
         self._pending = None  # (curve, its arms): last step's expected-acceptance estimates
+        self._seen = [0.0, 0.0]  # decayed sums of (accepted, estimated) drafts of the arms chosen
 
     def start(self, owner, rows: int) -> tuple[int, int]:
         """Called at the start of each draft(): close the previous step's clock, pick this step's arm.
@@ -142,21 +147,50 @@ class BudgetController:
         """
         self._pending = (curve, arms)
 
+    def observe_accepted(self, accepted: float, decay: float = 0.95) -> None:
+        """The drafts the step just accepted per row, against what the chosen arm's estimate said.
+
+        Calibration is fitted on other text than the one being decoded, so its E[accepted] can be off by
+        a factor (the bundled head's is ~0.65x on third-party code); :attr:`correction`, the decayed ratio
+        of accepted to estimated, rescales every arm's estimate. Called after the step's host read.
+        """
+        if self._pending is None or self.last is None or self.last[0] == 1:
+            return
+        curve, arms = self._pending
+        est = float(curve[list(arms).index(self.last)])
+        if math.isfinite(est):
+            self._seen = [decay * self._seen[0] + accepted, decay * self._seen[1] + est]
+
+    @property
+    def correction(self) -> float:
+        """Accepted ÷ estimated drafts of the recent steps, in [0.25, 4] (1 before any step)."""
+        acc, est = self._seen
+        return 1.0 if est <= 0 else min(4.0, max(0.25, acc / est))
+
     def _absorb(self) -> None:
         if self._pending is None:
             return
         curve, arms = self._pending
         self._pending = None
-        vals = curve.numpy() if hasattr(curve, "numpy") else np.asarray(curve)
-        for arm, v in zip(arms, vals.tolist()):
+        vals = dict(zip(arms, (curve.numpy() if hasattr(curve, "numpy") else np.asarray(curve)).tolist()))
+        base = vals.get(self.base, math.nan)
+        if not math.isfinite(base):
+            return
+        # Deep arms are estimated only on the steps that drafted deep, so a plain EMA per arm would compare
+        # stale values with fresh ones. Instead every arm keeps its decayed ratio of sums to the base arm (the
+        # smallest tree, estimated on every drafted step), and its gain is that ratio times the base's EMA.
+        self._base_ema = base if self._base_ema is None else self._base_ema + self.alpha * (base - self._base_ema)
+        for arm, v in vals.items():
             if math.isfinite(v):
-                old = self.gain.get(arm)
-                self.gain[arm] = v if old is None else old + self.alpha * (v - old)
+                num, den = self._ratio.get(arm, (0.0, 0.0))
+                self._ratio[arm] = (self.decay * num + v, self.decay * den + base)
+        self.gain = {a: self._base_ema * (n / d if d > 0 else 1.0) for a, (n, d) in self._ratio.items()}
 
     def rate(self, rows: int, T: int, depth: int) -> float | None:
         """Expected tokens per second of an arm over the whole batch, sum over rows of (1 + E[accepted]) / step
         time (None while its acceptance or time is unknown). The root alone (T=1) accepts nothing by definition."""
         g = 0.0 if T == 1 else self.gain.get((T, depth))
+        g = None if g is None else g * self.correction
         t = self.times.predict(rows, T, depth)
         return None if g is None or t is None else rows * (1.0 + g) / t
 

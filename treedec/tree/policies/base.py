@@ -74,6 +74,10 @@ class TreePolicy:
     def draft(self, drafter, params=None, generator: torch.Generator | None = None):
         raise NotImplementedError
 
+    def observe(self, info) -> None:
+        """What the step just verified (a :class:`~treedec.decoding.loop.StepInfo`): policies that learn online
+        (the dynamic tree's auto budget) use it; fixed shapes ignore it."""
+
     def validate(self, vocab_size: int) -> None:
         """Fail before decoding when the policy asks for more distinct tokens than the vocabulary has."""
         if self.max_rank >= vocab_size:

@@ -171,6 +171,13 @@ class DynamicPolicy(TreePolicy):
         pad = None if self.node_share >= 1 else self.row_pad(order.values[:, : T - 1])
         return self._rerank(drafter.root_tokens, toks, logq, parents, order.indices[:, : T - 1], D, pad)
 
+    def observe(self, info) -> None:
+        """Feed the auto budget the accepted drafts per live row, so it corrects its calibrated estimates."""
+        if self.budget is not None:
+            n = [k - 1 for k, a in zip(info.n_accept, info.active) if a]
+            if n:
+                self.budget.observe_accepted(sum(n) / len(n))
+
     def kept(self, B: int, T: int) -> int:
         """Real (non-root) nodes kept over a batch of B rows at width T: the per-row budgets' global cap."""
         return max(1, round(self.node_share * B * (T - 1)))
