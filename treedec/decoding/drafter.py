@@ -2,11 +2,12 @@
 
 The draft cache holds one entry per verified position t: the pair (target feature f_t,
 token x_{t+1}), the feature in the head's input space (``head.project``: EAGLE-3 fuses its
-three layer inputs there; inside a tree every head reads its own outputs). The "root" of the next tree is the newest verified token; the draft output
-at the last committed position gives the root's children (``root_logits``) and the feature
-they read (``root_feat``). While a tree is drafted, its nodes are written after the
-committed prefix and hidden from one another except along ancestry; committing a step
-discards them and appends the accepted path with the target's true features (as EAGLE does).
+three layer inputs there; inside a tree every head reads its own outputs). The "root" of the
+next tree is the newest verified token; the draft output at the last committed position gives
+the root's children (``root_logits``) and the feature they read (``root_feat``). While a tree
+is drafted, its nodes are written after the committed prefix and hidden from one another
+except along ancestry; committing a step discards them and appends the accepted path with the
+target's true features (as EAGLE does).
 
 Nothing here reads the device: cache sizes come from the cache's host mirror, and policies
 hand over the ancestry of the nodes they expand.
@@ -46,8 +47,9 @@ class Drafter:
                  n_host: Sequence[int], root_tokens: torch.Tensor) -> None:
         """Append pairs (features[:, i], tokens[:, i]) for i < n_valid[b] and set the next root.
 
-        ``features`` are the target's (``head.features`` of its forward); ``tokens`` are one step ahead of them; its last valid entry per row is the new
-        root. ``n_host`` is ``n_valid`` as a host list (the caller already read it).
+        ``features`` are the target's (``head.features`` of its forward); ``tokens`` are one step
+        ahead of them, and their last valid entry per row is the new root. ``n_host`` is
+        ``n_valid`` as a host list (the caller already read it).
         """
         L = self.cache.lengths
         pos = L[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
