@@ -92,7 +92,8 @@ def load_stack(cfg: Any):
 
     target = load(cfg.model).eval()
     tok = load_tokenizer(cfg.model.path)
-    draft = load(cfg.draft, target=target, dtype=target.dtype, device=target.device).eval()
+    dtype = cfg.draft.get("dtype") or target.dtype  # the draft group's dtype (auto: fp32 on a CPU), else the target's
+    draft = load(cfg.draft, target=target, dtype=dtype, device=target.device).eval()
     return target, tok, draft
 
 

@@ -51,6 +51,7 @@ class ModelSchema:  # conf/model: the target checkpoint to load (its loader is _
 class DraftSchema:  # conf/draft: the draft head to load
     _target_: str = MISSING  # treedec.models.draft.DraftHead.load
     path: str = MISSING  # "tiny-code-eagle" or a draft head directory
+    dtype: Optional[str] = "auto"  # auto: fp32 on a CPU (its small matmuls are faster), else the target's | float32 | bfloat16
 
 
 @dataclass

@@ -62,7 +62,19 @@ def test_a_head_of_another_dtype_than_its_target_drafts(head_dtype, target_dtype
     head = DraftHead(DraftConfig.for_target(target.config)).to(head_dtype).bind(target)
     feats = torch.randn(1, 2, 32, dtype=target_dtype)
     feat = head(torch.tensor([[1, 2]]), feats, head.new_cache(1, 8), torch.arange(2)[None])
-    assert feat.dtype == head_dtype and head.logits(feat).dtype == target_dtype
+    logits = head.logits(feat)  # in the head's dtype: its LM head rows are a copy in that dtype
+    assert feat.dtype == head_dtype and logits.dtype == head_dtype
+    ref = torch.nn.functional.linear(feat.to(target_dtype), target.lm_head.weight).float()
+    assert torch.allclose(logits.float(), ref, atol=0.05, rtol=0.02)
+
+
+def test_auto_dtype_drafts_in_fp32_on_a_cpu(tmp_path):
+    target = small_target().to(torch.bfloat16)
+    DraftHead(DraftConfig.for_target(target.config)).to(torch.bfloat16).bind(target).save(tmp_path)
+    assert DraftHead.load(tmp_path, target=target).fc.weight.dtype == torch.bfloat16  # None: the file's dtype
+    head = DraftHead.load(tmp_path, target=target, dtype="auto")
+    assert head.fc.weight.dtype == torch.float32 and head._lm_weight.dtype == torch.float32
+    assert DraftHead.load(tmp_path, target=target, dtype="bf16").fc.weight.dtype == torch.bfloat16
 
 
 def test_feature_layers_must_fit_the_head_kind_and_the_target():

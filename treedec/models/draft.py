@@ -47,6 +47,17 @@ def target_fingerprint(target: Transformer) -> str:
     return h.hexdigest()[:16]
 
 
+def inference_dtype(target: Transformer | None, device=None) -> torch.dtype | None:
+    """The head's dtype for ``dtype="auto"``: fp32 on a CPU, else the target's.
+
+    A head runs a handful of rows per matmul. On CPUs bf16 matmuls pay a fixed ~20 us per call
+    (oneDNN) where fp32 ones at a few rows take ~5 us, so an fp32 head drafts faster for a bf16
+    target (docs/benchmarks.md); the head's outputs are cast back at its boundaries.
+    """
+    dev = torch.device(device) if device is not None else target.device if target is not None else torch.device("cpu")
+    return torch.float32 if dev.type == "cpu" else (target.dtype if target is not None else None)
+
+
 class DraftHead(nn.Module):
     """Trainable part of an EAGLE head; ``bind(target)`` attaches the shared embedding (and LM head).
 
@@ -132,8 +143,13 @@ class DraftHead(nn.Module):
         if self.fc.weight.device != target.device:
             self.to(device=target.device)
         self._target = (target,)  # a tuple keeps the target out of this module's parameters
-        shared = dc.draft_vocab_size and dc.kind == "eagle"  # an EAGLE-3 head has its own LM head
-        self._lm_weight = target.lm_head.weight[self.vocab_ids].detach() if shared else None
+        self._lm_weight = None  # an EAGLE-3 head has its own LM head; an EAGLE head shares the target's
+        if dc.kind == "eagle":
+            w = target.lm_head.weight.detach()
+            if dc.draft_vocab_size:
+                w = w[self.vocab_ids]
+            if w.dtype != self.fc.weight.dtype or dc.draft_vocab_size:  # a copy in the head's dtype
+                self._lm_weight = w.to(self.fc.weight.dtype)
         return self
 
     def restrict_vocab(self, token_ids: torch.Tensor) -> "DraftHead":
@@ -235,10 +251,18 @@ class DraftHead(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, target: Transformer | None = None, dtype=None, device=None) -> "DraftHead":
-        """Load a bundled head ("tiny-code-eagle", "tiny-code-eagle3") or a directory (draft_config.json + draft.safetensors); never unpickles."""
+        """Load a bundled head ("tiny-code-eagle", "tiny-code-eagle3") or a directory (draft_config.json + draft.safetensors); never unpickles.
+
+        ``dtype``: None keeps the file's; "auto" is :func:`inference_dtype` for the target; else a dtype or its name.
+        """
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
+        dtype = inference_dtype(target, device) if str(dtype) == "auto" else dtype
+        if isinstance(dtype, str):
+            from treedec.models.checkpoint import resolve_dtype
+
+            dtype = resolve_dtype(dtype)
         path = BUNDLED_DRAFTS.get(str(path), Path(path))
         if not (path / DRAFT_CONFIG).is_file() and (path / "config.json").is_file():  # EAGLE / EAGLE-3 / speculators
             from treedec.models.head_formats import load_published
