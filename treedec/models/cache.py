@@ -32,6 +32,7 @@ class KVCache:
         self.max_len = max_len
         self._seen = (self.lengths, self.lengths._version)
         self._widx: tuple | None = None  # (key, write index [B, T]) memo: one per forward, not per layer
+        self._row_ids: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -87,11 +88,17 @@ class KVCache:
         if lo == hi:
             kl.narrow(2, lo, T).copy_(k)
             vl.narrow(2, lo, T).copy_(v)
-        else:
-            idx = self.write_index(T)[:, None, :, None].expand_as(k)
-            kl.scatter_(2, idx, k)
-            vl.scatter_(2, idx, v)
+        else:  # advanced indexing, not scatter_: on CPUs a bf16 scatter_ is ~10x slower (no vectorised kernel)
+            rows, idx = self._rows(), self.write_index(T)
+            kl[rows, :, idx] = k.transpose(1, 2)  # indices around a slice: values are [B, T, Hkv, D]
+            vl[rows, :, idx] = v.transpose(1, 2)
         return kl.narrow(2, 0, hi + T), vl.narrow(2, 0, hi + T)
+
+    def _rows(self) -> torch.Tensor:
+        """Row ids [B, 1] for advanced indexing, made once."""
+        if self._row_ids is None:
+            self._row_ids = torch.arange(self.batch, device=self.lengths.device)[:, None]
+        return self._row_ids
 
     def static(self) -> "StaticKV":
         """A view for a static-shape forward (torch.compile): device-side writes, the whole buffer as keys."""
@@ -117,7 +124,7 @@ class KVCache:
         """Keep a root-to-node path of the last tree: ``path`` [B, n] or [n] (tree-relative; ``path[b, 0]`` is the root 0).
 
         Row b keeps ``path[b, :n_accept[b]]``; its K/V move to ``[len_b, len_b + n_accept[b])``
-        in every layer at once (one gather and one scatter per buffer) and the length advances
+        in every layer at once (one indexed copy per buffer) and the length advances
         by ``n_accept[b]``. ``n_host`` is ``n_accept`` on the host: with it no device read
         happens; without it a tensor ``n_accept`` is read once. Nothing moves when no row keeps
         more than its root, which is already in place.
@@ -137,11 +144,9 @@ class KVCache:
             dst = self.lengths[:, None] + cols  # [B, w]
             keep = cols < (n_accept if isinstance(n_accept, int) else n_accept[:, None])
             src = torch.where(keep, self.lengths[:, None] + path, dst)  # slots a row does not keep copy onto themselves
-            L, _, H, _, D = self.k.shape
-            gi = src[None, :, None, :, None].expand(L, B, H, w, D)
-            si = dst[None, :, None, :, None].expand(L, B, H, w, D)
-            for buf in (self.k, self.v):
-                buf.scatter_(3, si, buf.gather(3, gi))
+            rows = self._rows()
+            for buf in (self.k, self.v):  # the right side is gathered (a copy) before anything is written
+                buf[:, rows, :, dst] = buf[:, rows, :, src]  # indexing, not gather/scatter_: ~30x faster in bf16 on CPUs
         self.lengths += n_accept
         self.host_lengths = [a + b for a, b in zip(self.host_lengths, n_host)]
         self._synced()
