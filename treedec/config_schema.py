@@ -236,6 +236,7 @@ class BenchOptionsSchema:
     sampling: bool = False
     sample_temperatures: Optional[List[float]] = field(default_factory=lambda: [0.8, 0.3])  # null: the group's
     learned_path: Optional[str] = "auto"  # auto: the tree shipped for the bundled head (treedec/bench/bundled.py)
+    vanilla_fp32: Any = "auto"  # true | false | auto: also vanilla on an fp32 copy of the target (CPU baseline)
     compile: bool = False  # also run vanilla and each tree method with compile=True (NAME_compile)
     dynamic_sweep: Optional[List[int]] = None  # also dynamic_T<n> (bench.trees.dynamic at total_tokens=n) per n
     batch_sizes: Optional[List[int]] = None  # e.g. [1, 4, 16]: also decode in batches of each size (bench/batched.py)

@@ -449,3 +449,27 @@ def test_hf_sample_is_seeded_and_runs_only_when_sampling(stack, tmp_path):
     assert any(r != runs[0] for r in runs[2:]), runs  # other seeds, other samples (T=50: the random model is peaked)
     greedy_cfg = compose_bench(stack, tmp_path, "bench.peers=[hf_sample]")
     assert peers.build_peers(greedy_cfg, target, [0]) == ([], {})  # nothing to match without sampled rows
+
+
+def test_vanilla_fp32_reference_is_reported_never_checked(stack, tmp_path):
+    m = harness.run(compose_bench(stack, tmp_path, "bench.methods=[vanilla,chain]", "bench.peers=[]",
+                                  "bench.vanilla_fp32=true", "bench.learned_path=null"))
+    e = m["methods"]["vanilla_fp32"]
+    assert e["tokens_per_s"] > 0 and e["tau"] == 1.0 and e["speedup"] > 0
+    assert e["identical_to_vanilla"] is True  # an fp32 target: its fp32 copy decodes the same tokens
+    assert not e.get("lossless_check") and m["failures"] == []
+
+
+def test_vanilla_fp32_auto_runs_only_for_a_low_precision_cpu_target():
+    from omegaconf import OmegaConf
+
+    t = Transformer(LlamaConfig(**TINY_ARCH), "sdpa")
+    auto = OmegaConf.create({"vanilla_fp32": "auto"})
+    assert not bm.fp32_reference(auto, t)  # already fp32
+    assert bm.fp32_reference(auto, t.to(torch.bfloat16))
+    assert not bm.fp32_reference(OmegaConf.create({"vanilla_fp32": False}), t)
+    from treedec.decoding.sampling import SamplingParams
+
+    ref = bm.vanilla_fp32_method(t, 4, SamplingParams(), [0])
+    assert ref.lossless is False and ref.info["dtype"] == "float32"
+    assert t.dtype == torch.bfloat16  # the benchmarked target itself is untouched

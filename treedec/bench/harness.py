@@ -143,7 +143,8 @@ def summarize(methods: list[Method], prompts: list[Prompt], timing: dict[str, di
                 failures.append(msg)
             else:
                 e["failure_message"] = msg
-                why = "a peer" if m.family == "peer" else "compiled kernels round differently from eager ones"
+                why = ("a peer" if m.family == "peer" else "another dtype rounds differently" if "dtype" in m.info
+                       else "compiled kernels round differently from eager ones")
                 log.warning("%s (%s: numerics may differ, e.g. in bf16)", msg, why)
     return out, failures
 

@@ -159,6 +159,26 @@ def vanilla_method(name: str, target, max_new_tokens: int, sampling, eos_ids, co
                   ops_fn=lambda p, seed: measure_ops(lambda **kw: call(p, seed, **kw)), compiled=compile)
 
 
+def fp32_reference(bench: DictConfig, target) -> bool:
+    """``bench.vanilla_fp32``: true, false or auto (on a CPU, when the target is not fp32 already)."""
+    v = bench.get("vanilla_fp32", "auto")
+    if str(v) == "auto":
+        return target.device.type == "cpu" and target.dtype != torch.float32
+    return bool(v)
+
+
+def vanilla_fp32_method(target, max_new_tokens: int, sampling, eos_ids) -> Method:
+    """Vanilla decoding of an fp32 copy of the target: the honest baseline on CPUs, where one-token steps run
+    faster in fp32 than in bf16 (bf16 matmuls pay a fixed cost per call). Its tokens may differ from the
+    bf16 model's (another dtype rounds differently), so it is reported, never a lossless check."""
+    import copy
+
+    fp32 = copy.deepcopy(target).float()
+    m = vanilla_method("vanilla_fp32", fp32, max_new_tokens, sampling, eos_ids)
+    m.lossless, m.info["dtype"] = False, "float32"
+    return m
+
+
 def speculative_method(name: str, target, draft, policy, max_new_tokens: int, sampling, eos_ids,
                        compile: bool = False, reference: str | None = None) -> Method:
     from treedec.decoding.speculative import SpeculativeDecoder
@@ -286,6 +306,8 @@ def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None
                 # Eager and compiled kernels round differently: in fp32 a difference is a bug, in bf16 it is reported.
                 methods.append(vanilla_method("vanilla_compile", target, n, greedy, eos_ids, compile=True))
                 methods[-1].lossless = target.dtype == torch.float32
+            if fp32_reference(bench, target):
+                methods.append(vanilla_fp32_method(target, n, greedy, eos_ids))
             for s in settings:
                 methods.append(vanilla_method(sampled_name("vanilla_sample", s.temperature), target, n, s, eos_ids))
             continue
