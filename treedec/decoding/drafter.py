@@ -9,12 +9,18 @@ is drafted, its nodes are written after the committed prefix and hidden from one
 except along ancestry; committing a step discards them and appends the accepted path with the
 target's true features (as EAGLE does).
 
-Nothing here reads the device: cache sizes come from the cache's host mirror, and policies
-hand over the ancestry of the nodes they expand.
+Catch-up is lazy: :meth:`Drafter.catch_up` only records the accepted pairs, and the head runs
+over everything recorded, in one forward, when the root's feature or logits are first read
+(before a real tree is drafted). A run of k plain decoding steps (the root alone, no draft)
+then costs one head forward over k tokens instead of k forwards; the draft cache ends up the
+same as if every step had caught up at once.
+
+Nothing here reads the device: cache sizes come from the cache's host mirror, pending counts
+are host lists, and policies hand over the ancestry of the nodes they expand.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -23,13 +29,28 @@ from treedec.models.draft import DraftHead
 from treedec.tree.policies.base import topk_logp
 
 
+class _Pending(NamedTuple):
+    """Accepted pairs not yet run through the head: row b holds the first ``n_host[b]`` columns."""
+
+    tokens: torch.Tensor  # [B, w]
+    features: torch.Tensor  # [B, w, F] the target's
+    n_valid: torch.Tensor | None  # [B] n_host on the device, when the caller has it
+    n_host: list[int]
+
+
 class Drafter:
+    # Pending catch-up columns that force a head forward at once: bounds how far past a row's own
+    # length a catch-up writes (padding up to the longest row; the decoder sizes the draft cache
+    # with this slack), at one head forward per this many plain steps.
+    MAX_PENDING = 32
+
     def __init__(self, head: DraftHead, batch: int, max_len: int):
         self.head = head
         self.cache = head.new_cache(batch, max_len)
-        self.root_feat: torch.Tensor | None = None  # [B, H]
-        self.root_logits: torch.Tensor | None = None  # [B, K] over the draft vocabulary (model dtype)
         self.root_tokens: torch.Tensor | None = None  # [B]
+        self._pending: list[_Pending] = []
+        self._feat: torch.Tensor | None = None  # [B, H]
+        self._logits: torch.Tensor | None = None  # [B, K] over the draft vocabulary (model dtype)
 
     @property
     def batch(self) -> int:
@@ -43,23 +64,93 @@ class Drafter:
     def vocab_size(self) -> int:
         return self.head.config.vocab_size
 
-    def catch_up(self, tokens: torch.Tensor, features: torch.Tensor, n_valid: torch.Tensor,
+    @property
+    def root_feat(self) -> torch.Tensor:
+        """[B, H] the draft's feature at the root (runs the pending catch-up)."""
+        self.flush()
+        return self._feat
+
+    @property
+    def root_logits(self) -> torch.Tensor:
+        """[B, K] the draft logits of the root's children (runs the pending catch-up)."""
+        if self._logits is None:
+            self._logits = self.head.logits(self.root_feat)
+        return self._logits
+
+    @property
+    def pending(self) -> int:
+        """Catch-up columns recorded and not yet run through the head."""
+        return sum(p.tokens.shape[1] for p in self._pending)
+
+    def catch_up(self, tokens: torch.Tensor, features: torch.Tensor, n_valid: torch.Tensor | None,
                  n_host: Sequence[int], root_tokens: torch.Tensor) -> None:
-        """Append pairs (features[:, i], tokens[:, i]) for i < n_valid[b] and set the next root.
+        """Record pairs (features[:, i], tokens[:, i]) for i < n_host[b] and set the next root.
 
         ``features`` are the target's (``head.features`` of its forward); ``tokens`` are one step
-        ahead of them, and their last valid entry per row is the new root. ``n_host`` is
-        ``n_valid`` as a host list (the caller already read it).
+        ahead of them, and their last valid entry per row is the new root. ``n_host`` says how many
+        are valid per row, on the host (the caller already read it); ``n_valid`` is its device copy
+        if the caller has one (else None). The head runs on first use of ``root_feat`` /
+        ``root_logits`` (or at once when :data:`MAX_PENDING` columns wait).
         """
-        L = self.cache.lengths
-        pos = L[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
-        feat = self.head(tokens, self.head.project(features), self.cache, pos)
-        last = (n_valid - 1).clamp(min=0)
-        rows = torch.arange(self.batch, device=tokens.device)
-        self.root_feat = feat[rows, last]
-        self.root_logits = self.head.logits(self.root_feat)
+        n_host = [int(x) for x in n_host]
+        w = max(n_host, default=0)
+        if w < tokens.shape[1]:  # columns no row keeps need no forward
+            tokens, features = tokens[:, :w], features[:, :w]
+        self._pending.append(_Pending(tokens, features, n_valid, n_host))
         self.root_tokens = root_tokens
+        self._feat = self._logits = None
+        if self.pending >= self.MAX_PENDING:
+            self.flush()
+
+    def flush(self) -> None:
+        """Run the head over every recorded pair at once, appending them to the draft cache."""
+        if not self._pending:
+            return
+        p = self._pending[0] if len(self._pending) == 1 else self._pack(self._pending)
+        self._pending = []
+        tokens, n_host, dev = p.tokens, p.n_host, p.tokens.device
+        L = self.cache.lengths
+        pos = L[:, None] + torch.arange(tokens.shape[1], device=dev)
+        feat = self.head(tokens, self.head.project(p.features), self.cache, pos)
+        if p.n_valid is not None:
+            last = (p.n_valid - 1).clamp(min=0)
+        else:
+            last = torch.tensor([max(n - 1, 0) for n in n_host]).to(dev, non_blocking=True)
+        self._feat = feat[torch.arange(self.batch, device=dev), last]
         self.cache.advance(n_host)
+
+    @staticmethod
+    def _pack(chunks: list[_Pending]) -> _Pending:
+        """Several recorded catch-ups -> one: each row's valid columns in order, padding after them.
+
+        Chunks are concatenated; when an earlier chunk holds padding in some row, one index (built on
+        the host from the counts) moves every row's valid columns to the front.
+        """
+        tokens = torch.cat([c.tokens for c in chunks], 1)
+        features = torch.cat([c.features for c in chunks], 1)
+        n_host = [sum(c) for c in zip(*(c.n_host for c in chunks))]
+        if all(min(c.n_host) == c.tokens.shape[1] for c in chunks[:-1]):
+            return _Pending(tokens, features, None, n_host)  # padding only at the end of each row
+        offsets, at = [], 0
+        for c in chunks:
+            offsets.append(at)
+            at += c.tokens.shape[1]
+        W = max(n_host)
+        idx = []
+        for b in range(len(n_host)):
+            cols = [o + i for o, c in zip(offsets, chunks) for i in range(c.n_host[b])]
+            idx.append(cols + [cols[-1] if cols else 0] * (W - len(cols)))
+        idx = torch.tensor(idx).to(tokens.device, non_blocking=True)
+        rows = torch.arange(len(n_host), device=tokens.device)[:, None]
+        return _Pending(tokens[rows, idx], features[rows, idx], None, n_host)
+
+    def keep_rows(self, idx: torch.Tensor, rows: Sequence[int]) -> None:
+        """Keep only batch rows ``rows`` (``idx``, their device copy) of the root state and the pending
+        catch-up; the caller cuts :attr:`cache` to the same rows."""
+        pick = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
+        self._pending = [_Pending(pick(p.tokens), pick(p.features), pick(p.n_valid), [p.n_host[r] for r in rows])
+                         for p in self._pending]
+        self.root_tokens, self._feat, self._logits = pick(self.root_tokens), pick(self._feat), pick(self._logits)
 
     def root_topk(self, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs [B, k], target token ids [B, k]) of the root's k most likely children."""
@@ -78,6 +169,7 @@ class Drafter:
         tree (the ``n_prev`` earlier ones, then these n) each new node may see: itself and
         its ancestors. The new nodes are written after the ones drafted before them.
         """
+        self.flush()
         B, n = tokens.shape
         cache = self.cache
         L, host = cache.lengths.clone(), list(cache.host_lengths)

@@ -3,12 +3,14 @@
 Per step: the policy drafts a tree rooted at the last verified token; the target scores all
 T nodes in one forward with tree attention; the acceptance rule picks one path on the device;
 the step's tokens are read back once (the only host read of a step); the target cache keeps
-that path's K/V (``commit``, one op for all layers); the draft head catches up on the accepted
-tokens with the target's true features, which also yields the next tree's root children.
+that path's K/V (``commit``, one op for all layers); the drafter records the accepted tokens
+with the target's true features, and the draft head catches up on them (which also yields the
+next tree's root children) only when the next real tree is drafted.
 
-Near the end of the context a tree no longer fits; the loop then verifies the root alone (a
-plain decoding step), so speculative decoding accepts exactly the prompts and budgets that
-vanilla decoding accepts.
+A tree of the root alone (the auto budget found that no tree pays, or near the end of the
+context, where a tree no longer fits) is a plain decoding step and runs as vanilla's does: a
+mask-free one-token forward, the target's pick at the root, ``advance``, no draft head.
+Speculative decoding accepts exactly the prompts and budgets that vanilla decoding accepts.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 from treedec.decoding.drafter import Drafter
 from treedec.decoding.loop import Decoder, DecodeStats, StepInfo, Timer, normalize_eos, pad_prompts, static_room
 from treedec.decoding.sampling import RowStreams, SamplingParams, next_token, settle
+from treedec.decoding.vanilla import pick
 from treedec.decoding.verify import Acceptance, accept_paths, acceptance_counts, emitted, node_choices, verify_sampling
 from treedec.models.draft import DraftHead
 from treedec.models.llama import Transformer
@@ -55,8 +58,7 @@ class SpeculativeDecoder(Decoder):
 
                 self._verify = compile_forward(tgt)
         self.cache = tgt.new_cache(B, room + pol.max_size)
-        self._rows = torch.arange(B, device=dev)[:, None]
-        self.drafter = Drafter(self.draft, B, room + pol.max_inputs + pol.max_depth + 1)
+        self.drafter = Drafter(self.draft, B, room + pol.max_inputs + pol.max_depth + 1 + Drafter.MAX_PENDING)
         self._counts = torch.zeros(4, max(pol.max_depth, pol.max_rank) + 2, dtype=torch.long, device=dev)
         lens_host = [len(r) for r in rows]
         # Prefill the target; its next token is the first root. Then prefill the draft on (f_t, x_{t+1}).
@@ -66,7 +68,7 @@ class SpeculativeDecoder(Decoder):
         root = next_token(pre.logits[:, 0], self.sampling, self._streams)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, (lens - 1)[:, None], root[:, None])
         self.drafter.catch_up(nxt, self.draft.features(pre), lens, lens_host, root)
-        self._active_t, self._active = None, None
+        self._active_t, self._active, self._rows = None, None, None
         self._index = 0
         return root.tolist()
 
@@ -77,16 +79,21 @@ class SpeculativeDecoder(Decoder):
     def _step(self, active: list[bool], generator, timer: Timer) -> tuple[StepInfo, int]:
         tgt, pol, cache = self.target, self.policy, self.cache
         ctx = tgt.config.context_length
-        if self._active != active:  # rows finish rarely: refresh the device copy only then
+        if self._active != active:  # rows finish rarely: refresh the device copies only then
             self._active, self._active_t = list(active), torch.tensor(active, device=tgt.device)
+            if self._rows is None or len(self._rows) != len(active):  # (a compacting subclass cuts the batch)
+                self._rows = torch.arange(len(active), device=tgt.device)[:, None]
+                self._root_path = torch.zeros_like(self._rows)  # a plain step's accepted path
         live = max(L for L, a in zip(cache.host_lengths, active) if a)
         fits = live + pol.max_depth < ctx
         tree = pol.draft(self.drafter, self.sampling, generator) if fits else self._root_only()
-        depth_cap = pol.max_depth if fits else 0
         timer.lap("draft")
+        if tree.size == 1:
+            return self._plain_step(tree, active, fits, timer)
+        depth_cap = pol.max_depth
         # Finished rows may sit past the context: clamp their (ignored) positions.
         pos = (cache.lengths[:, None] + tree.depth).clamp(max=ctx - 1)
-        if self._verify is not None and fits:
+        if self._verify is not None:
             res = self._verify(tree.tokens, cache, pos, tree.ancestors(), "all", self.draft.feature_layers_needed)
         else:
             res = tgt(tree.tokens, cache, position_ids=pos, tree_mask=tree.ancestors(),
@@ -107,6 +114,29 @@ class SpeculativeDecoder(Decoder):
                         tree, acc.path, res.logits)
         self.policy.observe(info)  # host values only (the step's one read has happened)
         return info, tree.size
+
+    def _plain_step(self, tree: Tree, active: list[bool], fits: bool, timer: Timer) -> tuple[StepInfo, int]:
+        """The root alone, as vanilla decodes: a mask-free one-token forward, the target's pick at the
+        root (greedy or one draw, its one host read), ``advance``; the drafter only records the pair."""
+        tgt, cache = self.target, self.cache
+        ctx, layers = tgt.config.context_length, self.draft.feature_layers_needed
+        if self._verify is not None and fits:
+            res = self._verify(tree.tokens, cache, cache.lengths[:, None], None, "last", layers)
+        else:  # positions = the cache lengths, as vanilla's; finished rows may sit past the context: clamp them
+            pos = cache.lengths[:, None].clamp(max=ctx - 1) if max(cache.host_lengths) >= ctx else None
+            res = tgt(tree.tokens, cache, position_ids=pos, logits="last", layer_inputs=layers)
+        timer.lap("verify")
+        token, toks = pick(res.logits[:, -1], self.sampling, self._streams, active)
+        timer.lap("accept")
+        n_host = [int(a) for a in active]  # finished rows commit nothing: their caches stay frozen
+        cache.advance(1 if all(active) else n_host)
+        self.drafter.catch_up(token[:, None], self.draft.features(res), None, n_host, token)
+        timer.lap("commit")
+        self._index += 1
+        info = StepInfo(self._index, list(active), [[t] if a else [] for t, a in zip(toks, active)], n_host,
+                        tree, self._root_path, res.logits)
+        self.policy.observe(info)
+        return info, 1
 
     def _accept(self, tree: Tree, logits: torch.Tensor, depth_cap: int) -> tuple[Acceptance, torch.Tensor, list]:
         """The acceptance rule and the step's one host read -> (acceptance, n [B], [n, emitted...] per row)."""

@@ -23,6 +23,21 @@ from treedec.models.cache import KVCache
 GREEDY = SamplingParams()
 
 
+def pick(logits: torch.Tensor, params: SamplingParams, streams: RowStreams | None,
+         active: Sequence[bool]) -> tuple[torch.Tensor, list[int]]:
+    """One decoding step's token per row from ``logits`` [B, V] -> (tokens on the device, on the host).
+
+    ``next_token``'s draw with its rare top-p misses read along with the tokens: one host read
+    (two when an ``active`` row missed and is drawn exactly). Speculative plain steps use it too.
+    """
+    d = draw_from(logits, params, streams)
+    toks, redo = read_settled(d, active)  # the one host read of the step
+    if not redo:
+        return d.token, toks
+    token = settle(d, params, streams, redo)  # rare: every top-p candidate of a row missed the nucleus
+    return token, token.tolist()
+
+
 class VanillaDecoder(Decoder):
     """One target forward per token; ``cache`` may be reused across calls (it is reset)."""
 
@@ -67,12 +82,7 @@ class VanillaDecoder(Decoder):
             logits = self.target(self._tok[:, None], cache, logits="last").logits[:, -1]
         cache.advance(1)
         timer.lap("verify")
-        d = draw_from(logits, self.sampling, self._streams)  # next_token's draw, its rare top-p misses read with it
-        toks, redo = read_settled(d, active)  # the one host read per step
-        self._tok = d.token
-        if redo:  # rare: every top-p candidate of a row missed the nucleus; draw it exactly
-            self._tok = settle(d, self.sampling, self._streams, redo)
-            toks = self._tok.tolist()
+        self._tok, toks = pick(logits, self.sampling, self._streams, active)
         timer.lap("accept")
         self._index += 1
         return StepInfo(self._index, active, [[t] if a else [] for t, a in zip(toks, active)],
@@ -103,4 +113,4 @@ def generate(
     return dec.generate(prompt_ids, max_new_tokens, generator=generator, stream=stream, hook=hook, timing=timing)
 
 
-__all__ = ["GREEDY", "GenerateResult", "VanillaDecoder", "check_context", "generate", "normalize_prompts"]
+__all__ = ["GREEDY", "GenerateResult", "VanillaDecoder", "check_context", "generate", "normalize_prompts", "pick"]

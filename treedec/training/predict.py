@@ -95,8 +95,7 @@ class CompactingDecoder(SpeculativeDecoder):
         idx = torch.tensor(keep, device=self.target.device)
         d = self.drafter
         self.cache, d.cache = _keep_rows(self.cache, idx, keep), _keep_rows(d.cache, idx, keep)
-        d.root_feat, d.root_logits, d.root_tokens = (t.index_select(0, idx) for t in (d.root_feat, d.root_logits,
-                                                                                      d.root_tokens))
+        d.keep_rows(idx, keep)  # the root and any catch-up still pending
         if self._streams is not None:
             self._streams.generators = [self._streams.generators[i] for i in keep]
         self._active, self._live = None, live
