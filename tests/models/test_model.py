@@ -349,3 +349,28 @@ def test_tree_dense_mask_is_a_few_ops():
         tree_dense_mask(tm, ragged_lens, 25)
     assert same.host_reads == ragged.host_reads == 0
     assert same.aten_ops <= 4 and ragged.aten_ops <= 12, (same.ops, ragged.ops)
+
+
+def test_one_row_bf16_steps_use_aten_matmuls_and_give_the_same_outputs(monkeypatch):
+    """A one-row bf16 step on a CPU runs with oneDNN off (its fixed cost per matmul dwarfs one row's work),
+    computes the same logits as with it on, and leaves the global flag as it found it."""
+    m = tiny_model().to(torch.bfloat16)
+    seen = []
+    layer = m.model.layers[0]
+    orig = type(layer).forward
+    monkeypatch.setattr(type(layer), "forward", lambda self, *a: seen.append(torch.backends.mkldnn.enabled) or orig(self, *a))
+    ids = torch.randint(0, m.config.vocab_size, (1, 5))
+    cache = m.new_cache(1, 16)
+    m(ids[:, :4], cache)
+    cache.advance(4)
+    step = m(ids[:, 4:], cache).logits  # one row, one token
+    n_layers = len(m.model.layers)
+    assert seen[:n_layers] == [True] * n_layers and seen[n_layers:] == [False] * n_layers
+    assert torch.backends.mkldnn.enabled
+    two = m.new_cache(2, 16)  # the same step as two identical rows: oneDNN's matmuls
+    m(ids[:, :4].expand(2, 4), two)
+    two.advance(4)
+    seen.clear()
+    ref = m(ids[:, 4:].expand(2, 1), two).logits[:1]
+    assert all(seen)
+    assert torch.allclose(step.float(), ref.float(), atol=1e-2, rtol=1e-2)
