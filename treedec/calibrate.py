@@ -232,6 +232,8 @@ def run(cfg: DictConfig) -> dict:
 
     validate(cfg, "calibrate")  # also the probe node by its _target_, before anything loads
     probe = instantiate_checked(cfg.probe, "probe")
+    if hasattr(probe, "scores"):  # a static probe records its nodes' draft log-probs for the reliability diagram
+        probe.scores = True
     sampling = instantiate_checked(cfg.sampling, "sampling")
     import numpy as np
     import torch

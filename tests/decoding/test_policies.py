@@ -150,3 +150,15 @@ def test_dynamic_scores_follow_the_sampling_temperature():
     assert bool((best(cold) > best(base)).all()) and bool((best(base) > best(hot)).all())
     want = torch.log_softmax(d.root_logits.float() / 0.2, -1).topk(5).values
     assert torch.allclose(cold.scores[:, 1:].sort(1, descending=True).values, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", [lambda s: ChainPolicy(4, scores=s),
+                                    lambda s: StaticPolicy(shape="eagle_mc_sim_7b_63", scores=s)])
+def test_static_trees_skip_scores_unless_asked_and_draft_the_same_tokens(policy):
+    d = primed_drafter(2)
+    with torch.inference_mode():
+        fast, scored = policy(False).draft(d), policy(True).draft(d)
+    assert fast.scores is None and torch.equal(fast.tokens, scored.tokens)
+    assert torch.equal(fast.ancestors(), scored.ancestors())
+    sc, par = scored.scores[0], scored.parents[0]
+    assert sc[0] == 0 and bool((sc[1:] < sc[par[1:]]).all())  # cumulative log-probs: each edge costs something

@@ -348,4 +348,4 @@ def comb_probe(top_k: int = 6, depth: int = 6):
     """The calibration probe policy: a static tree of :func:`comb_choices` (``conf/calibrate.yaml: probe``)."""
     from treedec.tree.policies.static import StaticPolicy
 
-    return StaticPolicy(choices=comb_choices(top_k, depth))
+    return StaticPolicy(choices=comb_choices(top_k, depth), scores=True)  # calibration reads Tree.scores

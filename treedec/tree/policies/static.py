@@ -20,8 +20,12 @@ from treedec.tree.tree import Tree, TreeError
 
 class StaticPolicy(TreePolicy):
     def __init__(self, choices: Sequence[Sequence[int]] | None = None, shape: str | Mapping | None = None,
-                 sample_drafts: bool = False):
-        """``shape``: a shipped shape name, a YAML/JSON file, or a mapping with ``choices`` (a ``tree/shape`` config)."""
+                 sample_drafts: bool = False, scores: bool = False):
+        """``shape``: a shipped shape name, a YAML/JSON file, or a mapping with ``choices`` (a ``tree/shape`` config).
+
+        ``scores``: also record each node's cumulative draft log-prob (``Tree.scores``; calibration needs it).
+        Decoding does not, and skipping the per-depth log-softmax saves ~10% of the drafting time.
+        """
         if choices is None and shape is None:
             raise TreeError("a static tree needs `choices` (path lists) or a `shape` name/file")
         if choices is None:
@@ -29,7 +33,7 @@ class StaticPolicy(TreePolicy):
         self.shape = Tree.from_choices([list(c) for c in choices])
         if len(self.shape) < 2:
             raise TreeError("a static tree needs at least one draft node besides the root")
-        self.sample_drafts = sample_drafts
+        self.sample_drafts, self.scores = sample_drafts, scores
         self.max_depth = self.shape.max_depth
         self.max_size = len(self.shape)
         self._plan()
@@ -81,8 +85,8 @@ class StaticPolicy(TreePolicy):
         steps, shape = self._device_plan(dev, B)
         tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
         tokens[:, 0] = drafter.root_tokens
-        scores = torch.zeros(B, T, device=dev)
         sampled = self.sample_drafts and params is not None and not params.greedy
+        scores = torch.zeros(B, T, device=dev) if self.scores or sampled else None
         probs_out = torch.zeros(B, T, drafter.vocab_size, device=dev) if sampled else None
         logits = drafter.root_logits[:, None]  # [B, n_expanded, K]: children logits of the last depth's expanded nodes
         feat = drafter.root_feat[:, None]  # [B, n_expanded, H]: the feature those children read
@@ -96,10 +100,13 @@ class StaticPolicy(TreePolicy):
                 picks = picks.view(B, -1, st["k"])
                 logp = torch.log_softmax(logits.float(), dim=-1).gather(2, picks)
                 picks = drafter.head.to_target_ids(picks)
-            else:
+            elif scores is not None:
                 logp, picks = drafter.topk(logits, st["k"])  # [B, n, k]
+            else:  # only the ranks matter: no log-softmax
+                picks = drafter.head.to_target_ids(logits.topk(st["k"], dim=-1).indices)
             tokens[:, nodes] = picks[:, slot, rank]
-            scores[:, nodes] = scores[:, st["parent"]] + logp[:, slot, rank]
+            if scores is not None:
+                scores[:, nodes] = scores[:, st["parent"]] + logp[:, slot, rank]
             if st["n_grow"]:
                 grow = st["grow"]
                 feat, logits = drafter.expand(tokens[:, grow], feat[:, st["grow_parent_slot"]], depth=st["depth"],
@@ -111,7 +118,7 @@ class StaticPolicy(TreePolicy):
 class ChainPolicy(StaticPolicy):
     """A single path of ``depth`` draft tokens: classic speculative decoding, the baseline a tree must beat."""
 
-    def __init__(self, depth: int = 5, sample_drafts: bool = False):
+    def __init__(self, depth: int = 5, sample_drafts: bool = False, scores: bool = False):
         if depth < 1:
             raise TreeError(f"chain depth must be >= 1, got {depth}")
-        super().__init__(choices=[[0] * d for d in range(1, depth + 1)], sample_drafts=sample_drafts)
+        super().__init__(choices=[[0] * d for d in range(1, depth + 1)], sample_drafts=sample_drafts, scores=scores)
