@@ -48,11 +48,14 @@ class StepTimeModel:
         self._coef: np.ndarray | None = None
         self._ratio: dict[int, float] = {}  # rows -> median measured / fitted time of its arms (since the fit)
         self._fresh = 0  # observations since the fit (a fit per step would cost ~0.1 ms)
+        self._pred: dict[tuple[int, int, int], float] = {}  # fitted predictions since the fit (per step: ~30 arms)
 
     def observe(self, rows: int, T: int, depth: int, seconds: float) -> None:
+        """One step's seconds; a step more than twice the arm's EMA counts as twice it (a preempted step on a
+        shared machine would otherwise ban its arm for many steps; a real slowdown still shows in a few)."""
         key = (rows, T, depth)
         old = self.ema.get(key)
-        self.ema[key] = seconds if old is None else old + self.alpha * (seconds - old)
+        self.ema[key] = seconds if old is None else old + self.alpha * (min(seconds, 2 * old) - old)
         self._fresh += 1
         if old is None or self._fresh >= self.refit_every:  # a new arm changes the fit most: refit at once
             self._coef = None
@@ -76,7 +79,7 @@ class StepTimeModel:
                     coef = np.zeros(len(FEATURES))
                     coef[cols] = np.maximum(c, [-np.inf] + [0.0] * (len(cols) - 1))
                     break
-            self._coef, self._fresh, self._ratio = coef, 0, {}
+            self._coef, self._fresh, self._ratio, self._pred = coef, 0, {}, {}
         return self._coef
 
     def _scale(self, rows: int, c: np.ndarray) -> float:
@@ -89,13 +92,16 @@ class StepTimeModel:
 
     def predict(self, rows: int, T: int, depth: int) -> float | None:
         """Predicted seconds of a step (None before any measurement)."""
-        t = self.ema.get((rows, T, depth))
+        key = (rows, T, depth)
+        t = self.ema.get(key)
         if t is not None:
             return t
         c = self.coef()
         if c is None:
             return None
-        return max(float(c @ np.array(self.features(rows, T, depth))) * self._scale(rows, c), 1e-9)
+        if key not in self._pred:
+            self._pred[key] = max(float(c @ np.array(self.features(rows, T, depth))) * self._scale(rows, c), 1e-9)
+        return self._pred[key]
 
 
 class BudgetController:
@@ -111,9 +117,18 @@ class BudgetController:
         self.times = StepTimeModel()
         self.gain: dict[tuple[int, int], float] = {}  # E[accepted] per (T, depth), see _absorb
         self.base = min((a for a in self.arms if a[0] > 1), default=None)  # drafted whenever anything is
+        # The first steps at a new row count probe far-apart arms, so the step-time fit sees the slope in T at
+        # once (neighbour exploration alone would walk down from the largest tree one bucket per round).
+        sizes = sorted({T for T, _ in self.arms})
+        mid = sizes[len(sizes) // 2]
+        self.probes = list(dict.fromkeys([max(self.arms, key=lambda a: (a[1], a[0])),
+                                          max(a for a in self.arms if a[0] == mid), self.base, self.arms[0]]))
+        self.probes = [a for a in self.probes if a is not None]
+        self._played: dict[int, int] = {}  # rows -> steps chosen at that row count
         self.decay = 0.9
         self._base_ema: float | None = None
         self._ratio: dict[tuple[int, int], tuple[float, float]] = {}
+        self._stand_in: dict[tuple[int, int], tuple[float, float]] = {}  # ratios measured on another pool
         self.steps = 0
         self.last: tuple[int, int] | None = None  # the arm of the step now running
         self.history: list[tuple[int, int]] = []  # every arm chosen (bench / tests read it)
@@ -139,13 +154,15 @@ class BudgetController:
         self.history.append(self.last)
         return self.last
 
-    def offer(self, curve, arms: Sequence[tuple[int, int]]) -> None:
+    def offer(self, curve, arms: Sequence[tuple[int, int]], exact: Sequence[bool] | None = None) -> None:
         """This step's E[accepted] of each arm in ``arms`` (a 1-d array, NaN: not drafted this step).
 
-        ``curve`` may be a host-pinned tensor being filled asynchronously: it is read at the next
-        :meth:`start`, after the step's own host read has synchronised the device.
+        ``exact[i]`` False: arm i plays another pool (top_k) than the one drafted this step, so its value is
+        only a stand-in (used until the arm's own pool has been drafted once). ``curve`` may be a host-pinned
+        tensor being filled asynchronously: it is read at the next :meth:`start`, after the step's own host
+        read has synchronised the device.
         """
-        self._pending = (curve, arms)
+        self._pending = (curve, arms, exact)
 
     def observe_accepted(self, accepted: float, decay: float = 0.95) -> None:
         """The drafts the step just accepted per row, against what the chosen arm's estimate said.
@@ -156,7 +173,7 @@ class BudgetController:
         """
         if self._pending is None or self.last is None or self.last[0] == 1:
             return
-        curve, arms = self._pending
+        curve, arms, _ = self._pending
         est = float(curve[list(arms).index(self.last)])
         if math.isfinite(est):
             self._seen = [decay * self._seen[0] + accepted, decay * self._seen[1] + est]
@@ -170,7 +187,7 @@ class BudgetController:
     def _absorb(self) -> None:
         if self._pending is None:
             return
-        curve, arms = self._pending
+        curve, arms, exact = self._pending
         self._pending = None
         vals = dict(zip(arms, (curve.numpy() if hasattr(curve, "numpy") else np.asarray(curve)).tolist()))
         base = vals.get(self.base, math.nan)
@@ -179,12 +196,15 @@ class BudgetController:
         # Deep arms are estimated only on the steps that drafted deep, so a plain EMA per arm would compare
         # stale values with fresh ones. Instead every arm keeps its decayed ratio of sums to the base arm (the
         # smallest tree, estimated on every drafted step), and its gain is that ratio times the base's EMA.
+        # An arm estimated from another pool than its own keeps that ratio apart, until its own pool is drafted.
         self._base_ema = base if self._base_ema is None else self._base_ema + self.alpha * (base - self._base_ema)
-        for arm, v in vals.items():
+        for i, (arm, v) in enumerate(vals.items()):
             if math.isfinite(v):
-                num, den = self._ratio.get(arm, (0.0, 0.0))
-                self._ratio[arm] = (self.decay * num + v, self.decay * den + base)
-        self.gain = {a: self._base_ema * (n / d if d > 0 else 1.0) for a, (n, d) in self._ratio.items()}
+                table = self._ratio if exact is None or exact[i] or arm == self.base else self._stand_in
+                num, den = table.get(arm, (0.0, 0.0))
+                table[arm] = (self.decay * num + v, self.decay * den + base)
+        self.gain = {a: self._base_ema * (n / d if d > 0 else 1.0)
+                     for a, (n, d) in {**self._stand_in, **self._ratio}.items()}
 
     def rate(self, rows: int, T: int, depth: int) -> float | None:
         """Expected tokens per second of an arm over the whole batch, sum over rows of (1 + E[accepted]) / step
@@ -217,7 +237,11 @@ class BudgetController:
 
     def choose(self, rows: int) -> tuple[int, int]:
         """The best arm, or every ``explore_every`` steps one of its neighbours, in turn (so plain decoding,
-        once chosen, still tries a small tree now and then and comes back when trees pay again)."""
+        once chosen, still tries a small tree now and then and comes back when trees pay again); the
+        :attr:`probes` first at each new row count."""
+        n = self._played[rows] = self._played.get(rows, 0) + 1
+        if n <= len(self.probes):
+            return self.probes[n - 1]
         best = self.best(rows)
         if self.explore_every and self.steps % self.explore_every == 0:
             nbrs = self.neighbours(best)

@@ -49,12 +49,15 @@ def n_drafted(top_k: int, depth: int) -> int:
 class DynamicPolicy(TreePolicy):
     def __init__(self, total_tokens: int | str = 60, depth: int = 6, top_k: int = 10, calibration=None,
                  draft_path: str | None = None, max_total_tokens: int = 64, min_depth: int | None = None,
-                 explore_every: int = 8, clock=None, node_share: float = 1.0):
+                 explore_every: int = 8, clock=None, node_share: float = 1.0, pool_slack: float = 1.0):
         """``calibration``: a calibration file, ``auto`` (the one next to ``draft_path``'s head, if any) or
         None (raw draft probabilities). ``total_tokens="auto"``: online budget in [1, ``max_total_tokens``]
         (1: plain decoding) and depth in [``min_depth`` (None: depth - 2), ``depth``]; ``clock`` replaces
-        ``time.perf_counter``. ``node_share`` in (0, 1]: the share of the batch's B*(T-1) candidate slots kept,
-        best calibrated acceptances first across rows (per-row budgets; the rest is padding)."""
+        ``time.perf_counter``. Each auto arm drafts its own pool: the narrowest top_k (<= ``top_k``) whose
+        candidates at that depth number at least ``pool_slack`` * (T-1) (a wider pool ranks better but drafts
+        slower; a large slack drafts ``top_k`` always). ``node_share`` in (0, 1]: the share of the batch's
+        B*(T-1) candidate slots kept, best calibrated acceptances first across rows (per-row budgets; the rest
+        is padding)."""
         if top_k < 1 or depth < 1:
             raise TreeError(f"dynamic tree needs top_k >= 1 and depth >= 1, got top_k={top_k}, depth={depth}")
         most = n_drafted(top_k, depth) + 1
@@ -65,13 +68,17 @@ class DynamicPolicy(TreePolicy):
                 raise TreeError(f"tree.min_depth={min_depth} must be in [1, depth={depth}]")
             cap = min(int(max_total_tokens), most)
             sizes = [T for T in BUCKETS if 2 <= T <= cap] or [cap]
+            if not float(pool_slack) >= 1:
+                raise TreeError(f"tree.pool_slack={pool_slack} must be >= 1 (1: a pool just holds the T-1 nodes kept)")
             # A T-node tree is at most T-1 deep: the small buckets draft only that deep. (1, 0): the root alone.
             arms = {(T, min(d, T - 1)) for d in range(lo, depth + 1) for T in sizes
                     if T <= n_drafted(top_k, min(d, T - 1)) + 1}
-            arms = [(1, 0), *arms]
-            if cap < 2 or len(arms) < 2:
+            if cap < 2 or not arms:
                 raise TreeError(f"tree.total_tokens=auto needs max_total_tokens >= 2 (got {max_total_tokens}) and "
                                 f"top_k/depth drafting at least 7 nodes")
+            self.arm_top_k = {(T, d): next((w for w in range(1, top_k) if n_drafted(w, d) >= pool_slack * (T - 1)),
+                                           top_k) for T, d in arms}
+            arms = [(1, 0), *arms]
             self.budget = BudgetController(arms, explore_every=explore_every, clock=clock)
             self.total_tokens = max(T for T, _ in arms)
         else:
@@ -92,24 +99,25 @@ class DynamicPolicy(TreePolicy):
         self.max_inputs = top_k * (depth - 1)
         self.max_rank = top_k - 1
 
-    def _constants(self, B: int, dev) -> dict:
-        """Index tensors every step needs, made once per (batch, device): depth and rank of each candidate."""
+    def _constants(self, B: int, dev, k: int) -> dict:
+        """Index tensors every step needs, made once per (batch, device, top_k): depth and rank of each candidate."""
         key = (B, str(dev))
         if getattr(self, "_const_key", None) != key:
-            k, D = self.top_k, self.max_depth
-            depth = [1] * k + [d for d in range(2, D + 1) for _ in range(k * k)]
-            rank = list(range(k)) + list(range(k)) * (k * (D - 1))
-            t = torch.tensor([depth, rank], device=dev)
-            self._const = dict(depth=t[0].expand(B, -1), rank=t[1].expand(B, -1),
-                               first=torch.arange(k, device=dev).expand(B, k),
-                               rows=torch.arange(B, device=dev)[:, None],
-                               slots=torch.arange(1, self.total_tokens, device=dev).expand(B, -1))
+            self._const, self._const_key = {}, key
             if self.budget is not None:  # the host buffer the arms' estimates are copied into
                 self._curve = torch.empty(len(self.budget.arms), pin_memory=dev.type == "cuda")
                 self._arm_plan: dict = {}
                 self._arm_rows: dict = {}
-            self._const_key = key
-        return self._const
+        if k not in self._const:
+            D = self.max_depth
+            depth = [1] * k + [d for d in range(2, D + 1) for _ in range(k * k)]
+            rank = list(range(k)) + list(range(k)) * (k * (D - 1))
+            t = torch.tensor([depth, rank], device=dev)
+            self._const[k] = dict(depth=t[0].expand(B, -1), rank=t[1].expand(B, -1),
+                                  first=torch.arange(k, device=dev).expand(B, k),
+                                  rows=torch.arange(B, device=dev)[:, None],
+                                  slots=torch.arange(1, self.total_tokens, device=dev).expand(B, -1))
+        return self._const[k]
 
     def _check_mode(self, params: SamplingParams | None) -> None:
         """Warn once when the calibration was measured under another acceptance rule than the one decoding uses."""
@@ -125,11 +133,12 @@ class DynamicPolicy(TreePolicy):
         return logq if self.calibration is None else self.calibration.log_accept(logq, depth)
 
     def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Tree:
-        B, k, dev = drafter.batch, self.top_k, drafter.device
-        c = self._constants(B, dev)
+        B, dev = drafter.batch, drafter.device
         T, D = self.budget.start(drafter, B) if self.budget is not None else (self.total_tokens, self.max_depth)
         if T == 1:  # the budget found that no tree pays: a plain decoding step, nothing drafted
             return Tree.root_only(drafter.root_tokens)
+        k = self.top_k if self.budget is None else self.arm_top_k[T, D]  # the arm's own pool
+        c = self._constants(B, dev, k)
         temp = 1.0 if params is None or params.greedy else float(params.temperature)
         if not self._mode_checked:
             self._check_mode(params)
@@ -168,9 +177,9 @@ class DynamicPolicy(TreePolicy):
             n_cand += k * k
         order = torch.sort(score, dim=1, descending=True, stable=True)
         if self.budget is not None:
-            self._offer(c["depth"][:, :n_all], score, D)
+            self._offer(c["depth"][:, :n_all], score, D, k)
         pad = None if self.node_share >= 1 else self.row_pad(order.values[:, : T - 1])
-        return self._rerank(drafter.root_tokens, toks, logq, parents, order.indices[:, : T - 1], D, pad)
+        return self._rerank(c, drafter.root_tokens, toks, logq, parents, order.indices[:, : T - 1], D, pad)
 
     def observe(self, info) -> None:
         """Feed the auto budget the accepted drafts per live row, so it corrects its calibrated estimates."""
@@ -194,25 +203,28 @@ class DynamicPolicy(TreePolicy):
         counts = torch.zeros(B, dtype=torch.long, device=ranked.device).scatter_add_(0, top // n, torch.ones_like(top))
         return torch.arange(n, device=ranked.device)[None] >= counts[:, None]
 
-    def _offer(self, depths: torch.Tensor, score: torch.Tensor, D: int) -> None:
+    def _offer(self, depths: torch.Tensor, score: torch.Tensor, D: int, k: int) -> None:
         """E[accepted] of the best T-subtree for every arm drafted this step, copied to the host asynchronously.
 
         A node is accepted with probability exp(score) (calibrated), E[accepted] is the sum over kept
         nodes, and the best T-subtree holds the T-1 highest scores, so prefix sums of the sorted
         probabilities give every T at once; a depth limit masks deeper nodes out first (all limits in
-        one sort). Arms deeper than D get NaN (not measured this step).
+        one sort). Arms deeper than D get NaN (not measured this step); arms of another top_k than the
+        pool's are estimated from this pool (a stand-in, see :meth:`BudgetController.offer`).
         """
         arms = self.budget.arms
-        if D not in self._arm_plan:  # host ints -> index tensors, once per drafted depth
-            dev = score.device
+        if (D, k) not in self._arm_plan:  # host ints -> index tensors, once per drafted (depth, top_k)
+            dev, n = score.device, score.shape[1]
             limits = sorted({d for T, d in arms if 1 < T and d <= D})
             drafted = [1 < T and d <= D for T, d in arms]  # T=1 (nothing drafted) and deeper arms: NaN
             self._arm_rows[D] = [limits.index(d) if ok else 0 for (_, d), ok in zip(arms, drafted)]
-            self._arm_plan[D] = (torch.tensor(limits, device=dev)[:, None, None],
-                                 torch.tensor(self._arm_rows[D], device=dev),
-                                 torch.tensor([T - 2 if ok else 0 for (T, _), ok in zip(arms, drafted)], device=dev),
-                                 torch.tensor(drafted, device=dev))
-        lims, row, col, ok = self._arm_plan[D]
+            self._arm_plan[D, k] = (torch.tensor(limits, device=dev)[:, None, None],
+                                    torch.tensor(self._arm_rows[D], device=dev),
+                                    torch.tensor([min(T - 2, n - 1) if ok else 0 for (T, _), ok in zip(arms, drafted)],
+                                                 device=dev),
+                                    torch.tensor(drafted, device=dev),
+                                    [T > 1 and self.arm_top_k[T, d] == k for T, d in arms])
+        lims, row, col, ok, exact = self._arm_plan[D, k]
         masked = torch.where(depths[None] <= lims, score[None], -torch.inf)  # [limits, B, candidates]
         probs = masked.sort(-1, descending=True).values.exp()
         if self.node_share >= 1:
@@ -224,12 +236,11 @@ class DynamicPolicy(TreePolicy):
             vals = torch.stack([per_T[T][r] if T > 1 else probs.new_zeros(())
                                 for (T, _), r in zip(arms, self._arm_rows[D])])
         self._curve.copy_(torch.where(ok, vals, torch.nan), non_blocking=True)
-        self.budget.offer(self._curve, arms)
+        self.budget.offer(self._curve, arms, exact)
 
-    def _rerank(self, root, toks, logq, parents, keep, depth: int, pad: torch.Tensor | None = None) -> Tree:
+    def _rerank(self, c: dict, root, toks, logq, parents, keep, depth: int, pad: torch.Tensor | None = None) -> Tree:
         """The kept candidates ``keep`` [B, T-1] (best first) as a [B, T] tree; ``pad`` [B, T-1]: slots to pad."""
         B, dev = toks.shape[0], toks.device
-        c = self._constants(B, dev)
         n = toks.shape[1]
         if pad is not None:  # padding sorts after every real node: each row's real tree comes first
             keep = torch.where(pad, keep + n, keep)
