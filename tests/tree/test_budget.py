@@ -175,3 +175,74 @@ def test_observed_acceptance_rescales_the_estimates_and_deep_arms_follow_the_bas
     b.start(owner, 1)
     assert b.gain[(8, 3)] == pytest.approx((0.5 + b.alpha * (0.25 - 0.5)) * 2.0)  # base EMA x its ratio
     assert b.correction == pytest.approx((0.95 * 2.0 + 0.25) / (0.95 * 1.0 + 0.25))
+
+
+def test_each_arm_drafts_the_narrowest_pool_that_holds_its_tree():
+    """An auto arm drafts the top_k pool a fixed dynamic tree of that (T, depth, top_k) would: the same tree,
+    node for node (a chain for T=8 at depth 7); a large pool_slack drafts the configured top_k always."""
+    pol = DynamicPolicy("auto", depth=7, top_k=4, max_total_tokens=64)
+    assert pol.arm_top_k[8, 7] == 1 and pol.arm_top_k[4, 3] == 1 and pol.arm_top_k[2, 1] == 1
+    assert pol.arm_top_k[16, 5] == 2 and pol.arm_top_k[32, 7] == 3 and pol.arm_top_k[64, 7] == 4
+    assert set(DynamicPolicy("auto", depth=7, top_k=4, pool_slack=1e9).arm_top_k.values()) == {4}
+    for seed, (T, d) in enumerate([(8, 7), (16, 5), (24, 6), (64, 7)]):
+        k = pol.arm_top_k[T, d]
+        pol.budget.choose = lambda rows, arm=(T, d): arm
+        drafter = primed_drafter(seed)
+        with torch.inference_mode():
+            got, want = pol.draft(drafter), DynamicPolicy(T, d, k).draft(drafter)
+        for name in ("parents", "tokens", "depth", "rank"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (T, d, name)
+        if k == 1:
+            assert got.parents[0].tolist() == list(range(-1, T - 1))  # a chain
+    with pytest.raises(TreeError, match="pool_slack"):
+        DynamicPolicy("auto", depth=4, top_k=4, pool_slack=0.5)
+
+
+def test_estimates_from_another_pool_are_stand_ins_until_the_arms_own_pool_is_drafted():
+    t = [0.0]
+    b = BudgetController([(1, 0), (2, 1), (8, 3), (16, 3)], explore_every=0, clock=lambda: t[0])
+    owner = object()
+    b.start(owner, 1)
+    b.offer([math.nan, 0.5, 1.0, 2.0], b.arms, exact=[False, True, False, True])  # (8, 3) from (16, 3)'s pool
+    t[0] += 0.01
+    b.start(owner, 1)
+    assert b.gain[8, 3] == pytest.approx(1.0) and (8, 3) not in b._ratio
+    b.offer([math.nan, 0.5, 0.6, 0.9], b.arms, exact=[False, True, True, False])  # now its own pool
+    t[0] += 0.01
+    b.start(owner, 1)
+    assert b.gain[8, 3] == pytest.approx(0.6)  # the stand-in no longer counts
+    assert b.gain[16, 3] == pytest.approx(2.0)  # nor does a stand-in override an arm's own estimate
+
+
+def test_probes_far_apart_arms_first_at_each_new_row_count():
+    arms = [(1, 0), (2, 1), (4, 3)] + [(T, d) for d in (3, 4, 5) for T in (8, 16, 24, 32, 64)]
+    b = BudgetController(arms, explore_every=0, clock=lambda: 0.0)
+    assert b.probes == [(64, 5), (16, 5), (2, 1), (1, 0)]
+    owner = object()
+    assert [b.start(owner, 1) for _ in b.probes] == b.probes
+    assert b.start(owner, 16) == (64, 5)  # a new batch size probes again
+    b.start(owner, 1)  # batch 1 goes on where it was
+
+
+def test_a_preempted_step_counts_as_at_most_twice_its_arms_time():
+    m = StepTimeModel(alpha=0.25)
+    m.observe(1, 8, 3, 0.010)
+    m.observe(1, 8, 3, 1.0)  # the process was descheduled once
+    assert m.predict(1, 8, 3) == pytest.approx(0.010 + 0.25 * 0.010)
+    for _ in range(12):  # a real, lasting 10x slowdown still shows within a dozen steps
+        m.observe(1, 8, 3, 0.1)
+    assert m.predict(1, 8, 3) > 0.08
+
+
+def test_each_arm_is_corrected_by_its_own_acceptance_once_played():
+    t = [0.0]
+    b = BudgetController([(1, 0), (2, 1), (8, 3)], explore_every=0, clock=lambda: t[0])
+    owner = object()
+    for i in range(40):  # the chain (2, 1) accepts as estimated; the tree (8, 3) twice its estimate
+        b.start(owner, 1)
+        b.last = arm = [(2, 1), (8, 3)][i % 2]
+        b.offer([math.nan, 0.5, 1.0], b.arms)
+        b.observe_accepted(0.5 if arm == (2, 1) else 2.0)
+        t[0] += 0.01
+    assert b.correction_of((2, 1)) < 1.4 and b.correction_of((8, 3)) > 1.8  # shrunk a little towards 5/3
+    assert b.correction_of((2, 1)) < b.correction < b.correction_of((8, 3))  # the batch-wide one lies between

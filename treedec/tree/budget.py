@@ -137,6 +137,8 @@ class BudgetController:
         self._owner = None
         self._pending = None  # (curve, its arms): last step's expected-acceptance estimates
         self._seen = [0.0, 0.0]  # decayed sums of (accepted, estimated) drafts of the arms chosen
+        self._seen_arm: dict[tuple[int, int], tuple[float, float]] = {}  # the same, per arm
+        self.prior = 4.0  # estimated drafts' worth of the batch-wide correction in each arm's own (shrinkage)
 
     def start(self, owner, rows: int) -> tuple[int, int]:
         """Called at the start of each draft(): close the previous step's clock, pick this step's arm.
@@ -169,7 +171,9 @@ class BudgetController:
 
         Calibration is fitted on other text than the one being decoded, so its E[accepted] can be off by
         a factor (the bundled head's is ~0.65x on third-party code); :attr:`correction`, the decayed ratio
-        of accepted to estimated, rescales every arm's estimate. Called after the step's host read.
+        of accepted to estimated, rescales every arm's estimate. The factor also differs between arms (a
+        chain and a bushy tree of the same calibrated value do not accept alike), so an arm played often
+        is rescaled by its own ratio (:meth:`correction_of`). Called after the step's host read.
         """
         if self._pending is None or self.last is None or self.last[0] == 1:
             return
@@ -177,12 +181,20 @@ class BudgetController:
         est = float(curve[list(arms).index(self.last)])
         if math.isfinite(est):
             self._seen = [decay * self._seen[0] + accepted, decay * self._seen[1] + est]
+            acc0, est0 = self._seen_arm.get(self.last, (0.0, 0.0))
+            self._seen_arm[self.last] = (decay * acc0 + accepted, decay * est0 + est)
 
     @property
     def correction(self) -> float:
         """Accepted ÷ estimated drafts of the recent steps, in [0.25, 4] (1 before any step)."""
         acc, est = self._seen
         return 1.0 if est <= 0 else min(4.0, max(0.25, acc / est))
+
+    def correction_of(self, arm: tuple[int, int]) -> float:
+        """The arm's own accepted ÷ estimated, shrunk towards :attr:`correction` by :attr:`prior` estimated
+        drafts (an arm never played gets the batch-wide factor), in [0.25, 4]."""
+        acc, est = self._seen_arm.get(arm, (0.0, 0.0))
+        return min(4.0, max(0.25, (acc + self.prior * self.correction) / (est + self.prior)))
 
     def _absorb(self) -> None:
         if self._pending is None:
@@ -210,9 +222,9 @@ class BudgetController:
         """Expected tokens per second of an arm over the whole batch, sum over rows of (1 + E[accepted]) / step
         time (None while its acceptance or time is unknown). The root alone (T=1) accepts nothing by definition."""
         g = 0.0 if T == 1 else self.gain.get((T, depth))
-        g = None if g is None else g * self.correction
+        g = None if g is None else g * self.correction_of((T, depth))
         t = self.times.predict(rows, T, depth)
-        return None if g is None or t is None else rows * (1.0 + g) / t
+        return None if g is None or t is None else rows * (1.0 + g) / max(t, 1e-9)
 
     def best(self, rows: int) -> tuple[int, int]:
         """The arm with the most expected tokens/s; the largest (deepest, widest) arm until data arrive."""
