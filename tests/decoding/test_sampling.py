@@ -53,9 +53,9 @@ def test_sort_free_draws_follow_target_probs_exactly(name, logits, params):
 
 
 def test_inverse_cdf_never_picks_a_zero_probability_token():
-    probs = torch.tensor([[0.2, 0.0, 0.8, 0.0, 0.0]])
-    u = torch.tensor([[0.0, 0.2, 0.5, 1 - 2 ** -24, 1.0]])  # 1.0: a generator that returned its upper bound
-    assert inverse_cdf(probs, u).tolist() == [[0, 2, 2, 2, 2]]
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.8, 0.0, 0.0]])  # zero weight first, between and last
+    u = torch.tensor([[0.0, 0.2, 0.5, 0.81, 1 - 2 ** -24, 1.0]])  # 1.0: a generator that returned its upper bound
+    assert inverse_cdf(probs, u).tolist() == [[3, 3, 3, 1, 1, 1]]
 
 
 def test_row_streams_are_independent_of_the_batch():
