@@ -137,8 +137,8 @@ class BudgetController:
         self._owner = None
         self._pending = None  # (curve, its arms): last step's expected-acceptance estimates
         self._seen = [0.0, 0.0]  # decayed sums of (accepted, estimated) drafts of the arms chosen
-        self._seen_arm: dict[tuple[int, int], tuple[float, float]] = {}  # the same, per arm
-        self.prior = 4.0  # estimated drafts' worth of the batch-wide correction in each arm's own (shrinkage)
+        self._seen_arm: dict[tuple[int, int], tuple[float, float, float]] = {}  # the same per arm, and its plays
+        self.prior = 2.0  # plays' worth of the batch-wide correction in each arm's own (shrinkage)
 
     def start(self, owner, rows: int) -> tuple[int, int]:
         """Called at the start of each draft(): close the previous step's clock, pick this step's arm.
@@ -181,20 +181,25 @@ class BudgetController:
         est = float(curve[list(arms).index(self.last)])
         if math.isfinite(est):
             self._seen = [decay * self._seen[0] + accepted, decay * self._seen[1] + est]
-            acc0, est0 = self._seen_arm.get(self.last, (0.0, 0.0))
-            self._seen_arm[self.last] = (decay * acc0 + accepted, decay * est0 + est)
+            acc0, est0, n0 = self._seen_arm.get(self.last, (0.0, 0.0, 0.0))
+            self._seen_arm[self.last] = (decay * acc0 + accepted, decay * est0 + est, decay * n0 + 1)
 
     @property
     def correction(self) -> float:
-        """Accepted ÷ estimated drafts of the recent steps, in [0.25, 4] (1 before any step)."""
+        """Accepted ÷ estimated drafts of the recent steps, in [1/4, 8] (1 before any step)."""
         acc, est = self._seen
-        return 1.0 if est <= 0 else min(4.0, max(0.25, acc / est))
+        return 1.0 if est <= 0 else min(8.0, max(0.25, acc / est))
 
     def correction_of(self, arm: tuple[int, int]) -> float:
-        """The arm's own accepted ÷ estimated, shrunk towards :attr:`correction` by :attr:`prior` estimated
-        drafts (an arm never played gets the batch-wide factor), in [0.25, 4]."""
-        acc, est = self._seen_arm.get(arm, (0.0, 0.0))
-        return min(4.0, max(0.25, (acc + self.prior * self.correction) / (est + self.prior)))
+        """The arm's own accepted ÷ estimated, shrunk towards :attr:`correction` by :attr:`prior` plays (an arm
+        never played gets the batch-wide factor), in [1/4, 8]. (A deep chain's calibrated estimate multiplies
+        per-edge acceptances that are correlated along the path: on the bundled head it is ~3x low, a bushy
+        tree's ~2x.)"""
+        acc, est, n = self._seen_arm.get(arm, (0.0, 0.0, 0.0))
+        if est <= 0:
+            return self.correction
+        w = self.prior * est / n  # the prior's weight in estimated drafts: `prior` plays of this arm
+        return min(8.0, max(0.25, (acc + w * self.correction) / (est + w)))
 
     def _absorb(self) -> None:
         if self._pending is None:
@@ -226,12 +231,15 @@ class BudgetController:
         t = self.times.predict(rows, T, depth)
         return None if g is None or t is None else rows * (1.0 + g) / max(t, 1e-9)
 
+    def ranked(self, rows: int) -> list[tuple[int, int]]:
+        """The arms with a known rate, most expected tokens/s first."""
+        scored = [(r, a) for a in self.arms if (r := self.rate(rows, *a)) is not None]
+        return [a for _, a in sorted(scored, key=lambda x: -x[0])]
+
     def best(self, rows: int) -> tuple[int, int]:
         """The arm with the most expected tokens/s; the largest (deepest, widest) arm until data arrive."""
-        scored = [(r, a) for a in self.arms if (r := self.rate(rows, *a)) is not None]
-        if not scored:
-            return max(self.arms, key=lambda a: (a[1], a[0]))
-        return max(scored, key=lambda x: x[0])[1]
+        ranked = self.ranked(rows)
+        return ranked[0] if ranked else max(self.arms, key=lambda a: (a[1], a[0]))
 
     def neighbours(self, arm: tuple[int, int]) -> list[tuple[int, int]]:
         """The next smaller and larger T (at the nearest depth it has) and the next shallower and deeper depth."""
@@ -248,15 +256,19 @@ class BudgetController:
         return out + [(T, depths[j + s]) for s in (-1, 1) if 0 <= j + s < len(depths)]
 
     def choose(self, rows: int) -> tuple[int, int]:
-        """The best arm, or every ``explore_every`` steps one of its neighbours, in turn (so plain decoding,
+        """The best arm, or every ``explore_every`` steps one of its neighbours or the runner-up, in turn (so plain decoding,
         once chosen, still tries a small tree now and then and comes back when trees pay again); the
         :attr:`probes` first at each new row count."""
         n = self._played[rows] = self._played.get(rows, 0) + 1
         if n <= len(self.probes):
             return self.probes[n - 1]
-        best = self.best(rows)
+        ranked = self.ranked(rows)
+        best = ranked[0] if ranked else self.best(rows)
         if self.explore_every and self.steps % self.explore_every == 0:
             nbrs = self.neighbours(best)
+            # and the runner-up outside them: a jump to another region (a chain, another pool) that the
+            # one-bucket walk would reach only after many rounds
+            nbrs += [a for a in ranked[1:] if a not in nbrs][:1]
             if nbrs:
                 return nbrs[(self.steps // self.explore_every) % len(nbrs)]
         return best
