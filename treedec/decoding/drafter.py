@@ -73,8 +73,7 @@ class Drafter:
     @property
     def root_logits(self) -> torch.Tensor:
         """[B, K] the draft logits of the root's children (runs the pending catch-up)."""
-        if self._logits is None:
-            self._logits = self.head.logits(self.root_feat)
+        self.flush()
         return self._logits
 
     @property
@@ -90,7 +89,8 @@ class Drafter:
         ahead of them, and their last valid entry per row is the new root. ``n_host`` says how many
         are valid per row, on the host (the caller already read it); ``n_valid`` is its device copy
         if the caller has one (else None). The head runs on first use of ``root_feat`` /
-        ``root_logits`` (or at once when :data:`MAX_PENDING` columns wait).
+        ``root_logits`` (or at once when :data:`MAX_PENDING` columns wait); until then :attr:`cache`
+        lags behind by what is pending (:meth:`flush` brings it up to date).
         """
         n_host = [int(x) for x in n_host]
         w = max(n_host, default=0)
@@ -102,8 +102,12 @@ class Drafter:
         if self.pending >= self.MAX_PENDING:
             self.flush()
 
+    @torch.inference_mode()
     def flush(self) -> None:
-        """Run the head over every recorded pair at once, appending them to the draft cache."""
+        """Run the head over every recorded pair at once, appending them to the draft cache.
+
+        In inference mode, so that state read after ``generate`` (tests, tools) catches up too.
+        """
         if not self._pending:
             return
         p = self._pending[0] if len(self._pending) == 1 else self._pack(self._pending)
@@ -117,6 +121,7 @@ class Drafter:
         else:
             last = torch.tensor([max(n - 1, 0) for n in n_host]).to(dev, non_blocking=True)
         self._feat = feat[torch.arange(self.batch, device=dev), last]
+        self._logits = self.head.logits(self._feat)
         self.cache.advance(n_host)
 
     @staticmethod

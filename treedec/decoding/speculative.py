@@ -174,5 +174,6 @@ class SpeculativeDecoder(Decoder):
         return Acceptance(path, n, bonus, emitted(tree.tokens, path, n, bonus), on_path)
 
     def _finish(self, stats: DecodeStats) -> None:
+        self.drafter.flush()  # the end state is eager catch-up's (one head forward per generate, for whoever reads it)
         c = self._counts.tolist()
         stats.add_counts(*c)
