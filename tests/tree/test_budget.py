@@ -217,7 +217,7 @@ def test_estimates_from_another_pool_are_stand_ins_until_the_arms_own_pool_is_dr
 def test_probes_far_apart_arms_first_at_each_new_row_count():
     arms = [(1, 0), (2, 1), (4, 3)] + [(T, d) for d in (3, 4, 5) for T in (8, 16, 24, 32, 64)]
     b = BudgetController(arms, explore_every=0, clock=lambda: 0.0)
-    assert b.probes == [(64, 5), (16, 5), (2, 1), (1, 0)]
+    assert b.probes == [(64, 5), (64, 3), (8, 5), (2, 1), (1, 0)]
     owner = object()
     assert [b.start(owner, 1) for _ in b.probes] == b.probes
     assert b.start(owner, 16) == (64, 5)  # a new batch size probes again

@@ -117,13 +117,14 @@ class BudgetController:
         self.times = StepTimeModel()
         self.gain: dict[tuple[int, int], float] = {}  # E[accepted] per (T, depth), see _absorb
         self.base = min((a for a in self.arms if a[0] > 1), default=None)  # drafted whenever anything is
-        # The first steps at a new row count probe far-apart arms, so the step-time fit sees the slope in T at
-        # once (neighbour exploration alone would walk down from the largest tree one bucket per round).
-        sizes = sorted({T for T, _ in self.arms})
-        mid = sizes[len(sizes) // 2]
-        self.probes = list(dict.fromkeys([max(self.arms, key=lambda a: (a[1], a[0])),
-                                          max(a for a in self.arms if a[0] == mid), self.base, self.arms[0]]))
-        self.probes = [a for a in self.probes if a is not None]
+        # The first steps at a new row count probe far-apart arms, so the step-time fit tells the slopes in T and
+        # in depth apart at once (neighbour exploration alone would walk down from the largest tree one bucket
+        # per round): the largest tree (its pool estimates every arm), the widest at the shallowest depth, the
+        # smallest at the deepest, the smallest tree, the root alone.
+        deep, shallow = self.arms[-1][1], min(d for T, d in self.arms if T == self.arms[-1][0])
+        self.probes = [self.arms[-1], max(a for a in self.arms if a[1] == shallow),
+                       min(a for a in self.arms if a[1] == deep), self.base, self.arms[0]]
+        self.probes = [a for a in dict.fromkeys(self.probes) if a is not None]
         self._played: dict[int, int] = {}  # rows -> steps chosen at that row count
         self.decay = 0.9
         self._base_ema: float | None = None
