@@ -158,9 +158,9 @@ def test_observed_acceptance_rescales_the_estimates_and_deep_arms_follow_the_bas
     """The calibrated E[accepted] is corrected by what the chosen arms really accepted, and an arm not
     drafted this step moves with the always-drafted smallest tree instead of keeping a stale value."""
     t = [0.0]
-    b = BudgetController([(1, 0), (2, 1), (8, 3)], explore_every=0, clock=lambda: t[0])
+    b = BudgetController([(1, 0), (2, 1), (8, 3)], explore_every=0, clock=lambda: t[0], probe=False)
     owner = object()
-    assert b.start(owner, 1) == (8, 3)  # no data yet: the largest arm
+    assert b.start(owner, 1) == (8, 3)  # no data yet (and no probes): the largest arm
     b.offer(torch.tensor([math.nan, 0.5, 1.0]), b.arms)
     b.observe_accepted(2.0)  # twice what the estimate (1.0) said
     assert b.correction == pytest.approx(2.0)
@@ -217,10 +217,10 @@ def test_estimates_from_another_pool_are_stand_ins_until_the_arms_own_pool_is_dr
 def test_probes_far_apart_arms_first_at_each_new_row_count():
     arms = [(1, 0), (2, 1), (4, 3)] + [(T, d) for d in (3, 4, 5) for T in (8, 16, 24, 32, 64)]
     b = BudgetController(arms, explore_every=0, clock=lambda: 0.0)
-    assert b.probes == [(64, 5), (64, 3), (8, 5), (2, 1), (1, 0)]
+    assert b.probes == [(1, 0), (2, 1), (8, 5), (24, 5)]  # cheapest first; 24: the geometric middle of 8..64
     owner = object()
     assert [b.start(owner, 1) for _ in b.probes] == b.probes
-    assert b.start(owner, 16) == (64, 5)  # a new batch size probes again
+    assert b.start(owner, 16) == (1, 0)  # a new batch size probes again
     b.start(owner, 1)  # batch 1 goes on where it was
 
 

@@ -108,7 +108,7 @@ class BudgetController:
     """Chooses a (T, depth) arm per step among ``arms``; fed by the policy's draft() calls."""
 
     def __init__(self, arms: Sequence[tuple[int, int]], explore_every: int = 8,
-                 clock: Callable[[], float] | None = None, alpha: float = 0.3):
+                 clock: Callable[[], float] | None = None, alpha: float = 0.3, probe: bool = True):
         if not arms:
             raise ValueError("the auto budget needs at least one (tree size, depth) arm")
         self.arms = sorted(set((int(T), int(d)) for T, d in arms), key=lambda a: (a[1], a[0]))
@@ -117,14 +117,13 @@ class BudgetController:
         self.times = StepTimeModel()
         self.gain: dict[tuple[int, int], float] = {}  # E[accepted] per (T, depth), see _absorb
         self.base = min((a for a in self.arms if a[0] > 1), default=None)  # drafted whenever anything is
-        # The first steps at a new row count probe far-apart arms, so the step-time fit tells the slopes in T and
-        # in depth apart at once (neighbour exploration alone would walk down from the largest tree one bucket
-        # per round): the largest tree (its pool estimates every arm), the widest at the shallowest depth, the
-        # smallest at the deepest, the smallest tree, the root alone.
-        deep, shallow = self.arms[-1][1], min(d for T, d in self.arms if T == self.arms[-1][0])
-        self.probes = [self.arms[-1], max(a for a in self.arms if a[1] == shallow),
-                       min(a for a in self.arms if a[1] == deep), self.base, self.arms[0]]
-        self.probes = [a for a in dict.fromkeys(self.probes) if a is not None]
+        # The first steps at a new row count probe far-apart arms, cheapest first, so the step-time fit tells the
+        # slopes in T and in depth apart at once (neighbour exploration alone walks one bucket per round): the root
+        # alone, the smallest tree, the smallest and a middle-sized tree at the deepest depth (geometric middle:
+        # its pool estimates the arms around it). Not the largest: at batch 16 on a CPU one such step costs ~20.
+        deep = [a for a in self.arms if a[1] == self.arms[-1][1]]
+        mid = min(deep, key=lambda a: (abs(math.log(a[0] / math.sqrt(deep[0][0] * deep[-1][0]))), a[0]))
+        self.probes = [a for a in dict.fromkeys([self.arms[0], self.base, deep[0], mid]) if a is not None] if probe else []
         self._played: dict[int, int] = {}  # rows -> steps chosen at that row count
         self.decay = 0.9
         self._base_ema: float | None = None
