@@ -163,6 +163,7 @@ def test_plain_steps_only_decode_exactly_as_vanilla(params, batch):
     info = policy.observed[-1]
     assert info.tree.size == 1 and info.path.shape == (batch, 1) and not info.path.any()
     assert info.n_accept == [1] * batch and info.logits.shape == (batch, 1, target.config.vocab_size)
+    assert info.tried_ranks(0) == []  # a root has no children to try (calibrate's hook reads this)
 
 
 @pytest.mark.parametrize("pattern", ["pt", "tp", "pp"])
