@@ -246,3 +246,23 @@ def test_each_arm_is_corrected_by_its_own_acceptance_once_played():
         t[0] += 0.01
     assert b.correction_of((2, 1)) < 1.4 and b.correction_of((8, 3)) > 1.8  # shrunk a little towards 5/3
     assert b.correction_of((2, 1)) < b.correction < b.correction_of((8, 3))  # the batch-wide one lies between
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_chain_arm_drafts_the_static_chain_and_estimates_it_with_the_calibration(seed):
+    from tests.tree.test_calibration import random_calibration
+
+    cal = random_calibration(seed)
+    pol = DynamicPolicy("auto", depth=7, top_k=4, calibration=cal)
+    pol.budget.choose = lambda rows: (8, 7)
+    drafter = primed_drafter(seed)
+    with torch.inference_mode():
+        tree = pol.draft(drafter)
+    assert tree.parents[0].tolist() == list(range(-1, 7)) and tree.size == 8
+    q = (tree.scores[:, 1:] - torch.nn.functional.pad(tree.scores[:, 1:-1], (1, 0))).exp()  # per-edge draft probs
+    path = [[math.prod(cal(float(q[b, i]), i + 1) for i in range(j + 1)) for j in range(7)] for b in range(2)]
+    want = sum(sum(p) for p in path) / 2  # E[accepted]: the chain's path acceptances, averaged over rows
+    assert float(pol._curve[pol.budget.arms.index((8, 7))]) == pytest.approx(want, rel=1e-4)
+    edge = torch.log(q)
+    by_depth = torch.stack([cal.log_accept(edge[:, j], j + 1) for j in range(7)], 1)
+    assert torch.allclose(cal.log_accept(edge, torch.arange(1, 8)), by_depth)  # tensor depths: one call

@@ -102,14 +102,20 @@ class Calibration:
             self._dev = {key: (torch.tensor(self.grid, device=device), torch.tensor(self.values, device=device))}
         return self._dev[key]
 
-    def log_accept(self, logq: torch.Tensor, depth: int) -> torch.Tensor:
-        """log of the calibrated acceptance of edges at child ``depth`` with draft log-probs ``logq`` (any shape)."""
+    def log_accept(self, logq: torch.Tensor, depth: int | torch.Tensor) -> torch.Tensor:
+        """log of the calibrated acceptance of edges at child ``depth`` with draft log-probs ``logq`` (any shape);
+        ``depth`` may be a tensor of depths broadcastable to ``logq`` (a chain's edges in one call)."""
         grid, vals = self._tables(logq.device)
-        row = vals[min(depth, self.depth) - 1]
         q = logq.float().exp().clamp(0.0, 1.0)
         hi = torch.bucketize(q, grid).clamp(1, len(self.grid) - 1)
         x0, x1 = grid[hi - 1], grid[hi]
-        y0, y1 = row[hi - 1], row[hi]
+        if torch.is_tensor(depth):  # per-element rows of the table
+            flat = vals.flatten()
+            at = ((depth.clamp(1, self.depth) - 1) * vals.shape[1]).expand_as(hi)
+            y0, y1 = flat[at + hi - 1], flat[at + hi]
+        else:
+            row = vals[min(depth, self.depth) - 1]
+            y0, y1 = row[hi - 1], row[hi]
         return torch.lerp(y0, y1, (q - x0) / (x1 - x0)).clamp(FLOOR, 1.0).log()
 
     def __call__(self, q: float, depth: int) -> float:

@@ -36,6 +36,7 @@ from treedec.decoding.sampling import SamplingParams
 from treedec.tree import calibration as calib
 from treedec.tree.budget import BUCKETS, BudgetController
 from treedec.tree.policies.base import ForestAncestry, TreePolicy, ancestry
+from treedec.tree.policies.static import ChainPolicy
 from treedec.tree.tree import Tree, TreeError
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class DynamicPolicy(TreePolicy):
         self.max_size = self.total_tokens
         self.max_inputs = top_k * (depth - 1)
         self.max_rank = top_k - 1
+        self._chains: dict[int, ChainPolicy] = {}  # depth -> the chain drafted for a top_k 1 arm
 
     def _constants(self, B: int, dev, k: int) -> dict:
         """Index tensors every step needs, made once per (batch, device, top_k): depth and rank of each candidate."""
@@ -108,6 +110,7 @@ class DynamicPolicy(TreePolicy):
                 self._curve = torch.empty(len(self.budget.arms), pin_memory=dev.type == "cuda")
                 self._arm_plan: dict = {}
                 self._arm_rows: dict = {}
+            self._depth_ids = torch.arange(1, self.max_depth + 1, device=dev)
         if k not in self._const:
             D = self.max_depth
             depth = [1] * k + [d for d in range(2, D + 1) for _ in range(k * k)]
@@ -139,6 +142,8 @@ class DynamicPolicy(TreePolicy):
             return Tree.root_only(drafter.root_tokens)
         k = self.top_k if self.budget is None else self.arm_top_k[T, D]  # the arm's own pool
         c = self._constants(B, dev, k)
+        if k == 1 and T == D + 1 and self.node_share >= 1:  # a chain of all D drafted nodes: nothing to rerank
+            return self._draft_chain(drafter, D)
         temp = 1.0 if params is None or params.greedy else float(params.temperature)
         if not self._mode_checked:
             self._check_mode(params)
@@ -180,6 +185,22 @@ class DynamicPolicy(TreePolicy):
             self._offer(c["depth"][:, :n_all], score, D, k)
         pad = None if self.node_share >= 1 else self.row_pad(order.values[:, : T - 1])
         return self._rerank(c, drafter.root_tokens, toks, logq, parents, order.indices[:, : T - 1], D, pad)
+
+    def _draft_chain(self, drafter, D: int) -> Tree:
+        """An auto arm of top_k 1 (a chain): the static chain's lean draft (~10% faster at batch 1 than the
+        generic path: no sorts, no reranking), its draft log-probs calibrated for the arms' estimates.
+        (The chain's log-probs are at temperature 1: under sampling only the estimate differs.)"""
+        if D not in self._chains:
+            self._chains[D] = ChainPolicy(D, scores=True)
+        tree = self._chains[D].draft(drafter)
+        if self.budget is None:
+            return tree
+        cum = tree.scores[:, 1:]  # [B, D] cumulative draft log-probs along the chain
+        depths = self._depth_ids[:D]
+        edge = cum - torch.nn.functional.pad(cum[:, :-1], (1, 0))
+        score = edge.cumsum(-1) if self.calibration is None else self.calibration.log_accept(edge, depths).cumsum(-1)
+        self._offer(depths.expand(cum.shape[0], -1), score, D, 1)
+        return tree
 
     def observe(self, info) -> None:
         """Feed the auto budget the accepted drafts per live row, so it corrects its calibrated estimates."""
