@@ -66,8 +66,7 @@ def accept_paths(tree, choice: torch.Tensor, max_depth: int, miss: torch.Tensor 
     if getattr(tree, "pad", None) is not None:  # padding nodes (per-row budgets) are never accepted
         match &= ~tree.pad
     ok = ~(anc & ~match[:, None, :]).any(-1)  # every ancestor (and the node) matched
-    key = torch.where(ok, depth * T + (T - 1 - torch.arange(T, device=tokens.device)), -1)
-    best = key.argmax(-1)  # deepest accepted node (ties: the earliest)
+    best = torch.where(ok, depth, -1).argmax(-1)  # deepest accepted node (argmax: the earliest of equals)
     rows = torch.arange(B, device=tokens.device)
     on_path = anc[rows, best]
     n = depth[rows, best] + 1
