@@ -86,7 +86,8 @@ class DynamicTreeSchema:
     draft_path: Optional[str] = None  # conf: ${oc.select:draft.path,null}
     max_total_tokens: int = 64  # total_tokens=auto: the largest T tried
     min_depth: Optional[int] = None  # total_tokens=auto: the shallowest depth tried (null: depth - 2)
-    explore_every: int = 8  # total_tokens=auto: try a neighbouring (T, depth) every this many steps
+    explore_every: int = 8  # total_tokens=auto: try a neighbouring (T, depth) or the runner-up every this many steps
+    pool_slack: float = 1.0  # total_tokens=auto: an arm drafts the narrowest top_k holding pool_slack*(T-1) nodes
     node_share: float = 1.0  # per-row budgets: share of the batch's B*(T-1) candidate slots kept (rest: padding)
 
 
