@@ -266,3 +266,12 @@ def test_a_chain_arm_drafts_the_static_chain_and_estimates_it_with_the_calibrati
     edge = torch.log(q)
     by_depth = torch.stack([cal.log_accept(edge[:, j], j + 1) for j in range(7)], 1)
     assert torch.allclose(cal.log_accept(edge, torch.arange(1, 8)), by_depth)  # tensor depths: one call
+
+
+def test_an_arms_first_step_is_replaced_by_a_faster_second():
+    m = StepTimeModel(alpha=0.25)
+    m.observe(1, 8, 7, 0.030)  # built its index plans: one-time work
+    m.observe(1, 8, 7, 0.010)
+    assert m.predict(1, 8, 7) == pytest.approx(0.010)
+    m.observe(1, 8, 7, 0.014)  # from the third on: the EMA
+    assert m.predict(1, 8, 7) == pytest.approx(0.011)

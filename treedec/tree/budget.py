@@ -45,6 +45,7 @@ class StepTimeModel:
     def __init__(self, alpha: float = 0.25, refit_every: int = 8):
         self.alpha, self.refit_every = alpha, refit_every
         self.ema: dict[tuple[int, int, int], float] = {}
+        self._count: dict[tuple[int, int, int], int] = {}
         self._coef: np.ndarray | None = None
         self._ratio: dict[int, float] = {}  # rows -> median measured / fitted time of its arms (since the fit)
         self._fresh = 0  # observations since the fit (a fit per step would cost ~0.1 ms)
@@ -52,10 +53,15 @@ class StepTimeModel:
 
     def observe(self, rows: int, T: int, depth: int, seconds: float) -> None:
         """One step's seconds; a step more than twice the arm's EMA counts as twice it (a preempted step on a
-        shared machine would otherwise ban its arm for many steps; a real slowdown still shows in a few)."""
+        shared machine would otherwise ban its arm for many steps; a real slowdown still shows in a few), and
+        an arm's second step replaces its first when faster (the first pays one-time work: index plans)."""
         key = (rows, T, depth)
         old = self.ema.get(key)
-        self.ema[key] = seconds if old is None else old + self.alpha * (min(seconds, 2 * old) - old)
+        n = self._count[key] = self._count.get(key, 0) + 1
+        if old is None or (n == 2 and seconds < old):
+            self.ema[key] = seconds
+        else:
+            self.ema[key] = old + self.alpha * (min(seconds, 2 * old) - old)
         self._fresh += 1
         if old is None or self._fresh >= self.refit_every:  # a new arm changes the fit most: refit at once
             self._coef = None
