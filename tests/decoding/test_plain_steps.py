@@ -139,6 +139,35 @@ def test_draft_cache_after_lazy_catch_up_equals_eager_catch_up(monkeypatch, seed
     assert dl.drafter.cache.host_lengths == de.drafter.cache.host_lengths == dl.drafter.cache.lengths.tolist()
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_ragged_catch_ups_packed_into_one_forward_equal_one_forward_each(seed):
+    """Random chunks (widths 1-5, per-row counts 0..width, padding after them) recorded, then run at once."""
+    target, draft = make_pair(seed)
+    g = torch.Generator().manual_seed(seed)
+    B, H = 3, target.config.hidden_size
+    chunks = []
+    for i in range(12):
+        w = 1 if i % 3 else int(torch.randint(1, 6, (1,), generator=g))  # < MAX_PENDING in all
+        n = torch.randint(0 if i else 1, w + 1, (B,), generator=g).tolist()
+        chunks.append((torch.randint(0, 64, (B, w), generator=g), torch.randn(B, w, H, generator=g), n))
+    lazy, eager = Drafter(draft, B, 200), Drafter(draft, B, 200)
+    with torch.inference_mode():
+        for tokens, feats, n in chunks:
+            root = tokens[:, -1]
+            lazy.catch_up(tokens, feats, None, n, root)
+            eager.catch_up(tokens, feats, torch.tensor(n), n, root)
+            eager.flush()
+        assert lazy.pending == sum(max(n) for *_, n in chunks) and lazy.cache.host_lengths == [0] * B
+        lazy.flush()
+    total = [sum(c) for c in zip(*(n for *_, n in chunks))]
+    assert lazy.cache.host_lengths == eager.cache.host_lengths == total == lazy.cache.lengths.tolist()
+    for b, L in enumerate(total):
+        torch.testing.assert_close(lazy.cache.k[:, b, :, :L], eager.cache.k[:, b, :, :L], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lazy.cache.v[:, b, :, :L], eager.cache.v[:, b, :, :L], rtol=1e-5, atol=1e-6)
+    kept = [b for b, n in enumerate(chunks[-1][2]) if n]  # eager reads column 0 of a row that kept nothing
+    torch.testing.assert_close(lazy.root_logits[kept], eager.root_logits[kept], rtol=1e-5, atol=1e-5)
+
+
 def test_lazy_and_eager_catch_up_sample_the_same_tokens(monkeypatch):
     params = SamplingParams(0.9, top_p=0.9)
     lazy, eager = (_decode_with_snapshots(monkeypatch, e, params)[0] for e in (False, True))

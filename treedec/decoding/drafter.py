@@ -94,10 +94,12 @@ class Drafter:
         """
         n_host = [int(x) for x in n_host]
         w = max(n_host, default=0)
+        self.root_tokens = root_tokens
+        if w == 0:  # no row keeps anything: nothing to run, the root state stays
+            return
         if w < tokens.shape[1]:  # columns no row keeps need no forward
             tokens, features = tokens[:, :w], features[:, :w]
         self._pending.append(_Pending(tokens, features, n_valid, n_host))
-        self.root_tokens = root_tokens
         self._feat = self._logits = None
         if self.pending >= self.MAX_PENDING:
             self.flush()
