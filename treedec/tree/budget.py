@@ -114,7 +114,7 @@ class BudgetController:
     """Chooses a (T, depth) arm per step among ``arms``; fed by the policy's draft() calls."""
 
     def __init__(self, arms: Sequence[tuple[int, int]], explore_every: int = 8,
-                 clock: Callable[[], float] | None = None, alpha: float = 0.3, probe: bool = True):
+                 clock: Callable[[], float] | None = None, alpha: float = 0.1, probe: bool = True):
         if not arms:
             raise ValueError("the auto budget needs at least one (tree size, depth) arm")
         self.arms = sorted(set((int(T), int(d)) for T, d in arms), key=lambda a: (a[1], a[0]))
