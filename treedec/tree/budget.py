@@ -8,9 +8,13 @@ Sequoia's objective, ``(1 + E[accepted | T, depth]) / step_time(rows, T, depth)`
   no extra synchronisation (:meth:`BudgetController.offer`), and is smoothed by an EMA: per context.
 * **Step time**: wall-clock between successive ``draft()`` calls (each step ends with one host read,
   so that interval is a whole step), a per-arm EMA keyed by (rows, T, depth); arms never measured
-  are predicted by a least-squares fit ``a + b*T + c*depth`` (non-negative slopes) of the measured ones.
-* **Exploration**: every ``explore_every`` steps a neighbour of the best arm (one bucket up/down in
-  T or depth) is tried, so a machine that gets busier or text that gets easier moves the choice.
+  are predicted by a least-squares fit over :data:`FEATURES` (non-negative slopes) of the measured ones.
+* **Correction**: the drafts each step really accepted rescale the chosen arm's estimate (per arm,
+  shrunk towards the batch-wide ratio): calibration fitted on other text is off by 2-8x, differently
+  for chains and bushy trees.
+* **Exploration**: the first steps at a new row count probe far-apart arms (cheapest first); then
+  every ``explore_every`` steps a neighbour of the best arm (one bucket up/down in T or depth) or the
+  runner-up is tried, so a machine that gets busier or text that gets easier moves the choice.
 
 T is restricted to a few buckets so ``compile=True`` builds few graphs. The clock is injectable
 (tests drive it with a synthetic step-time model).
