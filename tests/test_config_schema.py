@@ -20,7 +20,8 @@ from treedec.tree.shapes import SHAPE_DIR, list_shapes
 CONF = SHAPE_DIR.parents[1]
 GROUPS = ("tree", "sampling", "kernel", "model", "draft")
 OPTIONS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in GROUPS}
-POLICY = {"static": StaticPolicy, "dynamic": DynamicPolicy, "chain": ChainPolicy, "learned": LearnedPolicy}
+POLICY = {"static": StaticPolicy, "dynamic": DynamicPolicy, "chain": ChainPolicy, "learned": LearnedPolicy,
+          "dynamic_sample": DynamicPolicy}
 
 
 @pytest.fixture(scope="module")
