@@ -39,6 +39,8 @@ class _Pending(NamedTuple):
 
 
 class Drafter:
+    """The draft head's state over one batch: its cache, the next root, and the catch-up still pending."""
+
     # Pending catch-up columns that force a head forward at once: bounds how far past a row's own
     # length a catch-up writes (padding up to the longest row; the decoder sizes the draft cache
     # with this slack), at one head forward per this many plain steps.
@@ -104,14 +106,13 @@ class Drafter:
         if self.pending >= self.MAX_PENDING:
             self.flush()
 
-    @torch.inference_mode()
     def flush(self) -> None:
-        """Run the head over every recorded pair at once, appending them to the draft cache.
+        """Run the head over every recorded pair at once, appending them to the draft cache."""
+        if self._pending:
+            self._run_pending()
 
-        In inference mode, so that state read after ``generate`` (tests, tools) catches up too.
-        """
-        if not self._pending:
-            return
+    @torch.inference_mode()  # so that state read after ``generate`` (tests, tools) catches up too
+    def _run_pending(self) -> None:
         p = self._pending[0] if len(self._pending) == 1 else self._pack(self._pending)
         self._pending = []
         tokens, n_host, dev = p.tokens, p.n_host, p.tokens.device
