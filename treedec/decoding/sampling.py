@@ -129,9 +129,9 @@ def _workspace(shape: tuple[int, ...], device: torch.device, n: int) -> list[tor
     On a CPU every fresh [T, V] buffer costs page faults (a 26 x 8192 fp32 buffer: ~40 us, as much
     as the pass that fills it); a GPU's caching allocator already reuses its memory.
     """
-    if device.type != "cpu":
-        return [torch.empty(shape, device=device) for _ in range(n)]
     size = math.prod(shape)
+    if device.type != "cpu" or size > _REUSE_MAX:  # (huge draws: fresh buffers rather than hold them forever)
+        return [torch.empty(shape, device=device) for _ in range(n)]
     bufs = getattr(_WORK, "bufs", [])
     if len(bufs) < n or bufs[0].numel() < size:
         keep = max([size] + [b.numel() for b in bufs])
@@ -140,6 +140,7 @@ def _workspace(shape: tuple[int, ...], device: torch.device, n: int) -> list[tor
 
 
 _WORK = threading.local()
+_REUSE_MAX = 1 << 24  # floats per reused buffer (64 MiB): e.g. 64 rows x 32 nodes x 8192
 
 
 def _weights(logits: torch.Tensor, params: SamplingParams, out: torch.Tensor | None = None) -> torch.Tensor:
