@@ -277,9 +277,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None = 
     w_c = w.gather(-1, cand)
     # Mass strictly above each candidate, one candidate at a time (no [.., C, V] tensor).
     above = [torch.gt(w, w_c[..., i:i + 1], out=scratch).mul_(w).sum(-1, keepdim=True) for i in range(cand.shape[-1])]
-    inside = (above[0] if len(above) == 1 else torch.cat(above, -1)) < limit
-    if len(above) == 1:
-        return Draws(cand.squeeze(-1), ~inside.squeeze(-1), w[..., :V])
+    inside = torch.cat(above, -1) < limit
     first = inside.to(torch.uint8).argmax(-1, keepdim=True)  # the first inside (0 when none is)
     return Draws(cand.gather(-1, first).squeeze(-1), ~inside.any(-1), w[..., :V])
 
