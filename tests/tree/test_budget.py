@@ -275,3 +275,17 @@ def test_an_arms_first_step_is_replaced_by_a_faster_second():
     assert m.predict(1, 8, 7) == pytest.approx(0.010)
     m.observe(1, 8, 7, 0.014)  # from the third on: the EMA
     assert m.predict(1, 8, 7) == pytest.approx(0.011)
+
+
+def test_an_arm_measured_once_is_not_trusted_above_the_fit_of_settled_arms():
+    """A first step pays one-time work (plans, oneDNN primitives for new shapes), so one inflated measurement
+    must not bar an arm: while it has one step it is predicted by min(own, fit of arms with two steps)."""
+    m = StepTimeModel()
+    for T in (2, 8, 16, 32):  # settled arms: 1 ms + 0.1 ms per node
+        for _ in range(2):
+            m.observe(1, T, 4, 1e-3 + 1e-4 * T)
+    m.observe(1, 4, 4, 9e-3)  # first step of a 4-node arm: 9 ms, 6x what it costs
+    assert m.predict(1, 4, 4) == pytest.approx(1.4e-3, rel=0.05)
+    assert m.coef()[0] == pytest.approx(1e-3, rel=0.05)  # the inflated step is out of the fit
+    m.observe(1, 4, 4, 1.5e-3)  # its second step: now its own measurement counts
+    assert m.predict(1, 4, 4) == pytest.approx(1.5e-3, rel=1e-6)

@@ -8,7 +8,8 @@ Sequoia's objective, ``(1 + E[accepted | T, depth]) / step_time(rows, T, depth)`
   no extra synchronisation (:meth:`BudgetController.offer`), and is smoothed by an EMA: per context.
 * **Step time**: wall-clock between successive ``draft()`` calls (each step ends with one host read,
   so that interval is a whole step), a per-arm EMA keyed by (rows, T, depth); arms never measured
-  are predicted by a least-squares fit over :data:`FEATURES` (non-negative slopes) of the measured ones.
+  are predicted by a least-squares fit over :data:`FEATURES` (non-negative slopes) of the measured ones,
+  and an arm measured once by at most that fit (a first step pays one-time work: up to 3x a step here).
 * **Correction**: the drafts each step really accepted rescale the chosen arm's estimate (per arm,
   shrunk towards the batch-wide ratio): calibration fitted on other text is off by 2-8x, differently
   for chains and bushy trees.
@@ -77,8 +78,12 @@ class StepTimeModel:
     def coef(self) -> np.ndarray | None:
         """The fit's coefficients in :data:`FEATURES` order (None before any measurement)."""
         if self._coef is None and self.ema:
-            X = np.array([self.features(*k) for k in self.ema])
-            y = np.array(list(self.ema.values()))
+            # An arm's first step pays one-time work (index plans, oneDNN primitives for new shapes: up to 3x a
+            # step), so arms measured once stay out of the fit while at least three arms have two steps.
+            settled = {k: t for k, t in self.ema.items() if self._count.get(k, 0) >= 2}
+            data = settled if len(settled) >= 3 else self.ema
+            X = np.array([self.features(*k) for k in data])
+            y = np.array(list(data.values()))
             coef = np.zeros(len(FEATURES))
             coef[0] = y.mean()
             for cols in _SUBSETS:
@@ -104,14 +109,15 @@ class StepTimeModel:
         """Predicted seconds of a step (None before any measurement)."""
         key = (rows, T, depth)
         t = self.ema.get(key)
-        if t is not None:
+        if t is not None and self._count.get(key, 0) >= 2:
             return t
         c = self.coef()
         if c is None:
-            return None
+            return t
         if key not in self._pred:
             self._pred[key] = max(float(c @ np.array(self.features(rows, T, depth))) * self._scale(rows, c), 1e-9)
-        return self._pred[key]
+        # measured once: that step may have paid one-time work, so the fit (of the settled arms) may say less
+        return self._pred[key] if t is None else min(t, self._pred[key])
 
 
 class BudgetController:
