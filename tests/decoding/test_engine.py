@@ -39,6 +39,21 @@ def test_at_most_four_host_reads_per_step_whatever_the_depth_of_the_model(layers
     assert per_step <= 4, long.reads
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, top_p=0.95)], ids=["greedy", "sample"])
+def test_the_auto_budget_reads_the_device_once_per_step(params):
+    """Its estimates ride the step's one read (a host buffer filled before it), its chain arms are planned up front."""
+    target, draft = make_pair(1, layers=12, hidden=32, heads=2, kv_heads=1)
+    dec = SpeculativeDecoder(target, draft, DynamicPolicy("auto", 5, 4), params)
+    g = torch.Generator().manual_seed(0)
+    dec.generate([[1, 2, 3], [4, 5]], 40, generator=g)  # every arm's plan built
+    marks = []
+    with count_ops() as c:
+        res = dec.generate([[1, 2, 3], [4, 5]], 60, generator=g, hook=lambda _: marks.append(c.host_reads))
+    assert res.stats.steps > 10
+    per_step = (marks[-1] - marks[0]) / (len(marks) - 1)
+    assert per_step <= 1 + 1 / (len(marks) - 1), c.reads  # a rare top-p miss may add one
+
+
 def test_vanilla_reads_once_per_step():
     target, _ = make_pair(2, layers=12, hidden=32, heads=2, kv_heads=1)
     with count_ops() as c:

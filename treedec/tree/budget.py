@@ -39,6 +39,12 @@ _SUBSETS = ([0, 1, 2, 3, 4, 5], [0, 1, 3, 4, 5], [0, 1, 2, 3, 4], [0, 3, 4, 5], 
             [0, 2, 4], [0, 3, 5], [0, 3, 4], [0, 1, 3], [0, 2], [0, 3], [0, 4], [0])
 
 
+def _host_values(curve) -> np.ndarray:
+    """The offered estimates as a numpy view: a host tensor (the policy's pinned buffer, already synchronised by
+    the step's one host read) or any array. Never ``Tensor.item``: no device read is involved, and none is counted."""
+    return curve.numpy() if hasattr(curve, "numpy") else np.asarray(curve)
+
+
 class StepTimeModel:
     """Step seconds as f(rows, T, depth): per-arm EMA, one linear fit over every row count for the rest.
 
@@ -194,7 +200,7 @@ class BudgetController:
         if self._pending is None or self.last is None or self.last[0] == 1:
             return
         curve, arms, _ = self._pending
-        est = float(curve[list(arms).index(self.last)])
+        est = float(_host_values(curve)[list(arms).index(self.last)])
         if math.isfinite(est):
             self._seen = [decay * self._seen[0] + accepted, decay * self._seen[1] + est]
             acc0, est0, n0 = self._seen_arm.get(self.last, (0.0, 0.0, 0.0))
@@ -222,7 +228,7 @@ class BudgetController:
             return
         curve, arms, exact = self._pending
         self._pending = None
-        vals = dict(zip(arms, (curve.numpy() if hasattr(curve, "numpy") else np.asarray(curve)).tolist()))
+        vals = dict(zip(arms, _host_values(curve).tolist()))
         base = vals.get(self.base, math.nan)
         if not math.isfinite(base):
             return

@@ -101,7 +101,9 @@ class DynamicPolicy(TreePolicy):
         self.max_size = self.total_tokens
         self.max_inputs = top_k * (depth - 1)
         self.max_rank = top_k - 1
-        self._chains: dict[int, ChainPolicy] = {}  # depth -> the chain drafted for a top_k 1 arm
+        # depth -> the chain drafted for a top_k 1 arm, planned here so that no step pays it (its plan reads the host)
+        self._chains: dict[int, ChainPolicy] = {d: ChainPolicy(d, scores=True) for (T, d), k in
+                                                getattr(self, "arm_top_k", {}).items() if k == 1 and T == d + 1}
 
     def _constants(self, B: int, dev, k: int) -> dict:
         """Index tensors every step needs, made once per (batch, device, top_k): depth and rank of each candidate."""
