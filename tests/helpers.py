@@ -117,6 +117,18 @@ class OraclePolicy(TreePolicy):
         return tree.with_tokens(tokens)
 
 
+def save_tiny_stack(root: Path, tokenizer_dir, seed: int = 0) -> Transformer:
+    """A random tiny target (context 256) in ``root / "target"`` with ``tokenizer_dir``'s tokenizer and an untrained
+    head for it in ``root / "draft"``: the checkpoint pair the CLI tests (generate, regenerate, bench) load."""
+    from treedec.models.checkpoint import save_pretrained
+
+    torch.manual_seed(seed)
+    target = Transformer(LlamaConfig(**{**TINY_ARCH, "max_position_embeddings": 256}), "sdpa")
+    save_pretrained(target, root / "target", tokenizer=str(tokenizer_dir))
+    DraftHead(DraftConfig.for_target(target.config)).save(root / "draft")
+    return target
+
+
 def write_corpus(root: Path, n: int = 40) -> Path:
     """A synthetic ``*.py`` corpus: ``n`` modules, plus files the listing must skip and one invalid UTF-8 file."""
     for i in range(n):

@@ -9,24 +9,17 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from treedec.models.checkpoint import save_pretrained
-from treedec.models.config import LlamaConfig
-from treedec.models.draft import DraftConfig, DraftHead
-from treedec.models.llama import Transformer
 from treedec.tree.shapes import SHAPE_DIR
 
-from tests.helpers import TINY_ARCH
+from tests.helpers import save_tiny_stack
 
 CONF = str(SHAPE_DIR.parents[1])
 
 
 @pytest.fixture(scope="module")
 def stack(tokenizer, tmp_path_factory):
-    torch.manual_seed(0)
-    target = Transformer(LlamaConfig(**{**TINY_ARCH, "max_position_embeddings": 256}), "sdpa")
     root = tmp_path_factory.mktemp("stack")
-    save_pretrained(target, root / "target", tokenizer=str(tokenizer[0]))
-    DraftHead(DraftConfig.for_target(target.config)).save(root / "draft")
+    save_tiny_stack(root, tokenizer[0])
     return root
 
 

@@ -11,16 +11,11 @@ import sys
 import time
 
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 
-from treedec.models.checkpoint import save_pretrained
-from treedec.models.config import LlamaConfig
-from treedec.models.draft import DraftConfig, DraftHead
-from treedec.models.llama import Transformer
 from treedec.tree.shapes import SHAPE_DIR
 
-from tests.helpers import TINY_ARCH
+from tests.helpers import save_tiny_stack
 
 CONF = str(SHAPE_DIR.parents[1])
 CODE = ["def add(a, b):\n    return a + b\n", "class Stack:\n    def push(self, x):\n", "import os\nprint(os.getcwd())\n",
@@ -29,11 +24,8 @@ CODE = ["def add(a, b):\n    return a + b\n", "class Stack:\n    def push(self, 
 
 @pytest.fixture(scope="module")
 def stack(tokenizer, tmp_path_factory):
-    torch.manual_seed(0)
-    target = Transformer(LlamaConfig(**{**TINY_ARCH, "max_position_embeddings": 256}), "sdpa")
     root = tmp_path_factory.mktemp("regen_stack")
-    save_pretrained(target, root / "target", tokenizer=str(tokenizer[0]))
-    DraftHead(DraftConfig.for_target(target.config)).save(root / "draft")
+    save_tiny_stack(root, tokenizer[0])
     return root
 
 

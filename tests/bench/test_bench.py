@@ -15,11 +15,10 @@ from treedec.bench import harness, timing
 from treedec.bench import methods as bm
 from treedec.models.checkpoint import save_pretrained
 from treedec.models.config import LlamaConfig
-from treedec.models.draft import DraftConfig, DraftHead
 from treedec.models.llama import Transformer
 from treedec.tree.shapes import SHAPE_DIR
 
-from tests.helpers import TINY_ARCH
+from tests.helpers import TINY_ARCH, save_tiny_stack
 
 CONF = str(SHAPE_DIR.parents[1])
 
@@ -33,11 +32,8 @@ except ImportError:  # pragma: no cover - transformers is a dev dependency
 
 @pytest.fixture(scope="module")
 def stack(tokenizer, tmp_path_factory):  # noqa: F811
-    torch.manual_seed(0)
-    target = Transformer(LlamaConfig(**{**TINY_ARCH, "max_position_embeddings": 256}), "sdpa")
     root = tmp_path_factory.mktemp("bench_stack")
-    save_pretrained(target, root / "target", tokenizer=str(tokenizer[0]))
-    DraftHead(DraftConfig.for_target(target.config)).save(root / "draft")
+    save_tiny_stack(root, tokenizer[0])
     # hf_assisted's assistant: 1 layer, the same tokenizer (as tiny-code-assistant is for tiny-code).
     small = Transformer(LlamaConfig(**{**TINY_ARCH, "num_hidden_layers": 1, "max_position_embeddings": 256}), "sdpa")
     save_pretrained(small, root / "assistant", tokenizer=str(tokenizer[0]))
