@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from treedec.models.config import SUPPORTED_ARCHITECTURES, LlamaConfig
 from treedec.models.llama import Transformer, rope_inv_freq
+from treedec.models.packed import should_pack
 from treedec.models.paths import BUNDLED, resolve_path  # noqa: F401 - BUNDLED: tests patch checkpoint.BUNDLED
 
 WEIGHTS = "model.safetensors"
@@ -234,6 +235,8 @@ def load_model(
     model.inv_freq = rope_inv_freq(cfg).to(device)
     model = model.fuse() if fuse else model  # one q/k/v and one gate/up matmul per layer; state-dict names stay HF's
     model.requires_grad_(trainable)
+    if not trainable and should_pack(model):  # bf16 on a CPU: oneDNN weights packed once, same outputs
+        model.pack()
     return model.eval()
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from treedec.attention import default_backend, tree_attention, tree_dense_mask
 from treedec.models.cache import KVCache
 from treedec.models.config import LlamaConfig
+from treedec.models.packed import pack_linears
 from treedec.tree.layout import chain_bits, pack_bits, unpack_bits
 
 
@@ -320,6 +321,12 @@ class Transformer(nn.Module):
         """Fuse every layer's q/k/v and gate/up projections (``load_model`` does it by default)."""
         for layer in self.model.layers:
             layer.fuse()
+        return self
+
+    def pack(self) -> "Transformer":
+        """bf16 on a CPU: multiply by weights packed once for oneDNN (bit-identical, a copy of the linear
+        weights; ``load_model`` does it for models up to 2 GiB of them: see :mod:`treedec.models.packed`)."""
+        pack_linears(self)
         return self
 
     def backend(self) -> str:

@@ -1,0 +1,63 @@
+"""bf16 linears on a CPU with their weights packed once for oneDNN, as inductor's weight freezing does.
+
+A bf16 ``F.linear`` on a CPU runs oneDNN, which re-lays the weight out in its blocked format on
+every call. At the sizes of a tree step that reorder is most of the call: a 256->1408 projection
+at 6 rows takes 40 us, 21 us packed; the bundled model's 8192-row LM head 154-213 us, 76-133 us
+packed (``python scripts/cpu_kernels.py``). Packing once keeps the same kernel and the same
+accumulation, so outputs are bit for bit those of ``F.linear`` (of a contiguous input, when there is
+a bias: for a strided one ``F.linear`` adds it after rounding); the price is a second copy of the
+linear weights, so :func:`should_pack` leaves large models (bandwidth-bound, where the reorder is
+noise) unpacked.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+PACK_LIMIT_BYTES = 2 << 30  # linear weights above this stay unpacked: the copy would cost more than it saves
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` (same parameters, same state dict) that multiplies by a packed copy of its bf16 weight.
+
+    Only for bf16 inference on a CPU; anything else (autograd, other dtypes or devices, a
+    ``torch.compile`` trace) is plain ``F.linear``, and so is a forward with oneDNN switched off
+    (``one_row_matmuls``: for one row ATen's kernel is faster still; a packed LM head is faster in
+    isolation there but no faster within a step). The copy is re-packed when the weight changes
+    (its version counter moves: an optimizer step, ``load_state_dict``).
+    """
+
+    _packed: torch.Tensor | None = None
+    _key: tuple | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or w.device.type != "cpu"
+                or not torch.backends.mkldnn.enabled or torch.compiler.is_compiling()
+                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+            return F.linear(x, w, self.bias)
+        key = (w.data_ptr(), w._version)
+        if self._key != key:
+            self._packed, self._key = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), key
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+
+def should_pack(model: nn.Module) -> bool:
+    """Pack a bf16 model on a CPU whose linear weights total at most :data:`PACK_LIMIT_BYTES`."""
+    lins = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    w = lins[0].weight if lins else None
+    return (AVAILABLE and w is not None and w.dtype == torch.bfloat16 and w.device.type == "cpu"
+            and sum(m.weight.numel() * 2 for m in lins) <= PACK_LIMIT_BYTES)
+
+
+def pack_linears(model: nn.Module) -> nn.Module:
+    """Turn every ``nn.Linear`` of ``model`` into a :class:`PackedLinear` in place (packed lazily, on first use)."""
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = PackedLinear
+    return model
+
+
+__all__ = ["AVAILABLE", "PACK_LIMIT_BYTES", "PackedLinear", "pack_linears", "should_pack"]
