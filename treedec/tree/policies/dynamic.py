@@ -14,8 +14,8 @@ which is topological. Under sampling the draft's log-probs are taken at the samp
 depth to maximise expected tokens per second (tree/budget.py): the expected accepted length of
 the best T-node subtree is the prefix sum of the sorted path acceptances, computed here for
 every arm at once, and the step time is measured between successive ``draft()`` calls. The arms
-include T=1 (the root alone: a plain decoding step, nothing drafted) and T=2, 4 (a chain or a twig),
-so when the target gets compute-bound in rows*T (large batches) the budget shrinks, down to plain
+include T=1 (the root alone: a plain decoding step, nothing drafted), T=2, 4 (a chain or a twig) and
+a chain at every depth tried (T = depth + 1), so when the target gets compute-bound in rows*T (large batches) the budget shrinks, down to plain
 decoding, inside the same loop. ``depth``/``top_k`` are then the largest pool: each arm drafts the
 narrowest top_k whose pool holds its T-1 nodes (``pool_slack``), so a small tree does not pay for a
 wide pool; a top_k 1 arm is a chain and drafts through :class:`ChainPolicy`.
@@ -76,6 +76,9 @@ class DynamicPolicy(TreePolicy):
             # A T-node tree is at most T-1 deep: the small buckets draft only that deep. (1, 0): the root alone.
             arms = {(T, min(d, T - 1)) for d in range(lo, depth + 1) for T in sizes
                     if T <= n_drafted(top_k, min(d, T - 1)) + 1}
+            # and a chain at every depth tried (T = depth + 1, between the buckets): on a CPU a plain chain is
+            # often the fastest tree (its verify holds fewest tokens), and the buckets hold only the 7-deep one
+            arms |= {(d + 1, d) for d in range(lo, depth + 1) if d + 1 <= cap}
             if cap < 2 or not arms:
                 raise TreeError(f"tree.total_tokens=auto needs max_total_tokens >= 2 (got {max_total_tokens}) and "
                                 f"top_k/depth drafting at least 7 nodes")

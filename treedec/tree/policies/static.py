@@ -36,6 +36,7 @@ class StaticPolicy(TreePolicy):
         self.sample_drafts, self.scores = sample_drafts, scores
         self.max_depth = self.shape.max_depth
         self.max_size = len(self.shape)
+        self.shape.ancestors()  # memoised now, so that a step's first device plan for a batch reads nothing back
         self._plan()
 
     def _plan(self) -> None:
