@@ -161,6 +161,7 @@ class BudgetController:
         self._seen = [0.0, 0.0]  # decayed sums of (accepted, estimated) drafts of the arms chosen
         self._seen_arm: dict[tuple[int, int], tuple[float, float, float]] = {}  # the same per arm, and its plays
         self.prior = 1.0  # plays' worth of the batch-wide correction in each arm's own (shrinkage)
+        self.prior_plays = 2.0  # plays' worth of the (rescaled) estimate against an arm's own accepted record
 
     def start(self, owner, rows: int) -> tuple[int, int]:
         """Called at the start of each draft(): close the previous step's clock, pick this step's arm.
@@ -245,11 +246,22 @@ class BudgetController:
         self.gain = {a: self._base_ema * (n / d if d > 0 else 1.0)
                      for a, (n, d) in {**self._stand_in, **self._ratio}.items()}
 
+    def accepted(self, arm: tuple[int, int]) -> float | None:
+        """E[accepted drafts per row] of an arm: the calibrated estimate rescaled by :meth:`correction_of`, blended
+        with what the arm's own recent steps accepted (:attr:`prior_plays` pseudo-steps of the estimate). The
+        rescaled estimate follows the context (it is recomputed every step) but carries the calibration's bias;
+        the arm's own record has none, so the arms played most are judged by what they did."""
+        g = self.gain.get(arm)
+        if g is None:
+            return None
+        g *= self.correction_of(arm)
+        acc, _, n = self._seen_arm.get(arm, (0.0, 0.0, 0.0))
+        return (acc + self.prior_plays * g) / (n + self.prior_plays)
+
     def rate(self, rows: int, T: int, depth: int) -> float | None:
         """Expected tokens per second of an arm over the whole batch, sum over rows of (1 + E[accepted]) / step
         time (None while its acceptance or time is unknown). The root alone (T=1) accepts nothing by definition."""
-        g = 0.0 if T == 1 else self.gain.get((T, depth))
-        g = None if g is None else g * self.correction_of((T, depth))
+        g = 0.0 if T == 1 else self.accepted((T, depth))
         t = self.times.predict(rows, T, depth)
         return None if g is None or t is None else rows * (1.0 + g) / max(t, 1e-9)
 
