@@ -291,3 +291,22 @@ def test_an_arm_measured_once_is_not_trusted_above_the_fit_of_settled_arms():
     assert m.coef()[0] == pytest.approx(1e-3, rel=0.05)  # the inflated step is out of the fit
     m.observe(1, 4, 4, 1.5e-3)  # its second step: now its own measurement counts
     assert m.predict(1, 4, 4) == pytest.approx(1.5e-3, rel=1e-6)
+
+
+def test_an_arm_played_often_is_judged_by_what_it_accepted():
+    """The rescaled calibrated estimate follows each step's curve (here it swings 1 <-> 3 while the text does
+    not change); an arm's own record of 3 accepted per step does not, and dominates once it has a few steps."""
+    t = [0.0]
+    b = BudgetController([(1, 0), (2, 1), (8, 3)], explore_every=0, clock=lambda: t[0], probe=False)
+    b.choose = lambda rows: (8, 3)
+    owner, model = object(), []
+    for step in range(30):
+        t[0] += 0.01
+        b.start(owner, 1)
+        b.offer(torch.tensor([math.nan, 0.5, 1.0 if step % 2 else 3.0]), b.arms)
+        b.observe_accepted(3.0)
+        model.append((b.gain.get((8, 3), 0.0) * b.correction_of((8, 3)), b.accepted((8, 3))))
+    est, blend = zip(*model[10:])
+    assert max(abs(e - 3.0) for e in est) > 0.15  # the rescaled estimate alone keeps swinging
+    assert max(abs(a - 3.0) for a in blend) < 0.5 * max(abs(e - 3.0) for e in est)
+    assert b.accepted((2, 1)) == pytest.approx(b.gain[(2, 1)] * b.correction_of((2, 1)))  # never played: the estimate
