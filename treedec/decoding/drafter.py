@@ -170,22 +170,35 @@ class Drafter:
         return logp, self.head.to_target_ids(idx)
 
     def expand(self, tokens: torch.Tensor, parent_feats: torch.Tensor, depth: int,
-               anc_rows: torch.Tensor, n_prev: int) -> tuple[torch.Tensor, torch.Tensor]:
+               anc_rows: torch.Tensor | None, n_prev: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the draft on n tree nodes of one depth at once -> (features [B, n, H], logits [B, n, V]).
 
         ``anc_rows`` [(B,) n, n_prev + n] (bool): which of the inputs drafted so far in this
         tree (the ``n_prev`` earlier ones, then these n) each new node may see: itself and
-        its ancestors. The new nodes are written after the ones drafted before them.
+        its ancestors; None: one node (n = 1) that sees them all (a chain). The new nodes are
+        written after the ones drafted before them.
         """
         self.flush()
         B, n = tokens.shape
         cache = self.cache
-        L, host = cache.lengths.clone(), list(cache.host_lengths)
-        cache.advance(n_prev)
+        host = list(cache.host_lengths)
+        uniform = min(host) == max(host)  # rows of one length: host-built positions and mask, fewer ops
+        if anc_rows is None and n != 1:
+            raise ValueError(f"anc_rows=None means one node that sees every earlier input; got {n} nodes")
+        if anc_rows is None and uniform:
+            mask = "full"  # one query seeing every key: attention needs no mask
+        else:
+            if anc_rows is None:
+                anc_rows = torch.ones(1, n_prev + 1, dtype=torch.bool, device=tokens.device)
+            mask = prefix_tree_mask(anc_rows, cache.lengths, max(host) + n_prev + n, host_lens=host)[:, None]
+        if uniform:
+            pos = torch.full((B, n), host[0] - 1 + depth, dtype=torch.long, device=tokens.device)
+        else:
+            pos = (cache.lengths - 1 + depth)[:, None].expand(B, n)
+        if n_prev:
+            cache.advance(n_prev)
         try:
-            mask = prefix_tree_mask(anc_rows, L, max(host) + n_prev + n)[:, None]
-            pos = (L - 1 + depth)[:, None].expand(B, n)
             feat = self.head(tokens, parent_feats, cache, pos, mask)
         finally:
-            cache.rollback(host)
+            cache.rollback(host[0] if uniform else host)
         return feat, self.head.logits(feat)

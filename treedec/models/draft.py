@@ -29,6 +29,11 @@ from treedec.models.draft_config import BUNDLED_DRAFTS, DRAFT_CONFIG, DRAFT_WEIG
 from treedec.models.llama import DecoderLayer, ModelOutput, Transformer, rope_cos_sin, rope_inv_freq
 
 
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, without dispatching an op when it already is (a draft pass has ~80 ops: each counts)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def target_fingerprint(target: Transformer) -> str:
     """A short hash of what a head depends on: the target's shape and its embedding / LM head.
 
@@ -202,28 +207,32 @@ class DraftHead(nn.Module):
         """tokens [B, T] (one ahead of) features [B, T, H] -> predicted features [B, T, H].
 
         ``mask`` is a dense [B, 1, T, S] visibility mask over the cache (from ``prefix_tree_mask``);
-        None means a chain after each row's cached prefix. The cache length does not move.
+        None means a chain after each row's cached prefix; "full": every key is visible (one query
+        over rows of one length). The cache length does not move.
         Logits cost a vocabulary-wide matmul, so they are asked for apart: :meth:`logits`.
         """
         t = self.target
         dt = self.fc.weight.dtype
-        x = self.fc(torch.cat((t.model.embed_tokens(tokens).to(dt), features.to(dt)), dim=-1))
+        x = self.fc(torch.cat((_as(t.model.embed_tokens(tokens), dt), _as(features, dt)), dim=-1))
         mask, cos, sin = self._mask_rope(tokens.shape[1], cache, position_ids, mask)
         backend = "eager" if t.attn_backend == "eager" else "sdpa"  # one small layer: a dense mask is cheapest
-        return self.layer(x, cos.to(dt), sin.to(dt), cache, 0, None, mask, backend)
+        return self.layer(x, _as(cos, dt), _as(sin, dt), cache, 0, None, mask, backend)
 
     def _mask_rope(self, T: int, cache: KVCache, position_ids: torch.Tensor, mask: torch.Tensor | None):
         """(dense mask, cos, sin) of a cached forward: ``mask`` None is a chain after each row's prefix."""
         cache.check_room(T)
-        if mask is None:
+        host = cache.host_lengths
+        if mask is None and T == 1 and min(host) == max(host):
+            mask = "full"
+        elif mask is None:
             chain = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
-            mask = prefix_tree_mask(chain, cache.lengths, max(cache.host_lengths) + T)[:, None]
+            mask = prefix_tree_mask(chain, cache.lengths, max(host) + T, host_lens=host)[:, None]
         return (mask, *rope_cos_sin(position_ids, self.inv_freq))
 
     def logits(self, feat: torch.Tensor) -> torch.Tensor:
         """Draft logits for predicted features: over the draft vocabulary (all of the target's by default)."""
         w = self.target.lm_head.weight if self._lm_weight is None else self._lm_weight
-        return torch.nn.functional.linear(feat.to(w.dtype), w)
+        return torch.nn.functional.linear(_as(feat, w.dtype), w)
 
     def forward_train(self, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal pass from position 0 without a cache (training): same maths as :meth:`forward` on a chain."""

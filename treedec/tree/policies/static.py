@@ -66,7 +66,8 @@ class StaticPolicy(TreePolicy):
                 slot=torch.tensor([slot[parents[n]] for n in nodes]), rank=torch.tensor([ranks[n] for n in nodes]),
                 k=max(ranks[n] for n in nodes) + 1, grow=torch.tensor(grow, dtype=torch.long),
                 grow_parent_slot=torch.tensor([slot[parents[n]] for n in grow], dtype=torch.long),
-                anc_rows=self._forest_anc[n_prev:n_prev + len(grow), :n_prev + len(grow)],
+                anc_rows=None if len(grow) == 1 and bool(self._forest_anc[n_prev, :n_prev + 1].all())
+                else self._forest_anc[n_prev:n_prev + len(grow), :n_prev + len(grow)],  # None: a chain's next node
                 n_prev=n_prev, n_grow=len(grow), depth=d,
             ))
         self._on: dict = {}
