@@ -26,8 +26,8 @@ def test_a_packed_linear_equals_f_linear_bit_for_bit(bias, shape):
     assert isinstance(p, PackedLinear)
     x = torch.randn(*shape, 96, generator=gen).to(torch.bfloat16)
     with torch.inference_mode():
+        assert p._packed is not None  # packed when made
         got = p(x)
-        assert p._packed is not None  # it did take the packed path
         assert torch.equal(got, F.linear(x, lin.weight, lin.bias))
         xt = torch.randn(96, *shape, generator=gen).to(torch.bfloat16).movedim(0, -1)  # a non-contiguous input
         # (F.linear adds a bias to a strided input after rounding; the packed kernel fuses it, as for a contiguous one)
@@ -51,15 +51,15 @@ def test_autograd_fp32_and_one_row_mode_take_plain_f_linear():
     lin = torch.nn.Linear(32, 16).to(torch.bfloat16)
     p = packed_copy(lin)
     x = torch.randn(5, 32).to(torch.bfloat16)
+    packed = p._packed
     p(x).float().sum().backward()  # training: autograd through the ordinary weight
-    assert p.weight.grad is not None and p._packed is None
+    assert p.weight.grad is not None and p._packed is packed
     with torch.inference_mode(), torch.backends.mkldnn.flags(enabled=False):
-        p(x)
-    assert p._packed is None
+        assert torch.equal(p(x), F.linear(x, p.weight, p.bias))
     f = pack_linears(torch.nn.Linear(32, 16))
     with torch.inference_mode():
         f(torch.randn(5, 32))
-    assert f._packed is None
+    assert f._packed is None  # fp32: never packed
 
 
 def test_load_model_packs_bf16_on_cpu_only_and_keeps_the_state_dict():

@@ -38,10 +38,17 @@ class PackedLinear(nn.Linear):
                 or not torch.backends.mkldnn.enabled or torch.compiler.is_compiling()
                 or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
             return F.linear(x, w, self.bias)
-        key = (w.data_ptr(), w._version)
-        if self._key != key:
-            self._packed, self._key = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), key
+        if self._key != (w.data_ptr(), w._version):
+            self.repack()
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+    def repack(self) -> None:
+        """Pack the current weight (done at :func:`pack_linears` time, and again whenever the weight changed)."""
+        w = self.weight
+        if AVAILABLE and w.dtype == torch.bfloat16 and w.device.type == "cpu":
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+            self._key = (w.data_ptr(), w._version)
 
 
 def should_pack(model: nn.Module) -> bool:
@@ -53,10 +60,12 @@ def should_pack(model: nn.Module) -> bool:
 
 
 def pack_linears(model: nn.Module) -> nn.Module:
-    """Turn every ``nn.Linear`` of ``model`` into a :class:`PackedLinear` in place (packed lazily, on first use)."""
+    """Turn every ``nn.Linear`` of ``model`` into a :class:`PackedLinear` in place, packed now (at load time,
+    not inside the first generation's clock)."""
     for m in model.modules():
         if type(m) is nn.Linear:
             m.__class__ = PackedLinear
+            m.repack()
     return model
 
 
