@@ -96,27 +96,31 @@ class Calibration:
     def depth(self) -> int:
         return len(self.values)
 
-    def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(grid [G], intercepts and slopes [depths, G]) on ``device``: acceptance = a + b * q in the bin that
+        ends at grid point i (the piecewise-linear map as two lookups and one fused multiply-add per edge)."""
         key = str(device)
         if key not in self._dev:
-            self._dev = {key: (torch.tensor(self.grid, device=device), torch.tensor(self.values, device=device))}
+            g, v = torch.tensor(self.grid, dtype=torch.float64), torch.tensor(self.values, dtype=torch.float64)
+            b = torch.zeros_like(v)
+            b[:, 1:] = (v[:, 1:] - v[:, :-1]) / (g[1:] - g[:-1])
+            a = v - b * g
+            self._dev = {key: tuple(t.float().to(device) for t in (g, a, b))}
         return self._dev[key]
 
     def log_accept(self, logq: torch.Tensor, depth: int | torch.Tensor) -> torch.Tensor:
         """log of the calibrated acceptance of edges at child ``depth`` with draft log-probs ``logq`` (any shape);
         ``depth`` may be a tensor of depths broadcastable to ``logq`` (a chain's edges in one call)."""
-        grid, vals = self._tables(logq.device)
-        q = logq.float().exp().clamp(0.0, 1.0)
-        hi = torch.bucketize(q, grid).clamp(1, len(self.grid) - 1)
-        x0, x1 = grid[hi - 1], grid[hi]
+        grid, a, b = self._tables(logq.device)
+        q = (logq if logq.dtype == torch.float32 else logq.float()).exp()  # <= 1 up to rounding: the clamp below
+        hi = torch.bucketize(q, grid).clamp(1, len(self.grid) - 1)  # the bin (grid[hi-1], grid[hi]] holding q
         if torch.is_tensor(depth):  # per-element rows of the table
-            flat = vals.flatten()
-            at = ((depth.clamp(1, self.depth) - 1) * vals.shape[1]).expand_as(hi)
-            y0, y1 = flat[at + hi - 1], flat[at + hi]
+            at = ((depth.clamp(1, self.depth) - 1) * a.shape[1]).expand_as(hi) + hi
+            a, b = a.flatten()[at], b.flatten()[at]
         else:
-            row = vals[min(depth, self.depth) - 1]
-            y0, y1 = row[hi - 1], row[hi]
-        return torch.lerp(y0, y1, (q - x0) / (x1 - x0)).clamp(FLOOR, 1.0).log()
+            row = min(depth, self.depth) - 1
+            a, b = a[row][hi], b[row][hi]
+        return torch.addcmul(a, b, q).clamp(FLOOR, 1.0).log()
 
     def __call__(self, q: float, depth: int) -> float:
         """Host-side acceptance of one edge (tests, reports)."""

@@ -31,10 +31,11 @@ def topk_logp(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[t
     order, and so the tokens, do not change).
     """
     top = logits.topk(k, dim=-1)
+    f32 = (lambda t: t) if logits.dtype == torch.float32 else (lambda t: t.float())  # noqa: E731  (no no-op casts)
     if temperature == 1.0:
-        return top.values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True), top.indices
-    lse = torch.logsumexp(logits.float() / temperature, dim=-1, keepdim=True)
-    return top.values.float() / temperature - lse, top.indices
+        return f32(top.values) - torch.logsumexp(f32(logits), dim=-1, keepdim=True), top.indices
+    lse = torch.logsumexp(f32(logits) / temperature, dim=-1, keepdim=True)
+    return f32(top.values) / temperature - lse, top.indices
 
 
 class ForestAncestry:
