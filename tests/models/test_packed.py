@@ -88,3 +88,15 @@ def test_a_packed_bf16_model_decodes_bit_for_bit_like_an_unpacked_one(T):
             res = m(nxt, c, position_ids=c.lengths[:, None] + tree.depth, tree_mask=tree.mask()) if T > 1 else m(nxt, c)
             out.append((res.logits, c.k.clone()))
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+def test_a_packed_model_deep_copies_and_its_copy_repacks():
+    bf = load_model("tiny-code", dtype="bf16")
+    twin = copy.deepcopy(bf)  # the bench's vanilla_fp32 copies the target
+    lin = twin.model.layers[0].mlp.down_proj
+    assert isinstance(lin, PackedLinear) and lin._packed is None
+    x = torch.randn(3, 704).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(lin(x), bf.model.layers[0].mlp.down_proj(x)) and lin._packed is not None
+        f32 = copy.deepcopy(bf).float()
+        assert f32.model.layers[0].mlp.down_proj(x.float()).dtype == torch.float32

@@ -42,6 +42,14 @@ class PackedLinear(nn.Linear):
             self.repack()
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the packed weight behind (an opaque oneDNN tensor has no storage to
+        copy); a copy packs its own on first use."""
+        state = dict(self.__dict__)
+        state.pop("_packed", None)
+        state.pop("_key", None)
+        return state
+
     def repack(self) -> None:
         """Pack the current weight (done at :func:`pack_linears` time, and again whenever the weight changed)."""
         w = self.weight
