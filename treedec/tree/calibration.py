@@ -97,8 +97,8 @@ class Calibration:
         return len(self.values)
 
     def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(grid [G], intercepts and slopes [depths, G]) on ``device``: acceptance = a + b * q in the bin that
-        ends at grid point i (the piecewise-linear map as two lookups and one fused multiply-add per edge)."""
+        """(grid [G], intercepts a and slopes b [depths, G]) on ``device``: acceptance = a[i] + b[i] * q for q in
+        the bin (grid[i-1], grid[i]] (the piecewise-linear map as two lookups and one multiply-add per edge)."""
         key = str(device)
         if key not in self._dev:
             g, v = torch.tensor(self.grid, dtype=torch.float64), torch.tensor(self.values, dtype=torch.float64)
