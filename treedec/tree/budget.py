@@ -12,13 +12,14 @@ Sequoia's objective, ``(1 + E[accepted | T, depth]) / step_time(rows, T, depth)`
   and an arm measured once by at most that fit (a first step pays one-time work: up to 3x a step here).
 * **Correction**: the drafts each step really accepted rescale the chosen arm's estimate (per arm,
   shrunk towards the batch-wide ratio): calibration fitted on other text is off by 2-8x, differently
-  for chains and bushy trees.
+  for chains and bushy trees. An arm played often is then judged by its own accepted record, the
+  rescaled estimate counting as two steps (:meth:`BudgetController.accepted`).
 * **Exploration**: the first steps at a new row count probe far-apart arms (cheapest first); then
   every ``explore_every`` steps a neighbour of the best arm (one bucket up/down in T or depth) or the
   runner-up is tried, so a machine that gets busier or text that gets easier moves the choice.
 
-T is restricted to a few buckets so ``compile=True`` builds few graphs. The clock is injectable
-(tests drive it with a synthetic step-time model).
+T is restricted to a few buckets (and a chain per depth) so ``compile=True`` builds few graphs.
+The clock is injectable (tests drive it with a synthetic step-time model).
 """
 from __future__ import annotations
 

@@ -31,11 +31,12 @@ def topk_logp(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[t
     order, and so the tokens, do not change).
     """
     top = logits.topk(k, dim=-1)
-    f32 = (lambda t: t) if logits.dtype == torch.float32 else (lambda t: t.float())  # noqa: E731  (no no-op casts)
+    vals = top.values
+    if logits.dtype != torch.float32:  # (an fp32 head's logits need no cast: one op fewer per depth)
+        logits, vals = logits.float(), vals.float()
     if temperature == 1.0:
-        return f32(top.values) - torch.logsumexp(f32(logits), dim=-1, keepdim=True), top.indices
-    lse = torch.logsumexp(f32(logits) / temperature, dim=-1, keepdim=True)
-    return f32(top.values) / temperature - lse, top.indices
+        return vals - torch.logsumexp(logits, dim=-1, keepdim=True), top.indices
+    return vals / temperature - torch.logsumexp(logits / temperature, dim=-1, keepdim=True), top.indices
 
 
 class ForestAncestry:

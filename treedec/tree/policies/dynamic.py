@@ -16,9 +16,10 @@ the best T-node subtree is the prefix sum of the sorted path acceptances, comput
 every arm at once, and the step time is measured between successive ``draft()`` calls. The arms
 include T=1 (the root alone: a plain decoding step, nothing drafted), T=2, 4 (a chain or a twig) and
 a chain at every depth tried (T = depth + 1), so when the target gets compute-bound in rows*T (large
-batches) the budget shrinks, down to plain decoding, inside the same loop. ``depth``/``top_k`` are then the largest pool: each arm drafts the
-narrowest top_k whose pool holds its T-1 nodes (``pool_slack``), so a small tree does not pay for a
-wide pool; a top_k 1 arm is a chain and drafts through :class:`ChainPolicy`.
+batches) the budget shrinks, down to plain decoding, inside the same loop. ``depth``/``top_k`` are
+then the largest pool: each arm drafts the narrowest top_k whose pool holds its T-1 nodes
+(``pool_slack``), so a small tree does not pay for a wide pool; a top_k 1 arm is a chain and drafts
+through :class:`ChainPolicy`.
 
 ``node_share < 1`` gives each row its own budget: of the B*(T-1) candidate slots of a step only
 the ``node_share`` best by calibrated path acceptance *across the batch* are kept (each row keeps a
