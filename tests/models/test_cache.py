@@ -122,3 +122,36 @@ def test_ragged_writes_use_no_scatter():
     with count_ops() as ops:
         c.write(0, torch.ones(3, c.k.shape[2], 2, c.k.shape[-1]), torch.ones(3, c.k.shape[2], 2, c.k.shape[-1]))
     assert ops.ops["aten::index_put_"] == 2 and not any("scatter" in name for name in ops.ops)
+
+
+@pytest.mark.parametrize("rows", [[1, 3, 4], [0, 2], [0, 1, 2, 3, 4], [4], [0, 1, 4]])
+def test_keep_rows_keeps_each_rows_state_in_place(rows):
+    c = filled_cache(B=5, S=30)
+    c.rollback([7, 3, 12, 9, 5])
+    before = [(c.k[:, r, :, :L].clone(), c.v[:, r, :, :L].clone(), L) for r, L in enumerate(c.host_lengths)]
+    storage = c.k.untyped_storage().data_ptr()
+    with count_ops() as ops:
+        c.keep_rows(rows)
+    assert ops.host_reads == 0
+    assert c.batch == len(rows) and c.k.untyped_storage().data_ptr() == storage  # a view: nothing allocated
+    assert c.host_lengths == [before[r][2] for r in rows]
+    assert_mirror(c)
+    for j, r in enumerate(rows):
+        k, v, L = before[r]
+        assert torch.equal(c.k[:, j, :, :L], k) and torch.equal(c.v[:, j, :, :L], v)
+    # the cut cache goes on working: a ragged write and a commit land in the kept rows' own slots
+    new = torch.randn(len(rows), 2, 2, 4)
+    keys, _ = c.write(1, new, new)
+    for j, L in enumerate(c.host_lengths):
+        assert torch.equal(keys[j, :, L:L + 2], new[j])
+    c.commit(torch.tensor([0, 1]), 2)
+    assert c.host_lengths == [before[r][2] + 2 for r in rows]
+    assert_mirror(c)
+
+
+@pytest.mark.parametrize("rows", [[2, 1], [0, 0], [5], [-1, 2]])
+def test_keep_rows_rejects_rows_it_does_not_hold(rows):
+    c = filled_cache(B=5)
+    with pytest.raises(ValueError, match="ascending rows"):
+        c.keep_rows(rows)
+    assert c.batch == 5

@@ -32,7 +32,6 @@ import torch
 from treedec.decoding.loop import DecodeStats, StepInfo
 from treedec.decoding.sampling import RowSeededGenerator, SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
-from treedec.models.cache import KVCache
 from treedec.models.draft import DraftHead
 from treedec.models.llama import Transformer
 from treedec.tree.policies.base import TreePolicy
@@ -63,18 +62,6 @@ class Prompt:
         self.tokens = list(tokens)
 
 
-def _keep_rows(cache: KVCache, idx: torch.Tensor, rows: list[int]) -> KVCache:
-    """A cache holding only rows ``rows`` (``idx`` on the device) of ``cache``, its host mirror carried over."""
-    n_layers, _, heads, max_len, head_dim = cache.k.shape
-    out = KVCache(n_layers, len(rows), heads, max_len, head_dim, cache.k.dtype, cache.k.device)
-    out.k.copy_(cache.k.index_select(1, idx))
-    out.v.copy_(cache.v.index_select(1, idx))
-    out.lengths.copy_(cache.lengths.index_select(0, idx))
-    out.host_lengths = [cache.host_lengths[r] for r in rows]
-    out._synced()  # the lengths were written here, and the host mirror with them: no host read
-    return out
-
-
 class CompactingDecoder(SpeculativeDecoder):
     """Speculative decoding that drops a row from the batch once it is done, so the draft and verify
     passes run over the live rows only (no refill: a freed slot stays empty until ``generate`` returns).
@@ -94,7 +81,8 @@ class CompactingDecoder(SpeculativeDecoder):
         keep = [self._live.index(b) for b in live]
         idx = torch.tensor(keep, device=self.target.device)
         d = self.drafter
-        self.cache, d.cache = _keep_rows(self.cache, idx, keep), _keep_rows(d.cache, idx, keep)
+        self.cache.keep_rows(keep)
+        d.cache.keep_rows(keep)
         d.keep_rows(idx, keep)  # the root and any catch-up still pending
         if self._streams is not None:
             self._streams.generators = [self._streams.generators[i] for i in keep]
