@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from treedec.tree import TreeError
-from treedec.tree.budget import BudgetController, StepTimeModel
+from treedec.tree.budget import BudgetController, StepTimeModel, row_bucket
 from treedec.tree.policies import DynamicPolicy
 
 from tests.decoding.test_policies import primed_drafter
@@ -216,14 +216,17 @@ def test_estimates_from_another_pool_are_stand_ins_until_the_arms_own_pool_is_dr
     assert b.gain[16, 3] == pytest.approx(2.0)  # nor does a stand-in override an arm's own estimate
 
 
-def test_probes_far_apart_arms_first_at_each_new_row_count():
+def test_probes_far_apart_arms_first_at_each_new_row_bucket():
     arms = [(1, 0), (2, 1), (4, 3)] + [(T, d) for d in (3, 4, 5) for T in (8, 16, 24, 32, 64)]
     b = BudgetController(arms, explore_every=0, clock=lambda: 0.0)
     assert b.probes == [(1, 0), (2, 1), (8, 5), (24, 5)]  # cheapest first; 24: the geometric middle of 8..64
     owner = object()
     assert [b.start(owner, 1) for _ in b.probes] == b.probes
-    assert b.start(owner, 16) == (1, 0)  # a new batch size probes again
-    b.start(owner, 1)  # batch 1 goes on where it was
+    assert [b.start(owner, 16) for _ in range(3)] == b.probes[:3]  # a new batch size probes again, not the mid tree
+    for rows in (16, 15, 13, 12):  # rows leaving the batch one by one stay in its bucket: no new probes
+        assert b.start(owner, rows) == b.best(rows)
+    assert sorted(b._played) == [1, 16]
+    assert [row_bucket(r) for r in (1, 2, 3, 5, 6, 11, 12, 22, 23)] == [1, 2, 4, 4, 8, 8, 16, 16, 32]
 
 
 def test_a_preempted_step_counts_as_at_most_twice_its_arms_time():
@@ -310,3 +313,18 @@ def test_an_arm_played_often_is_judged_by_what_it_accepted():
     assert max(abs(e - 3.0) for e in est) > 0.15  # the rescaled estimate alone keeps swinging
     assert max(abs(a - 3.0) for a in blend) < 0.5 * max(abs(e - 3.0) for e in est)
     assert b.accepted((2, 1)) == pytest.approx(b.gain[(2, 1)] * b.correction_of((2, 1)))  # never played: the estimate
+
+
+def test_exploration_skips_neighbours_expected_far_below_the_best():
+    """Every explore_every steps a neighbour is tried only if it may reach explore_floor of the best arm's rate:
+    at a large batch a deep neighbour that costs twice the step for little more acceptance is left alone."""
+    gain = lambda T, d: {2: 0.8, 4: 2.0, 8: 2.4}.get(T, 0.0) if d else 0.0  # noqa: E731
+    clock = FakeClock(lambda T, d: 0.010 + 0.004 * T)  # compute-bound: (8, 7) costs ~2x (4, 3) per step
+    ctl = BudgetController([(1, 0), (2, 1), (4, 3), (8, 7)], explore_every=4, clock=clock)
+    clock.ctl = ctl
+    steps = drive(ctl, clock, 120, gain)[20:]
+    assert mode(steps) == (4, 3)
+    assert (8, 7) not in steps  # rate (1 + 2.4) / 0.042 vs (1 + 2.0) / 0.026: 0.7x the best, below the floor
+    assert (2, 1) in steps  # (1 + 0.8) / 0.018 = 0.87x: still worth a look now and then
+    ctl.explore_floor = 0.5
+    assert (8, 7) in drive(ctl, clock, 40, gain)

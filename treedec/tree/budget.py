@@ -14,9 +14,11 @@ Sequoia's objective, ``(1 + E[accepted | T, depth]) / step_time(rows, T, depth)`
   shrunk towards the batch-wide ratio): calibration fitted on other text is off by 2-8x, differently
   for chains and bushy trees. An arm played often is then judged by its own accepted record, the
   rescaled estimate counting as two steps (:meth:`BudgetController.accepted`).
-* **Exploration**: the first steps at a new row count probe far-apart arms (cheapest first); then
-  every ``explore_every`` steps a neighbour of the best arm (one bucket up/down in T or depth) or the
-  runner-up is tried, so a machine that gets busier or text that gets easier moves the choice.
+* **Exploration**: the first steps at a new row bucket (the nearest power of two) probe far-apart arms
+  (cheapest first; a middle-sized tree only in the first bucket); then every ``explore_every`` steps a
+  neighbour of the best arm (one bucket up/down in T or depth) or the runner-up is tried, if it is
+  expected to reach ``explore_floor`` of the best arm's rate, so a machine that gets busier or text
+  that gets easier moves the choice without costly detours at large batches.
 
 T is restricted to a few buckets (and a chain per depth) so ``compile=True`` builds few graphs.
 The clock is injectable (tests drive it with a synthetic step-time model).
@@ -38,6 +40,15 @@ FEATURES = ("1", "rows", "T", "rows*T", "depth", "rows*depth")  # the step-time 
 # compute-bound instead shrinks trees at batch 4 on a CPU where they still pay 1.5x.)
 _SUBSETS = ([0, 1, 2, 3, 4, 5], [0, 1, 3, 4, 5], [0, 1, 2, 3, 4], [0, 3, 4, 5], [0, 1, 3, 5], [0, 1, 3, 4],
             [0, 2, 4], [0, 3, 5], [0, 3, 4], [0, 1, 3], [0, 2], [0, 3], [0, 4], [0])
+
+
+def row_bucket(rows: int) -> int:
+    """The power of two nearest ``rows`` (in log scale): row counts that share the first steps' probes.
+
+    Rows leave a batch one by one as they finish; probing every count anew would spend a large part of
+    a batch's steps on probes, while the step-time fit, shared by all row counts, predicts the others.
+    """
+    return 1 << max(0, round(math.log2(max(rows, 1))))
 
 
 def _host_values(curve) -> np.ndarray:
@@ -140,14 +151,17 @@ class BudgetController:
         self.times = StepTimeModel()
         self.gain: dict[tuple[int, int], float] = {}  # E[accepted] per (T, depth), see _absorb
         self.base = min((a for a in self.arms if a[0] > 1), default=None)  # drafted whenever anything is
-        # The first steps at a new row count probe far-apart arms, cheapest first, so the step-time fit tells the
+        # The first steps at a new row bucket probe far-apart arms, cheapest first, so the step-time fit tells the
         # slopes in T and in depth apart at once (neighbour exploration alone walks one bucket per round): the root
-        # alone, the smallest tree, the smallest and a middle-sized tree at the deepest depth (geometric middle:
-        # its pool estimates the arms around it). Not the largest: at batch 16 on a CPU one such step costs ~20.
+        # alone, the smallest tree, the smallest and (first bucket only) a middle-sized tree at the deepest depth
+        # (geometric middle: its pool estimates the arms around it). Not the largest: at batch 16 on a CPU one
+        # such step costs ~20 vanilla steps, and even the middle one ~5, so later buckets skip it.
         deep = [a for a in self.arms if a[1] == self.arms[-1][1]]
         mid = min(deep, key=lambda a: (abs(math.log(a[0] / math.sqrt(deep[0][0] * deep[-1][0]))), a[0]))
         self.probes = [a for a in dict.fromkeys([self.arms[0], self.base, deep[0], mid]) if a is not None] if probe else []
-        self._played: dict[int, int] = {}  # rows -> steps chosen at that row count
+        self._played: dict[int, int] = {}  # row bucket (row_bucket) -> steps chosen there
+        self._probes: dict[int, list[tuple[int, int]]] = {}  # row bucket -> the probes it takes
+        self.explore_floor = 0.8  # explore only arms expected to reach this share of the best arm's tokens/s
         self.decay = 0.9
         self._base_ema: float | None = None
         self._ratio: dict[tuple[int, int], tuple[float, float]] = {}
@@ -293,10 +307,14 @@ class BudgetController:
     def choose(self, rows: int) -> tuple[int, int]:
         """The best arm, or every ``explore_every`` steps one of its neighbours or the runner-up, in turn (so plain decoding,
         once chosen, still tries a small tree now and then and comes back when trees pay again); the
-        :attr:`probes` first at each new row count."""
-        n = self._played[rows] = self._played.get(rows, 0) + 1
-        if n <= len(self.probes):
-            return self.probes[n - 1]
+        :attr:`probes` first at each new row bucket."""
+        bucket = row_bucket(rows)
+        if bucket not in self._played:  # the first bucket takes every probe; later ones not the middle-sized tree
+            self._played[bucket], self._probes[bucket] = 0, self.probes[: 3 if self._played else None]
+        n = self._played[bucket] = self._played[bucket] + 1
+        probes = self._probes[bucket]
+        if n <= len(probes):
+            return probes[n - 1]
         ranked = self.ranked(rows)
         best = ranked[0] if ranked else self.best(rows)
         if self.explore_every and self.steps % self.explore_every == 0:
@@ -304,6 +322,17 @@ class BudgetController:
             # and the runner-up outside them: a jump to another region (a chain, another pool) that the
             # one-bucket walk would reach only after many rounds
             nbrs += [a for a in ranked[1:] if a not in nbrs][:1]
+            nbrs = [a for a in nbrs if self._worth_a_try(rows, a, best)]
             if nbrs:
                 return nbrs[(self.steps // self.explore_every) % len(nbrs)]
         return best
+
+    def _worth_a_try(self, rows: int, arm: tuple[int, int], best: tuple[int, int]) -> bool:
+        """Whether exploring ``arm`` may pay: expected within :attr:`explore_floor` of the best arm's tokens/s, or,
+        with no rate yet, a step at most :attr:`explore_floor`'s inverse as long. (At batch 16 on a CPU a deep
+        neighbour runs ~0.6x the best arm's rate and twice its step time: trying it every 8 steps cost ~5 %.)"""
+        r, rb = self.rate(rows, *arm), self.rate(rows, *best)
+        if r is not None and rb is not None:
+            return r >= self.explore_floor * rb
+        t, tb = self.times.predict(rows, *arm), self.times.predict(rows, *best)
+        return t is None or tb is None or t * self.explore_floor <= tb
