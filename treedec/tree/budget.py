@@ -16,9 +16,10 @@ Sequoia's objective, ``(1 + E[accepted | T, depth]) / step_time(rows, T, depth)`
   rescaled estimate counting as two steps (:meth:`BudgetController.accepted`).
 * **Exploration**: the first steps at a new row bucket (the nearest power of two) probe far-apart arms
   (cheapest first; a middle-sized tree only in the first bucket); then every ``explore_every`` steps a
-  neighbour of the best arm (one bucket up/down in T or depth) or the runner-up is tried, if it is
-  expected to reach ``explore_floor`` of the best arm's rate, so a machine that gets busier or text
-  that gets easier moves the choice without costly detours at large batches.
+  neighbour of the best arm (one bucket up/down in T or depth) or the runner-up is tried (once an arm
+  has a record of its own, only if it is expected to reach ``explore_floor`` of the best arm's rate),
+  so a machine that gets busier or text that gets easier moves the choice, without costly detours at
+  large batches.
 
 T is restricted to a few buckets (and a chain per depth) so ``compile=True`` builds few graphs.
 The clock is injectable (tests drive it with a synthetic step-time model).
@@ -32,7 +33,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64)  # 1: the root alone (plain decoding); 2, 4: a chain or a twig
-FEATURES = ("1", "rows", "T", "rows*T", "depth", "rows*depth")  # the step-time fit's columns
+FEATURES = ("1", "rows", "T", "rows*T", "depth", "rows*inputs")  # the step-time fit's columns
 # The first model (fullest first) whose slopes come out >= 0 wins. While one row count only has been
 # measured, its rows terms are not identifiable and the launch-bound model (1, T, depth) comes first:
 # a new row count is first predicted as costly as the known one, scaled by its own first measurement
@@ -60,13 +61,17 @@ def _host_values(curve) -> np.ndarray:
 class StepTimeModel:
     """Step seconds as f(rows, T, depth): per-arm EMA, one linear fit over every row count for the rest.
 
-    The fit ``a + b*rows + c*T + e*rows*T + f*depth + g*rows*depth`` (non-negative slopes) is shared by all row
+    The fit ``a + b*rows + c*T + e*rows*T + f*depth + g*rows*inputs`` (non-negative slopes) is shared by all row
     counts, so a batch size never seen (or one that a finished row just produced) is predicted
     from the others, and a machine that gets compute-bound in ``rows*T`` is recognised as such.
+    ``inputs[(T, depth)]`` is the draft-head inputs per row an arm's draft passes hold (a chain: its depth,
+    the default; a top_k pool: k per depth): the draft's share of the cost grows with it once rows make
+    the head compute-bound (a 2-wide pool at batch 16 drafts ~1.7x as slowly as a chain of its depth).
     """
 
-    def __init__(self, alpha: float = 0.25, refit_every: int = 8):
+    def __init__(self, alpha: float = 0.25, refit_every: int = 8, inputs: dict[tuple[int, int], int] | None = None):
         self.alpha, self.refit_every = alpha, refit_every
+        self.inputs = dict(inputs or {})
         self.ema: dict[tuple[int, int, int], float] = {}
         self._count: dict[tuple[int, int, int], int] = {}
         self._coef: np.ndarray | None = None
@@ -89,9 +94,8 @@ class StepTimeModel:
         if old is None or self._fresh >= self.refit_every:  # a new arm changes the fit most: refit at once
             self._coef = None
 
-    @staticmethod
-    def features(rows: int, T: int, depth: int) -> list[float]:
-        return [1.0, rows, T, rows * T, depth, rows * depth]
+    def features(self, rows: int, T: int, depth: int) -> list[float]:
+        return [1.0, rows, T, rows * T, depth, rows * self.inputs.get((T, depth), depth)]
 
     def coef(self) -> np.ndarray | None:
         """The fit's coefficients in :data:`FEATURES` order (None before any measurement)."""
@@ -142,13 +146,16 @@ class BudgetController:
     """Chooses a (T, depth) arm per step among ``arms``; fed by the policy's draft() calls."""
 
     def __init__(self, arms: Sequence[tuple[int, int]], explore_every: int = 8,
-                 clock: Callable[[], float] | None = None, alpha: float = 0.1, probe: bool = True):
+                 clock: Callable[[], float] | None = None, alpha: float = 0.1, probe: bool = True,
+                 inputs: dict[tuple[int, int], int] | None = None, family: dict[tuple[int, int], int] | None = None):
+        """``inputs``: draft-head inputs per row of each arm (see :class:`StepTimeModel`; default: its depth).
+        ``family``: a key per arm (its pool's top_k); an arm never played borrows its family's correction."""
         if not arms:
             raise ValueError("the auto budget needs at least one (tree size, depth) arm")
         self.arms = sorted(set((int(T), int(d)) for T, d in arms), key=lambda a: (a[1], a[0]))
         self.explore_every, self.alpha = explore_every, alpha
         self.clock = clock or time.perf_counter
-        self.times = StepTimeModel()
+        self.times = StepTimeModel(inputs=inputs)
         self.gain: dict[tuple[int, int], float] = {}  # E[accepted] per (T, depth), see _absorb
         self.base = min((a for a in self.arms if a[0] > 1), default=None)  # drafted whenever anything is
         # The first steps at a new row bucket probe far-apart arms, cheapest first, so the step-time fit tells the
@@ -161,7 +168,8 @@ class BudgetController:
         self.probes = [a for a in dict.fromkeys([self.arms[0], self.base, deep[0], mid]) if a is not None] if probe else []
         self._played: dict[int, int] = {}  # row bucket (row_bucket) -> steps chosen there
         self._probes: dict[int, list[tuple[int, int]]] = {}  # row bucket -> the probes it takes
-        self.explore_floor = 0.8  # explore only arms expected to reach this share of the best arm's tokens/s
+        self.explore_floor = 0.8  # once known, explore only arms expected to reach this share of the best arm's tokens/s
+        self.explore_known = 4.0  # an arm is known after this many (decayed) plays of its own
         self.decay = 0.9
         self._base_ema: float | None = None
         self._ratio: dict[tuple[int, int], tuple[float, float]] = {}
@@ -177,6 +185,8 @@ class BudgetController:
         self._seen_arm: dict[tuple[int, int], tuple[float, float, float]] = {}  # the same per arm, and its plays
         self.prior = 1.0  # plays' worth of the batch-wide correction in each arm's own (shrinkage)
         self.prior_plays = 2.0  # plays' worth of the (rescaled) estimate against an arm's own accepted record
+        self.family = dict(family or {})
+        self._family_factor: dict = {}
 
     def start(self, owner, rows: int) -> tuple[int, int]:
         """Called at the start of each draft(): close the previous step's clock, pick this step's arm.
@@ -221,6 +231,7 @@ class BudgetController:
             self._seen = [decay * self._seen[0] + accepted, decay * self._seen[1] + est]
             acc0, est0, n0 = self._seen_arm.get(self.last, (0.0, 0.0, 0.0))
             self._seen_arm[self.last] = (decay * acc0 + accepted, decay * est0 + est, decay * n0 + 1)
+            self._refresh_families()
 
     @property
     def correction(self) -> float:
@@ -229,15 +240,28 @@ class BudgetController:
         return 1.0 if est <= 0 else min(8.0, max(0.25, acc / est))
 
     def correction_of(self, arm: tuple[int, int]) -> float:
-        """The arm's own accepted ÷ estimated, shrunk towards :attr:`correction` by :attr:`prior` plays (an arm
-        never played gets the batch-wide factor), in [1/4, 16]. (A deep chain's calibrated estimate multiplies
+        """The arm's own accepted ÷ estimated, shrunk towards its family's factor by :attr:`prior` plays (an arm
+        never played gets that factor), in [1/4, 16]. (A deep chain's calibrated estimate multiplies
         per-edge acceptances that are correlated along the path: on the bundled head and third-party code a
         7-deep chain's is ~5-8x low, a bushy tree's ~2x.)"""
         acc, est, n = self._seen_arm.get(arm, (0.0, 0.0, 0.0))
+        prior = self._family_factor.get(self.family.get(arm), self.correction)
         if est <= 0:
-            return self.correction
+            return prior
         w = self.prior * est / n  # the prior's weight in estimated drafts: `prior` plays of this arm
-        return min(16.0, max(0.25, (acc + w * self.correction) / (est + w)))
+        return min(16.0, max(0.25, (acc + w * prior) / (est + w)))
+
+    def _refresh_families(self) -> None:
+        """Each family's accepted ÷ estimated over its played arms (pooled sums), in [1/4, 16]: the factor of its
+        arms never played. Families are the arms' pool widths (:attr:`family`): a chain never played at batch 16
+        is judged like the chains that were (calibration is ~3x further off for chains than for 2-wide pools)."""
+        sums: dict = {}
+        for arm, (acc, est, _) in self._seen_arm.items():
+            f = self.family.get(arm)
+            if f is not None and est > 0:
+                a, e = sums.get(f, (0.0, 0.0))
+                sums[f] = (a + acc, e + est)
+        self._family_factor = {f: min(16.0, max(0.25, a / e)) for f, (a, e) in sums.items()}
 
     def _absorb(self) -> None:
         if self._pending is None:
@@ -328,11 +352,11 @@ class BudgetController:
         return best
 
     def _worth_a_try(self, rows: int, arm: tuple[int, int], best: tuple[int, int]) -> bool:
-        """Whether exploring ``arm`` may pay: expected within :attr:`explore_floor` of the best arm's tokens/s, or,
-        with no rate yet, a step at most :attr:`explore_floor`'s inverse as long. (At batch 16 on a CPU a deep
-        neighbour runs ~0.6x the best arm's rate and twice its step time: trying it every 8 steps cost ~5 %.)"""
+        """Whether exploring ``arm`` may pay: it has fewer than :attr:`explore_known` plays of its own (its estimate
+        may be biased low, and only playing it tells), or it is expected within :attr:`explore_floor` of the best
+        arm's tokens/s. (At batch 16 on a CPU a deep neighbour runs ~0.6x the best arm's rate at twice its step
+        time: trying it every 8 steps for good cost ~5 %.)"""
+        if self._seen_arm.get(arm, (0.0, 0.0, 0.0))[2] < self.explore_known:
+            return True
         r, rb = self.rate(rows, *arm), self.rate(rows, *best)
-        if r is not None and rb is not None:
-            return r >= self.explore_floor * rb
-        t, tb = self.times.predict(rows, *arm), self.times.predict(rows, *best)
-        return t is None or tb is None or t * self.explore_floor <= tb
+        return r is None or rb is None or r >= self.explore_floor * rb

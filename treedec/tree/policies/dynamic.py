@@ -86,7 +86,9 @@ class DynamicPolicy(TreePolicy):
             self.arm_top_k = {(T, d): next((w for w in range(1, top_k) if n_drafted(w, d) >= pool_slack * (T - 1)),
                                            top_k) for T, d in arms}
             arms = [(1, 0), *arms]
-            self.budget = BudgetController(arms, explore_every=explore_every, clock=clock)
+            inputs = {(T, d): 1 + k * (d - 1) for (T, d), k in self.arm_top_k.items()}  # the root, then k per depth
+            self.budget = BudgetController(arms, explore_every=explore_every, clock=clock, inputs=inputs,
+                                           family=self.arm_top_k)
             self.total_tokens = max(T for T, _ in arms)
         else:
             if isinstance(total_tokens, bool) or not isinstance(total_tokens, int):
