@@ -136,14 +136,20 @@ def test_auto_policy_picks_plain_decoding_when_no_tree_pays_and_stays_lossless()
 
 
 def test_auto_policy_keeps_trees_when_nodes_are_nearly_free():
-    from treedec.decoding.speculative import SpeculativeDecoder
-
-    target, draft = make_pair(33)
-    clock = FakeClock(lambda T, d: 0.01 + 1e-5 * T)  # drafting and verifying nearly free: any acceptance pays
+    """Nodes nearly free: any acceptance pays, so on the policy's real arm set (the root alone, chains, pools of
+    each width; estimates offered every step, unscored chain steps judged by their smoothed estimate) the budget
+    ends on a big tree. (A random draft head accepts nothing, and then plain decoding is right: see above.)"""
+    clock = FakeClock(lambda T, d: 0.01 + 1e-5 * T)
     pol = DynamicPolicy("auto", depth=4, top_k=4, explore_every=4, clock=clock)
-    clock.ctl = pol.budget
-    SpeculativeDecoder(target, draft, pol).generate(list(range(5, 15)), 150)
-    assert mode(pol.budget.history[-20:])[0] >= 8
+    ctl = clock.ctl = pol.budget
+    gain = lambda T, d: 0.5 * min(d, 3) * (1 - 0.8 ** T)  # noqa: E731  (saturating in T and depth)
+    owner = object()
+    for _ in range(150):
+        T, d = ctl.start(owner, 1)
+        if T > 1 and (pol.arm_top_k[T, d] > 1 or ctl.wants_estimates()):
+            ctl.offer([gain(a, b) if a > 1 and b <= d else math.nan for a, b in ctl.arms], ctl.arms)
+        ctl.observe_accepted(gain(T, d) if T > 1 else 0.0)
+    assert mode(ctl.history[-20:])[0] >= 8
 
 
 def test_auto_budget_validation():
@@ -339,3 +345,23 @@ def test_exploration_skips_neighbours_known_to_be_far_below_the_best():
     assert (2, 1) in steps[100:]  # (1 + 0.8) / 0.018 = 0.87x: still worth a look now and then
     ctl.explore_floor = 0.5
     assert (8, 7) in run(40)
+
+
+def test_a_chain_arm_scores_and_offers_every_estimate_every_steps_and_drafts_the_same_chain():
+    """Scoring is ~30 % of a chain's draft ops, so a chain arm offers estimates every estimate_every steps only (and
+    while it has none); the steps in between draft the very same chain unscored and are judged by the arm's
+    smoothed estimate, so its accepted record keeps growing every step."""
+    pol = DynamicPolicy("auto", depth=5, top_k=4)
+    ctl = pol.budget
+    ctl.choose = lambda rows: (6, 5)
+    d = primed_drafter(3)
+    scored, trees = [], []
+    with torch.inference_mode():
+        for _ in range(12):
+            tree = pol.draft(d)
+            scored.append(ctl._pending is not None)
+            trees.append(tree.tokens)
+            ctl.observe_accepted(2.0)
+    assert scored == [True] + [s % ctl.estimate_every == 0 for s in range(2, 13)]
+    assert all(torch.equal(t, trees[0]) for t in trees)  # same drafter state: the same chain, scored or not
+    assert ctl._seen_arm[6, 5][2] == pytest.approx(sum(0.95 ** i for i in range(12)))  # every step recorded

@@ -108,8 +108,10 @@ class DynamicPolicy(TreePolicy):
         self.max_inputs = top_k * (depth - 1)
         self.max_rank = top_k - 1
         # depth -> the chain drafted for a top_k 1 arm, planned here so that no step pays it (its plan reads the host)
-        self._chains: dict[int, ChainPolicy] = {d: ChainPolicy(d, scores=True) for (T, d), k in
-                                                getattr(self, "arm_top_k", {}).items() if k == 1 and T == d + 1}
+        # (-depth: its unscored twin, for the steps that offer no estimates)
+        self._chains: dict[int, ChainPolicy] = {s * d: ChainPolicy(d, scores=s > 0) for (T, d), k in
+                                                getattr(self, "arm_top_k", {}).items() if k == 1 and T == d + 1
+                                                for s in (1, -1)}
 
     def _constants(self, B: int, dev, k: int) -> dict:
         """Index tensors every step needs, made once per (batch, device, top_k): depth and rank of each candidate."""
@@ -200,6 +202,10 @@ class DynamicPolicy(TreePolicy):
         """An auto arm of top_k 1 (a chain): the static chain's lean draft (~10% faster at batch 1 than the
         generic path: no sorts, no reranking), its draft log-probs calibrated for the arms' estimates.
         (The chain's log-probs are at temperature 1: under sampling only the estimate differs.)"""
+        if self.budget is not None and not self.budget.wants_estimates():  # no scores, no estimates: the plain chain
+            if -D not in self._chains:
+                self._chains[-D] = ChainPolicy(D)
+            return self._chains[-D].draft(drafter)
         if D not in self._chains:
             self._chains[D] = ChainPolicy(D, scores=True)
         tree = self._chains[D].draft(drafter)
