@@ -39,8 +39,9 @@ def export_hf(module, tokenizer_path: str | Path, out_dir: str | Path, dtype: st
 
     model = module.model
     cfg = model.config
+    # no max_length: every caller passes max_new_tokens, and transformers warns on each generate() given both
     gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "do_sample": False,
-           "max_length": cfg.max_position_embeddings, "_from_model_config": True}
+           "_from_model_config": True}
 
     def write(d: Path) -> None:
         save_pretrained(model, d, tokenizer=str(tokenizer_path), dtype=dtype)
