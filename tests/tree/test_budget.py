@@ -365,3 +365,21 @@ def test_a_chain_arm_scores_and_offers_every_estimate_every_steps_and_drafts_the
     assert scored == [True] + [s % ctl.estimate_every == 0 for s in range(2, 13)]
     assert all(torch.equal(t, trees[0]) for t in trees)  # same drafter state: the same chain, scored or not
     assert ctl._seen_arm[6, 5][2] == pytest.approx(sum(0.95 ** i for i in range(12)))  # every step recorded
+
+
+def test_the_arm_held_keeps_its_place_unless_the_leader_is_clearly_faster():
+    """Between arms expected within hold_margin of each other the estimates are noise: the budget keeps the arm it
+    holds instead of flipping with them; a leader clearly ahead still takes over (per row bucket)."""
+    ctl = BudgetController([(2, 1), (4, 3), (8, 7)], explore_every=0, probe=False)
+    rates = {(2, 1): 1.0, (4, 3): 3.0, (8, 7): 2.0}
+    ctl.rate = lambda rows, T, d: rates[T, d]  # the expected tokens/s the choice compares
+    assert ctl.choose(1) == (4, 3)
+    rates[8, 7] = 3.05  # 1.7 % ahead: within the margin, (4, 3) is held
+    assert [ctl.choose(1) for _ in range(5)] == [(4, 3)] * 5
+    assert ctl.choose(16) == (8, 7)  # another row bucket holds its own arm: there the leader is taken
+    rates[8, 7] = 3.3  # 10 % ahead: it takes over, and is held in turn
+    assert ctl.choose(1) == (8, 7)
+    rates[4, 3] = 3.35
+    assert ctl.choose(1) == (8, 7)
+    ctl.hold_margin = 0.0
+    assert ctl.choose(1) == (4, 3)

@@ -170,6 +170,8 @@ class BudgetController:
         self._probes: dict[int, list[tuple[int, int]]] = {}  # row bucket -> the probes it takes
         self.explore_floor = 0.8  # once known, explore only arms expected to reach this share of the best arm's tokens/s
         self.explore_known = 4.0  # an arm is known after this many (decayed) plays of its own
+        self.hold_margin = 0.03  # the arm played keeps its place unless the leader is expected this much faster
+        self._held: dict[int, tuple[int, int]] = {}  # row bucket -> the arm held there
         self.estimate_every = 4  # a chain arm (the cheapest to draft, where scoring costs most) offers estimates
         #                          every this many steps only (see wants_estimates)
         self.decay = 0.9
@@ -346,7 +348,8 @@ class BudgetController:
     def choose(self, rows: int) -> tuple[int, int]:
         """The best arm, or every ``explore_every`` steps one of its neighbours or the runner-up, in turn (so plain decoding,
         once chosen, still tries a small tree now and then and comes back when trees pay again); the
-        :attr:`probes` first at each new row bucket."""
+        :attr:`probes` first at each new row bucket. The arm last held keeps its place while it is expected
+        within :attr:`hold_margin` of the best."""
         bucket = row_bucket(rows)
         if bucket not in self._played:  # the first bucket takes every probe; later ones not the middle-sized tree
             self._played[bucket], self._probes[bucket] = 0, self.probes[: 3 if self._played else None]
@@ -356,6 +359,11 @@ class BudgetController:
             return probes[n - 1]
         ranked = self.ranked(rows)
         best = ranked[0] if ranked else self.best(rows)
+        held = self._held.get(bucket)
+        if held in ranked[1:] and self.rate(rows, *held) >= (1 - self.hold_margin) * self.rate(rows, *best):
+            best = held  # within the margin of the leader: keep it (between near-equal arms the estimates are noise:
+            #              at batch 1 the budget drifted among them to bigger trees, ~4 % below the chain)
+        self._held[bucket] = best
         if self.explore_every and self.steps % self.explore_every == 0:
             nbrs = self.neighbours(best)
             # and the runner-up outside them: a jump to another region (a chain, another pool) that the
