@@ -383,3 +383,19 @@ def test_the_arm_held_keeps_its_place_unless_the_leader_is_clearly_faster():
     assert ctl.choose(1) == (8, 7)
     ctl.hold_margin = 0.0
     assert ctl.choose(1) == (4, 3)
+
+
+def test_step_time_model_charges_a_wide_pool_for_its_draft_inputs_at_batch():
+    """The fit's draft term is rows * inputs (an arm's draft-head inputs per row), so a 2-wide pool at batch 16 is
+    predicted dearer than a chain of the same depth, although neither was measured there."""
+    inputs = {(6, 5): 5, (16, 5): 9, (8, 3): 5, (4, 3): 3}
+    cost = lambda r, T, d: 0.003 + 0.00005 * r * T + 0.0004 * d + 0.00006 * r * inputs[T, d]  # noqa: E731
+    m = StepTimeModel(inputs=inputs)
+    for r, T, d in ((1, 6, 5), (1, 16, 5), (4, 8, 3), (4, 4, 3), (2, 16, 5), (8, 6, 5), (1, 4, 3)):
+        m.observe(r, T, d, cost(r, T, d))
+    for r, T, d in ((16, 6, 5), (16, 16, 5), (16, 8, 3)):
+        assert m.predict(r, T, d) == pytest.approx(cost(r, T, d), rel=1e-6)
+    plain = StepTimeModel()  # without the pools' widths the same data cannot be fitted exactly
+    for r, T, d in ((1, 6, 5), (1, 16, 5), (4, 8, 3), (4, 4, 3), (2, 16, 5), (8, 6, 5), (1, 4, 3)):
+        plain.observe(r, T, d, cost(r, T, d))
+    assert plain.predict(16, 16, 5) != pytest.approx(cost(16, 16, 5), rel=1e-3)

@@ -96,30 +96,34 @@ class Calibration:
     def depth(self) -> int:
         return len(self.values)
 
-    def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(grid [G], intercepts a and slopes b [depths, G]) on ``device``: acceptance = a[i] + b[i] * q for q in
-        the bin (grid[i-1], grid[i]] (the piecewise-linear map as two lookups and one multiply-add per edge)."""
+    def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+        """(grid [G], intercepts a and slopes b [depths, G + 1], and each depth's (a, b) rows) on ``device``:
+        acceptance = a[i] + b[i] * q for ``i = bucketize(q, grid)``, the bin (grid[i-1], grid[i]] (the
+        piecewise-linear map as two lookups and one multiply-add per edge). Columns 0 and G repeat the first
+        and last bins, so q = 0 and q rounded past 1 need no clamp of the index (one op fewer a depth)."""
         key = str(device)
         if key not in self._dev:
             g, v = torch.tensor(self.grid, dtype=torch.float64), torch.tensor(self.values, dtype=torch.float64)
             b = torch.zeros_like(v)
             b[:, 1:] = (v[:, 1:] - v[:, :-1]) / (g[1:] - g[:-1])
             a = v - b * g
-            self._dev = {key: tuple(t.float().to(device) for t in (g, a, b))}
+            pad = lambda t: torch.cat([t[:, 1:2], t[:, 1:], t[:, -1:]], 1).float().to(device)  # noqa: E731
+            a, b = pad(a), pad(b)
+            self._dev = {key: (g.float().to(device), a, b, list(zip(a.unbind(0), b.unbind(0))))}
         return self._dev[key]
 
     def log_accept(self, logq: torch.Tensor, depth: int | torch.Tensor) -> torch.Tensor:
         """log of the calibrated acceptance of edges at child ``depth`` with draft log-probs ``logq`` (any shape);
         ``depth`` may be a tensor of depths broadcastable to ``logq`` (a chain's edges in one call)."""
-        grid, a, b = self._tables(logq.device)
+        grid, a, b, rows = self._tables(logq.device)
         q = (logq if logq.dtype == torch.float32 else logq.float()).exp()  # <= 1 up to rounding: the clamp below
-        hi = torch.bucketize(q, grid).clamp(1, len(self.grid) - 1)  # the bin (grid[hi-1], grid[hi]] holding q
+        hi = torch.bucketize(q, grid)  # the bin (grid[hi-1], grid[hi]] holding q (0 and G: the padded end bins)
         if torch.is_tensor(depth):  # per-element rows of the table
             at = ((depth.clamp(1, self.depth) - 1) * a.shape[1]).expand_as(hi) + hi
             a, b = a.flatten()[at], b.flatten()[at]
         else:
-            row = min(depth, self.depth) - 1
-            a, b = a[row][hi], b[row][hi]
+            a, b = rows[min(depth, self.depth) - 1]
+            a, b = a[hi], b[hi]
         return torch.addcmul(a, b, q).clamp(FLOOR, 1.0).log()
 
     def __call__(self, q: float, depth: int) -> float:
