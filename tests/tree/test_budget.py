@@ -399,3 +399,59 @@ def test_step_time_model_charges_a_wide_pool_for_its_draft_inputs_at_batch():
     for r, T, d in ((1, 6, 5), (1, 16, 5), (4, 8, 3), (4, 4, 3), (2, 16, 5), (8, 6, 5), (1, 4, 3)):
         plain.observe(r, T, d, cost(r, T, d))
     assert plain.predict(16, 16, 5) != pytest.approx(cost(16, 16, 5), rel=1e-3)
+
+
+def test_top_run_counts_the_leading_top1_drafts_of_each_accepted_path():
+    from treedec.decoding.verify import Acceptance, top_run
+    from treedec.tree.tree import Tree
+
+    # root 0; 1 (rank 0) and 2 (rank 1) under it; 3 (rank 0) under 1; 4 (rank 0) under 3; 5 (rank 1) under 3
+    tree = Tree.from_parents([-1, 0, 0, 1, 3, 3], rank=[0, 0, 1, 0, 0, 1])
+    path = torch.tensor([[0, 1, 3, 4], [0, 2, 0, 0], [0, 1, 3, 0], [0, 1, 3, 5], [0, 0, 0, 0]])
+    n = torch.tensor([4, 2, 2, 4, 0])  # accepted nodes, root included (0: a finished row)
+    acc = Acceptance(path, n, n, path, torch.zeros(5, 6, dtype=torch.bool))
+    assert top_run(tree, acc, n).tolist() == [3, 0, 1, 2, 0]
+
+
+def test_every_step_records_what_each_chain_shorter_than_its_tree_would_have_accepted():
+    arms = [(1, 0), (2, 1), (4, 3), (6, 5), (8, 7), (16, 5)]
+    family = {(2, 1): 1, (4, 3): 1, (6, 5): 1, (8, 7): 1, (16, 5): 2}
+    ctl = BudgetController(arms, explore_every=0, probe=False, family=family)
+    ctl.gain = {a: 1.0 for a in arms[1:]}
+    ctl.last = (16, 5)  # a 5-deep tree was played
+    ctl.observe_chains([5, 2, 0])
+    seen = ctl._seen_arm
+    assert seen[2, 1][0] == pytest.approx(2 / 3) and seen[4, 3][0] == pytest.approx(5 / 3)
+    assert seen[6, 5][0] == pytest.approx(7 / 3) and all(seen[a][2] == 1 for a in [(2, 1), (4, 3), (6, 5)])
+    assert (8, 7) not in seen and (16, 5) not in seen  # deeper than the tree: censored; not a chain
+    ctl.last = (6, 5)  # the chain played is recorded by observe_accepted, not twice
+    ctl.observe_chains([1])
+    assert seen[6, 5][2] == 1 and seen[4, 3][2] == pytest.approx(1.95)
+    ctl.last = (1, 0)  # a plain step drafted nothing
+    ctl.observe_chains([3])
+    assert seen[4, 3][2] == pytest.approx(1.95)
+
+
+def test_the_auto_policy_gets_each_rows_top_run_in_the_steps_one_read():
+    from treedec.decoding.speculative import SpeculativeDecoder
+
+    target, draft = make_pair(31)
+    pol = DynamicPolicy("auto", depth=4, top_k=3, explore_every=2)
+    seen = []
+    prompts = [list(range(3, 12)), list(range(5, 9))]
+    out = SpeculativeDecoder(target, draft, pol).generate(prompts, 100, hook=seen.append)
+    for b, p in enumerate(prompts):
+        assert out.tokens[b] == greedy_reference(target, p, 100)
+    checked = 0
+    for info in seen:
+        if info.tree is None or info.tree.size == 1:
+            continue
+        assert info.top_run is not None
+        rank = info.tree.rank.expand(len(prompts), -1) if info.tree.rank.dim() == 1 else info.tree.rank
+        for b, n in enumerate(info.n_accept):
+            ranks = rank[b, info.path[b, 1:n]].tolist()
+            want = next((i for i, r in enumerate(ranks) if r != 0), len(ranks))
+            assert info.top_run[b] == want
+            checked += 1
+    assert checked > 10
+    assert not DynamicPolicy(16, depth=4, top_k=3).wants_top_run  # fixed budgets do not ask for it

@@ -216,7 +216,10 @@ class StepInfo:
 
     ``tokens[b]`` are the tokens the pass produced for row b (before EOS / budget cuts),
     ``path`` [B, D+1] the accepted node ids (device), ``n_accept[b]`` how many of them count
-    (0 for a finished row). ``tree`` and ``logits`` are None for vanilla decoding.
+    (0 for a finished row). ``tree`` and ``logits`` are None for vanilla decoding. ``top_run[b]``
+    (when the policy asks for it, :attr:`TreePolicy.wants_top_run`): how many accepted drafts lead
+    row b's path before its first one that was not its parent's top-1 child, i.e. what a chain of
+    the draft's top-1 tokens would have accepted (up to the tree's depth).
     """
 
     index: int
@@ -226,6 +229,7 @@ class StepInfo:
     tree: object | None = None
     path: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    top_run: list[int] | None = None
 
     def tried_ranks(self, row: int) -> list[tuple[int, int, int]]:
         """(child depth, siblings tried, accepted sibling index or -1) along row's path (reads the device)."""

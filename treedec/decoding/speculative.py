@@ -22,7 +22,8 @@ from treedec.decoding.drafter import Drafter
 from treedec.decoding.loop import Decoder, DecodeStats, StepInfo, Timer, normalize_eos, pad_prompts, static_room
 from treedec.decoding.sampling import RowStreams, SamplingParams, next_token, settle
 from treedec.decoding.vanilla import pick
-from treedec.decoding.verify import Acceptance, accept_paths, acceptance_counts, emitted, node_choices, verify_sampling
+from treedec.decoding.verify import (Acceptance, accept_paths, acceptance_counts, emitted, node_choices, top_run,
+                                     verify_sampling)
 from treedec.models.draft import DraftHead
 from treedec.models.llama import Transformer
 from treedec.tree.policies.base import TreePolicy
@@ -99,7 +100,7 @@ class SpeculativeDecoder(Decoder):
             res = tgt(tree.tokens, cache, position_ids=pos, tree_mask=tree.ancestors(),
                       layer_inputs=self.draft.feature_layers_needed)
         timer.lap("verify")
-        acc, n, packed = self._accept(tree, res.logits, depth_cap)
+        acc, n, packed, runs = self._accept(tree, res.logits, depth_cap)
         self._counts += acceptance_counts(tree, acc, self._active_t, self._counts.shape[1])
         timer.lap("accept")
         n_host = [r[0] for r in packed]
@@ -111,7 +112,7 @@ class SpeculativeDecoder(Decoder):
         timer.lap("commit")
         self._index += 1
         info = StepInfo(self._index, list(active), [r[1:1 + k] for r, k in zip(packed, n_host)], n_host,
-                        tree, acc.path, res.logits)
+                        tree, acc.path, res.logits, runs)
         self.policy.observe(info)  # host values only (the step's one read has happened)
         return info, tree.size
 
@@ -138,8 +139,10 @@ class SpeculativeDecoder(Decoder):
         self.policy.observe(info)
         return info, 1
 
-    def _accept(self, tree: Tree, logits: torch.Tensor, depth_cap: int) -> tuple[Acceptance, torch.Tensor, list]:
-        """The acceptance rule and the step's one host read -> (acceptance, n [B], [n, emitted...] per row)."""
+    def _accept(self, tree: Tree, logits: torch.Tensor, depth_cap: int) -> tuple[Acceptance, torch.Tensor, list,
+                                                                               list[int] | None]:
+        """The acceptance rule and the step's one host read -> (acceptance, n [B], [n, emitted...] per row,
+        each row's top-1 run when the policy wants it, read in the same transfer)."""
         if tree.draft_probs is not None:
             draws, acc = None, self._accept_sampled_drafts(tree, logits, depth_cap)
         else:
@@ -148,10 +151,12 @@ class SpeculativeDecoder(Decoder):
         while True:
             n = torch.where(self._active_t, acc.n, 0)  # finished rows commit nothing: their caches stay frozen
             flag = [] if acc.unsettled is None else [acc.unsettled[:, None].long()]
-            packed = torch.cat([n[:, None], acc.emit, *flag], 1).tolist()  # the one host read of the step
+            run = [top_run(tree, acc, n)[:, None]] if self.policy.wants_top_run else []
+            packed = torch.cat([n[:, None], acc.emit, *flag, *run], 1).tolist()  # the one host read of the step
+            runs = [r.pop() for r in packed] if run else None
             redo = [b for b, r in enumerate(packed) if flag and r[-1] and self._active[b]]
             if not redo:
-                return acc, n, packed
+                return acc, n, packed, runs
             # Rare: a path reached a node none of whose top-p candidates was in the nucleus. Draw that
             # row's missed nodes exactly and walk again: the other rows' paths and streams are unchanged.
             acc = accept_paths(tree, settle(draws, self.sampling, self._streams, redo), depth_cap)

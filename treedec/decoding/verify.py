@@ -79,6 +79,20 @@ def accept_paths(tree, choice: torch.Tensor, max_depth: int, miss: torch.Tensor 
     return Acceptance(path, n, bonus, emitted(tokens, path, n, bonus), on_path, unsettled)
 
 
+def top_run(tree, acc: Acceptance, n: torch.Tensor) -> torch.Tensor:
+    """[B] accepted drafts leading each row's path before the first that is not its parent's top-1 child (rank 0).
+
+    That is what a chain of the draft's top-1 tokens would have accepted this step, up to the depth the tree holds
+    its top-1 path to: a counterfactual observation of every chain shorter than the tree, for the auto budget.
+    ``n`` [B]: accepted nodes per row, root included (0 for a finished row).
+    """
+    B = acc.path.shape[0]
+    rank = tree.rank if tree.rank.dim() == 2 else tree.rank.expand(B, -1)
+    r = rank.gather(1, acc.path)[:, 1:]  # the ranks of the path's drafts
+    valid = torch.arange(1, acc.path.shape[1], device=r.device) < n[:, None]
+    return ((r == 0) & valid).long().cumprod(1).sum(1)
+
+
 def emitted(tokens: torch.Tensor, path: torch.Tensor, n: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
     """[B, D+1] tokens a step produces: the accepted children in path order, then the bonus at n - 1.
 

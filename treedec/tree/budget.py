@@ -190,6 +190,7 @@ class BudgetController:
         self.prior = 1.0  # plays' worth of the batch-wide correction in each arm's own (shrinkage)
         self.prior_plays = 2.0  # plays' worth of the (rescaled) estimate against an arm's own accepted record
         self.family = dict(family or {})
+        self._chains = [a for a in self.arms if self.family.get(a) == 1 and a[0] == a[1] + 1]  # pool width 1, T = d + 1
         self.family_prior = 4.0  # plays' worth of the batch-wide correction in each family's factor
         self._family_factor: dict = {}
 
@@ -246,6 +247,25 @@ class BudgetController:
             acc0, est0, n0 = self._seen_arm.get(self.last, (0.0, 0.0, 0.0))
             self._seen_arm[self.last] = (decay * acc0 + accepted, decay * est0 + est, decay * n0 + 1)
             self._refresh_families()
+
+    def observe_chains(self, runs: Sequence[int], decay: float = 0.95) -> None:
+        """What every chain arm would have accepted this step: ``runs`` are the live rows' top-1 runs (accepted drafts
+        before the first that was not its parent's top-1 child); a chain of depth d accepts min(run, d). Recorded as
+        a play of each chain arm no deeper than the step's tree (deeper ones would be censored), except the arm
+        played (:meth:`observe_accepted` has it). Chains are the arms the calibration misjudges most (a 5-deep
+        chain's estimate is ~half what it accepts on the bundled pair) and, once one looks poor, the last that
+        exploration tries: this way they are measured on the text at hand without being played."""
+        if not runs or self.last is None or self.last[0] == 1:
+            return
+        for arm in self._chains:
+            T, d = arm
+            est = self.gain.get(arm, math.nan)
+            if d > self.last[1] or arm == self.last or not math.isfinite(est):
+                continue
+            acc = sum(min(r, d) for r in runs) / len(runs)
+            acc0, est0, n0 = self._seen_arm.get(arm, (0.0, 0.0, 0.0))
+            self._seen_arm[arm] = (decay * acc0 + acc, decay * est0 + est, decay * n0 + 1)
+        self._refresh_families()
 
     @property
     def correction(self) -> float:

@@ -68,6 +68,8 @@ class ForestAncestry:
 class TreePolicy:
     """Draws a tree of candidates from a drafter; subclasses are the static/dynamic/chain/learned policies."""
 
+    wants_top_run = False  # observe() gets StepInfo.top_run (one more column in the step's one host read)
+
     max_depth: int  # deepest node below the root
     max_size: int  # T, root included
     max_inputs: int  # tree nodes the draft head reads per step (its cache must hold them)

@@ -218,12 +218,19 @@ class DynamicPolicy(TreePolicy):
         self._offer(depths.expand(cum.shape[0], -1), score, D, 1)
         return tree
 
+    @property
+    def wants_top_run(self) -> bool:
+        return self.budget is not None
+
     def observe(self, info) -> None:
-        """Feed the auto budget the accepted drafts per live row, so it corrects its calibrated estimates."""
+        """Feed the auto budget the accepted drafts per live row, so it corrects its calibrated estimates, and what
+        each chain arm would have accepted (the rows' top-1 runs), so the chains are judged on every step."""
         if self.budget is not None:
             n = [k - 1 for k, a in zip(info.n_accept, info.active) if a]
             if n:
                 self.budget.observe_accepted(sum(n) / len(n))
+            if info.top_run is not None:
+                self.budget.observe_chains([r for r, a in zip(info.top_run, info.active) if a])
 
     def kept(self, B: int, T: int) -> int:
         """Real (non-root) nodes kept over a batch of B rows at width T: the per-row budgets' global cap."""
