@@ -163,22 +163,24 @@ class KVCache:
         self._synced()
 
     def keep_rows(self, rows: Sequence[int]) -> None:
-        """Keep only batch rows ``rows`` (ascending), in place: a finished row leaves the batch for good.
+        """Keep only batch rows ``rows`` (distinct, in their new order: slot j gets old row ``rows[j]``), in place.
 
-        Only the rows that move are copied (one indexed copy per buffer), only up to the longest kept
-        length, and the batch dimension shrinks to a view of the same buffers: no allocation, no device
-        read. (At batch 16 a fresh 15-row cache cost ~3 ms per finished row; this, ~0.2 ms.)
+        A finished row leaves the batch for good: only the slots whose row changes are copied (one indexed
+        copy per buffer; a compacting decoder moves one row per finished row), only up to the longest length
+        moved, and the batch dimension shrinks to a view of the same buffers: no allocation, no device read.
+        (Batch 16, one row leaving, target and draft caches: 0.4 ms; a fresh 15-row copy of both took 4.6.)
         """
         rows = [int(r) for r in rows]
-        if rows != sorted(set(rows)) or (rows and not 0 <= rows[0] <= rows[-1] < self.batch):
-            raise ValueError(f"keep_rows needs distinct ascending rows in [0, {self.batch}), got {rows}")
+        if len(set(rows)) != len(rows) or any(not 0 <= r < self.batch for r in rows):
+            raise ValueError(f"keep_rows needs distinct rows in [0, {self.batch}), got {rows}")
         host = self._host()
-        first = next((j for j, r in enumerate(rows) if r != j), len(rows))  # rows before it stay where they are
-        if first < len(rows):
-            used = max(host[r] for r in rows[first:])
-            src = torch.tensor(rows[first:], device=self.lengths.device)
+        moved = [j for j, r in enumerate(rows) if r != j]
+        if moved:
+            used = max(host[rows[j]] for j in moved)
+            dst = torch.tensor(moved, device=self.lengths.device)
+            src = torch.tensor([rows[j] for j in moved], device=self.lengths.device)
             for buf in (self.k, self.v):
-                buf[:, first:len(rows), :, :used] = buf[:, src, :, :used]  # the right side is a copy: no overlap issue
+                buf[:, dst, :, :used] = buf[:, src, :, :used]  # the right side is a copy: any order is safe
         n = len(rows)
         self.k, self.v = self.k[:, :n], self.v[:, :n]
         self._layers = [(self.k[i], self.v[i]) for i in range(self.k.shape[0])]

@@ -67,8 +67,9 @@ class CompactingDecoder(SpeculativeDecoder):
     passes run over the live rows only (no refill: a freed slot stays empty until ``generate`` returns).
 
     Between steps the per-row state (both KV caches, the drafter's root token / feature / logits and
-    the row's random stream) is cut down to the live rows whenever the live set changes; each step's
-    tokens are mapped back to the original rows. Its ``StepInfo`` carries no tree, path or logits
+    the row's random stream) is cut down to the live rows whenever the live set changes (a live row
+    from past the new width fills a finished row's slot, so the rows' order in the batch changes);
+    each step's tokens are mapped back to the original rows. Its ``StepInfo`` carries no tree, path or logits
     (their rows would be the live ones). Every row still decodes exactly as in a full batch (the rows
     of a batched pass do not interact; greedy fp32 is compared token for token in the tests).
     """
@@ -78,23 +79,31 @@ class CompactingDecoder(SpeculativeDecoder):
         return super()._prefill(rows, max_new_tokens, generator)
 
     def _compact(self, live: list[int]) -> None:
-        keep = [self._live.index(b) for b in live]
-        idx = torch.tensor(keep, device=self.target.device)
+        """Cut the batch to the rows in ``live``: a live row past the new batch width moves into a finished
+        row's slot (one row copied per finished row, not every row behind it), the others stay put."""
+        alive = set(live)
+        slots = [j for j, b in enumerate(self._live) if b in alive]
+        n = len(slots)
+        holes = [j for j in range(n) if self._live[j] not in alive]
+        order = list(range(n))  # order[j]: the slot whose row moves to slot j
+        for hole, mover in zip(holes, [j for j in slots if j >= n]):
+            order[hole] = mover
+        idx = torch.tensor(order, device=self.target.device)
         d = self.drafter
-        self.cache.keep_rows(keep)
-        d.cache.keep_rows(keep)
-        d.keep_rows(idx, keep)  # the root and any catch-up still pending
+        self.cache.keep_rows(order)
+        d.cache.keep_rows(order)
+        d.keep_rows(idx, order)  # the root and any catch-up still pending
         if self._streams is not None:
-            self._streams.generators = [self._streams.generators[i] for i in keep]
-        self._active, self._live = None, live
+            self._streams.generators = [self._streams.generators[i] for i in order]
+        self._active, self._live = None, [self._live[j] for j in order]
 
     def _step(self, active: list[bool], generator, timer) -> tuple[StepInfo, int]:
         live = [b for b, a in enumerate(active) if a]
-        if live != self._live:
+        if len(live) != len(self._live):  # rows only ever leave: a new count is a new live set
             self._compact(live)
         info, size = super()._step([True] * len(live), generator, timer)
         tokens, n_accept = [[] for _ in active], [0] * len(active)
-        for i, b in enumerate(live):
+        for i, b in enumerate(self._live):
             tokens[b], n_accept[b] = info.tokens[i], info.n_accept[i]
         return StepInfo(info.index, list(active), tokens, n_accept), size
 
