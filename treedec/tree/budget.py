@@ -11,9 +11,12 @@ Sequoia's objective, ``(1 + E[accepted | T, depth]) / step_time(rows, T, depth)`
   are predicted by a least-squares fit over :data:`FEATURES` (non-negative slopes) of the measured ones,
   and an arm measured once by at most that fit (a first step pays one-time work: up to 3x a step here).
 * **Correction**: the drafts each step really accepted rescale the chosen arm's estimate (per arm,
-  shrunk towards the batch-wide ratio): calibration fitted on other text is off by 2-8x, differently
-  for chains and bushy trees. An arm played often is then judged by its own accepted record, the
-  rescaled estimate counting as two steps (:meth:`BudgetController.accepted`).
+  shrunk towards its pool family's ratio, and that towards the batch-wide one): calibration fitted
+  on other text is off by 2-8x, differently for chains and bushy trees. An arm played often is then
+  judged by its own accepted record, the rescaled estimate counting as two steps
+  (:meth:`BudgetController.accepted`). Chains, the worst estimated, are also recorded on every step
+  from the rows' top-1 runs (:meth:`BudgetController.observe_chains`): what each would have accepted.
+* **Hold**: the arm played keeps its place while within ``hold_margin`` of the leader's rate.
 * **Exploration**: the first steps at a new row bucket (the nearest power of two) probe far-apart arms
   (cheapest first; a middle-sized tree only in the first bucket); then every ``explore_every`` steps a
   neighbour of the best arm (one bucket up/down in T or depth) or the runner-up is tried (once an arm
@@ -222,7 +225,7 @@ class BudgetController:
 
     def wants_estimates(self) -> bool:
         """Whether this step should :meth:`offer` its estimates, for a policy whose scoring is a large share of
-        its draft (a chain: ~70 ops on ~230, ~0.3 ms at batch 1): every :attr:`estimate_every` steps, and while
+        its draft (a chain: 73 of its 307 draft ops, ~0.3 ms at batch 1): every :attr:`estimate_every` steps, and while
         the chosen arm has no estimate yet. Steps in between are judged against the arm's smoothed estimate."""
         return self.steps % max(self.estimate_every, 1) == 0 or self.last not in self.gain
 
@@ -287,8 +290,9 @@ class BudgetController:
 
     def _refresh_families(self) -> None:
         """Each family's accepted ÷ estimated over its played arms (pooled sums, shrunk towards :attr:`correction`
-        by :attr:`family_prior` plays), in [1/4, 16]: the factor of its arms never played. Families are the arms' pool widths (:attr:`family`): a chain never played at batch 16
-        is judged like the chains that were (calibration is ~3x further off for chains than for 2-wide pools)."""
+        by :attr:`family_prior` plays), in [1/4, 16]: the factor of its arms never played. Families are the
+        arms' pool widths (:attr:`family`): a chain never played at batch 16 is judged like the chains that
+        were (calibration is ~3x further off for chains than for 2-wide pools)."""
         sums: dict = {}
         for arm, (acc, est, n) in self._seen_arm.items():
             f = self.family.get(arm)
