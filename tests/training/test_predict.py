@@ -127,3 +127,18 @@ def test_compacting_decoder_drops_finished_rows_and_decodes_the_same(tiny_target
         assert (got.stats.tau, got.stats.row_steps, got.stats.steps) == (want.stats.tau, want.stats.row_steps,
                                                                           want.stats.steps)
         assert dec.cache.batch == dec.drafter.batch < 4  # finished rows left the batch
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compacting_decoder_with_the_auto_budget_stays_lossless(tiny_target, tiny_head, seed):
+    """Rows leave the batch (the last live row moving into their slots) while the auto budget picks a tree per
+    step from its clock: the trees differ from run to run, the greedy output does not."""
+    pol = DynamicPolicy("auto", depth=4, top_k=3, explore_every=2)
+    prompts = ragged_prompts(40 + seed, (4, 9, 2, 6, 7, 3))
+    free = SpeculativeDecoder(tiny_target, tiny_head, DynamicPolicy(8, 3, 3), eos_ids=[]).generate(prompts, 16)
+    eos = [free.tokens[0][3], free.tokens[2][1], free.tokens[4][6]]  # rows stop early at different steps
+    want = SpeculativeDecoder(tiny_target, tiny_head, ChainPolicy(1), eos_ids=eos).generate(prompts, 16)
+    dec = CompactingDecoder(tiny_target, tiny_head, pol, eos_ids=eos)
+    got = dec.generate(prompts, 16)
+    assert got.tokens == want.tokens
+    assert dec.cache.batch == dec.drafter.batch < len(prompts)
