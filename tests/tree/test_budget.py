@@ -455,3 +455,24 @@ def test_the_auto_policy_gets_each_rows_top_run_in_the_steps_one_read():
             checked += 1
     assert checked > 10
     assert not DynamicPolicy(16, depth=4, top_k=3).wants_top_run  # fixed budgets do not ask for it
+
+
+def test_an_arm_never_played_borrows_its_pool_familys_correction():
+    """Chains accept ~2x what calibration says on the bundled pair, 2-wide pools ~1.2x: an unplayed chain takes the
+    chains' factor (shrunk towards the batch-wide one by family_prior plays), not the pools'."""
+    arms = [(1, 0), (2, 1), (4, 3), (6, 5), (16, 5), (24, 5)]
+    family = {(2, 1): 1, (4, 3): 1, (6, 5): 1, (16, 5): 2, (24, 5): 2}
+    ctl = BudgetController(arms, explore_every=0, probe=False, family=family)
+    for arm, acc, est in [((4, 3), 2.0, 1.0), ((16, 5), 3.6, 3.0)] * 10:  # the chain 2x, the pool 1.2x its estimate
+        ctl._pending, ctl.last = ([est if a == arm else math.nan for a in arms], arms, None), arm
+        ctl.observe_accepted(acc)
+    c = ctl.correction
+    assert 1.2 < c < 2.0  # the batch-wide factor mixes both
+    chain, pool = ctl.correction_of((6, 5)), ctl.correction_of((24, 5))  # never played
+    assert c < chain < 2.0 and 1.2 < pool < c  # each near its own family, pulled a little towards the batch
+    assert ctl.correction_of((6, 5)) == ctl._family_factor[1]
+    lone = BudgetController(arms, explore_every=0, probe=False, family=family)
+    for arm, acc, est in [((16, 5), 3.6, 3.0)] * 10 + [((2, 1), 0.0, 1.0)]:  # then one unlucky play of a chain
+        lone._pending, lone.last = ([est if a == arm else math.nan for a in arms], arms, None), arm
+        lone.observe_accepted(acc)
+    assert lone._family_factor[1] > 0.7 * lone.correction > 0.5  # not sunk to the floor by one play
