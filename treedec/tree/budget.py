@@ -195,7 +195,7 @@ class BudgetController:
         self.family = dict(family or {})
         self._chains = [a for a in self.arms if self.family.get(a) == 1 and a[0] == a[1] + 1]  # pool width 1, T = d + 1
         self.family_prior = 4.0  # plays' worth of the batch-wide correction in each family's factor
-        self._family_factor: dict = {}
+        self._families: dict | None = {}  # family -> its factor (None: stale, see _family_factor)
 
     def start(self, owner, rows: int) -> tuple[int, int]:
         """Called at the start of each draft(): close the previous step's clock, pick this step's arm.
@@ -247,9 +247,13 @@ class BudgetController:
             est = float(_host_values(curve)[list(arms).index(self.last)])
         if math.isfinite(est):
             self._seen = [decay * self._seen[0] + accepted, decay * self._seen[1] + est]
-            acc0, est0, n0 = self._seen_arm.get(self.last, (0.0, 0.0, 0.0))
-            self._seen_arm[self.last] = (decay * acc0 + accepted, decay * est0 + est, decay * n0 + 1)
-            self._refresh_families()
+            self._record(self.last, accepted, est, decay)
+
+    def _record(self, arm: tuple[int, int], accepted: float, est: float, decay: float) -> None:
+        """One (decayed) play of ``arm``: ``accepted`` drafts per row against its estimate ``est``."""
+        acc0, est0, n0 = self._seen_arm.get(arm, (0.0, 0.0, 0.0))
+        self._seen_arm[arm] = (decay * acc0 + accepted, decay * est0 + est, decay * n0 + 1)
+        self._families = None  # the family factors are recomputed when next asked for
 
     def observe_chains(self, runs: Sequence[int], decay: float = 0.95) -> None:
         """What every chain arm would have accepted this step: ``runs`` are the live rows' top-1 runs (accepted drafts
@@ -265,10 +269,7 @@ class BudgetController:
             est = self.gain.get(arm, math.nan)
             if d > self.last[1] or arm == self.last or not math.isfinite(est):
                 continue
-            acc = sum(min(r, d) for r in runs) / len(runs)
-            acc0, est0, n0 = self._seen_arm.get(arm, (0.0, 0.0, 0.0))
-            self._seen_arm[arm] = (decay * acc0 + acc, decay * est0 + est, decay * n0 + 1)
-        self._refresh_families()
+            self._record(arm, sum(min(r, d) for r in runs) / len(runs), est, decay)
 
     @property
     def correction(self) -> float:
@@ -288,11 +289,14 @@ class BudgetController:
         w = self.prior * est / n  # the prior's weight in estimated drafts: `prior` plays of this arm
         return min(16.0, max(0.25, (acc + w * prior) / (est + w)))
 
-    def _refresh_families(self) -> None:
+    @property
+    def _family_factor(self) -> dict:
         """Each family's accepted ÷ estimated over its played arms (pooled sums, shrunk towards :attr:`correction`
         by :attr:`family_prior` plays), in [1/4, 16]: the factor of its arms never played. Families are the
         arms' pool widths (:attr:`family`): a chain never played at batch 16 is judged like the chains that
         were (calibration is ~3x further off for chains than for 2-wide pools)."""
+        if self._families is not None:
+            return self._families
         sums: dict = {}
         for arm, (acc, est, n) in self._seen_arm.items():
             f = self.family.get(arm)
@@ -301,8 +305,9 @@ class BudgetController:
                 sums[f] = (a + acc, e + est, m + n)
         # shrunk towards the batch-wide factor by `family_prior` plays: one unlucky probe must not sink a family
         c, w = self.correction, self.family_prior
-        self._family_factor = {f: min(16.0, max(0.25, (a + w * c * e / m) / (e + w * e / m)))
-                               for f, (a, e, m) in sums.items()}
+        self._families = {f: min(16.0, max(0.25, (a + w * c * e / m) / (e + w * e / m)))
+                          for f, (a, e, m) in sums.items()}
+        return self._families
 
     def _absorb(self) -> None:
         if self._pending is None:

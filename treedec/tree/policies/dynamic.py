@@ -107,11 +107,13 @@ class DynamicPolicy(TreePolicy):
         self.max_size = self.total_tokens
         self.max_inputs = top_k * (depth - 1)
         self.max_rank = top_k - 1
-        # depth -> the chain drafted for a top_k 1 arm, planned here so that no step pays it (its plan reads the host)
-        # (-depth: its unscored twin, for the steps that offer no estimates)
-        self._chains: dict[int, ChainPolicy] = {s * d: ChainPolicy(d, scores=s > 0) for (T, d), k in
-                                                getattr(self, "arm_top_k", {}).items() if k == 1 and T == d + 1
-                                                for s in (1, -1)}
+        # (depth, scored) -> the chain drafted for a top_k 1 arm, planned here so that no step pays it (its plan
+        # reads the host); unscored: for the steps that offer no estimates
+        self._chains: dict[tuple[int, bool], ChainPolicy] = {}
+        for (T, d), k in getattr(self, "arm_top_k", {}).items():
+            if k == 1 and T == d + 1:
+                for scored in (True, False):
+                    self._chain(d, scored)
 
     def _constants(self, B: int, dev, k: int) -> dict:
         """Index tensors every step needs, made once per (batch, device, top_k): depth and rank of each candidate."""
@@ -203,12 +205,8 @@ class DynamicPolicy(TreePolicy):
         generic path: no sorts, no reranking), its draft log-probs calibrated for the arms' estimates.
         (The chain's log-probs are at temperature 1: under sampling only the estimate differs.)"""
         if self.budget is not None and not self.budget.wants_estimates():  # no scores, no estimates: the plain chain
-            if -D not in self._chains:
-                self._chains[-D] = ChainPolicy(D)
-            return self._chains[-D].draft(drafter)
-        if D not in self._chains:
-            self._chains[D] = ChainPolicy(D, scores=True)
-        tree = self._chains[D].draft(drafter)
+            return self._chain(D, False).draft(drafter)
+        tree = self._chain(D, True).draft(drafter)
         if self.budget is None:
             return tree
         cum = tree.scores[:, 1:]  # [B, D] cumulative draft log-probs along the chain
@@ -217,6 +215,11 @@ class DynamicPolicy(TreePolicy):
         score = edge.cumsum(-1) if self.calibration is None else self.calibration.log_accept(edge, depths).cumsum(-1)
         self._offer(depths.expand(cum.shape[0], -1), score, D, 1)
         return tree
+
+    def _chain(self, depth: int, scored: bool) -> ChainPolicy:
+        if (depth, scored) not in self._chains:
+            self._chains[depth, scored] = ChainPolicy(depth, scores=scored)
+        return self._chains[depth, scored]
 
     @property
     def wants_top_run(self) -> bool:
