@@ -77,6 +77,28 @@ def test_ragged_batch(attn_cases, backend, per_row):
     attn_cases.check(run(case, backend), case, torch.float32)
 
 
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("Hq,Hkv", [(8, 2), (4, 4)])
+def test_sdpa_folded_query_groups(attn_cases, monkeypatch, per_row, Hq, Hkv):
+    """A batch wide enough to fold each K/V head's query heads into its rows (with the mask folded
+    here or inside) matches the fp64 reference and, bit for bit, the unfolded enable_gqa path."""
+    from treedec.attention import dense_mask, fold_query_groups, query_fold, reference
+
+    B = 16 // Hkv
+    assert query_fold(B, Hq, Hkv) == Hq // Hkv and query_fold(1, Hq, Hkv) == 1
+    case = attn_cases.make(B=B, Hq=Hq, Hkv=Hkv, T=6, D=16, prefix_lens=tuple(range(3, 3 + 5 * B, 5)),
+                           per_row=per_row, seed=5)
+    mask = dense_mask(case.bits, case.prefix_lens, 6, case.k.shape[2])[:, None]
+    folded = fold_query_groups(mask, Hq // Hkv)
+    assert folded.shape[-2] == 6 * (Hq // Hkv)
+    outs = [run(case, "sdpa"), run(case, "sdpa", mask=mask), run(case, "sdpa", mask=folded)]
+    monkeypatch.setattr(reference, "query_fold", lambda B, Hq, Hkv: 1)
+    plain = run(case, "sdpa", mask=mask)
+    for out in outs:
+        attn_cases.check(out, case, torch.float32)
+        assert torch.equal(out, plain)
+
+
 @pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("T,prefix,G", [(5, 11, 1), (24, 40, 4)])
 def test_fp16(attn_cases, backend, T, prefix, G):

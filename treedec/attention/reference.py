@@ -17,6 +17,7 @@ from treedec.tree.layout import unpack_bits
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa=
 
 
+
 def dense_mask(ancestor_bits: torch.Tensor, prefix_lens: torch.Tensor, T: int, S: int) -> torch.Tensor:
     """Bool [B, T, S] visibility mask from packed bits ([T, W] or [B, T, W]) and prefix lengths [B]."""
     return prefix_tree_mask(unpack_bits(ancestor_bits, T), prefix_lens, S)
@@ -66,14 +67,37 @@ def eager_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale: float | Non
     return torch.einsum("bhts,bhsd->bhtd", probs, vf).to(q.dtype)
 
 
+def query_fold(B: int, Hq: int, Hkv: int) -> int:
+    """How many query heads :func:`sdpa_tree_attention` folds into each K/V head's rows: G or 1.
+
+    Folding pays from 16 (row, K/V head) pairs up: SDPA's CPU kernel then runs 7-13 % faster a
+    12-layer forward at batch 16; at batch 1 it is 2-5 % slower (docs/benchmarks.md).
+    """
+    return Hq // Hkv if B * Hkv >= 16 else 1
+
+
+def fold_query_groups(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """A [B, 1, T, S] mask repeated for folded queries: [B, 1, groups·T, S] (a model folds once per forward)."""
+    return mask.repeat(1, 1, groups, 1) if groups > 1 else mask
+
+
 def sdpa_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale: float | None = None, mask=None) -> torch.Tensor:
-    """``scaled_dot_product_attention`` with a boolean mask (the CPU default)."""
+    """``scaled_dot_product_attention`` with a dense mask (the CPU default).
+
+    GQA: where :func:`query_fold` says so, each K/V head's G query heads fold into its query rows,
+    [B, Hkv, G·T, D], each row computed as before; else the group shares K/V through ``enable_gqa``.
+    ``mask`` is [B, 1, T, S], or [B, 1, G·T, S] already folded with :func:`fold_query_groups`.
+    """
     B, Hq, T, D = q.shape
     if mask is None:
         mask = dense_mask(ancestor_bits, prefix_lens, T, k.shape[2])[:, None]
-    G = Hq // k.shape[1]
-    if G > 1 and _SDPA_GQA:  # the group shares K/V without a copy (same result, fewer bytes moved)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    if G > 1:
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    if mask.shape[-2] == T and query_fold(B, Hq, Hkv) > 1:
+        mask = fold_query_groups(mask, G)
+    if mask.shape[-2] == G * T and G > 1:
+        out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), k, v, attn_mask=mask, scale=scale)
+        return out.reshape(B, Hq, T, D)
+    if G > 1 and not _SDPA_GQA:
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=G > 1 and _SDPA_GQA)

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from treedec.attention import default_backend, tree_attention, tree_dense_mask
+from treedec.attention import default_backend, fold_query_groups, query_fold, tree_attention, tree_dense_mask
 from treedec.models.cache import KVCache
 from treedec.models.config import LlamaConfig
 from treedec.models.packed import pack_linears
@@ -101,10 +101,14 @@ _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 def _sdpa_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     """SDPA for a chain whose keys are exactly [prefix, new tokens] in every row.
 
-    ``causal=False``: one new token that sees every key (a decode step); ``causal=True``: T new
-    tokens and no prefix (a prefill from empty). GQA without copying K/V where torch allows it.
+    ``causal=False``: one new token that sees every key (a decode step), its query heads folded
+    into rows where :func:`query_fold` says so; ``causal=True``: T new tokens and no prefix (a
+    prefill from empty). GQA without copying K/V where torch allows it.
     """
-    G = q.shape[1] // k.shape[1]
+    B, Hq, T, D = q.shape
+    G = Hq // k.shape[1]
+    if not causal and query_fold(B, Hq, k.shape[1]) > 1:
+        return F.scaled_dot_product_attention(q.reshape(B, k.shape[1], G * T, D), k, v).reshape(B, Hq, T, D)
     if G > 1 and not _SDPA_GQA:
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
     elif G > 1:
@@ -402,6 +406,7 @@ class Transformer(nn.Module):
             S = cache.max_len if static else max(host) + T
             mask = tree_dense_mask(tree_mask, cache.lengths, S, host_lens=host)
             if backend == "sdpa":  # SDPA's CPU kernel takes an additive mask ~15 % faster than a bool one, bit-identical
+                mask = fold_query_groups(mask, query_fold(B, self.config.num_attention_heads, self.config.num_key_value_heads))
                 mask = torch.full_like(mask, -torch.inf, dtype=x.dtype).masked_fill_(mask, 0.0)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
