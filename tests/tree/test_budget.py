@@ -324,7 +324,7 @@ def test_an_arm_played_often_is_judged_by_what_it_accepted():
 def test_exploration_skips_neighbours_known_to_be_far_below_the_best():
     """Every explore_every steps a neighbour is tried; once it has a record of its own, only if it may reach
     explore_floor of the best arm's rate: at a large batch a deep neighbour that costs twice the step for little
-    more acceptance is left alone after a few tries, while one close to the best is still looked at."""
+    more acceptance is left alone after a few tries (a looser floor brings it back)."""
     gain = {(2, 1): 0.8, (4, 3): 2.0, (8, 7): 2.4}
     clock = FakeClock(lambda T, d: 0.010 + 0.004 * T)  # compute-bound: (8, 7) costs ~2x (4, 3) per step
     ctl = BudgetController([(1, 0), (2, 1), (4, 3), (8, 7)], explore_every=4, clock=clock)
@@ -342,9 +342,31 @@ def test_exploration_skips_neighbours_known_to_be_far_below_the_best():
     assert mode(steps[20:]) == (4, 3)
     # (8, 7): (1 + 2.4) / 0.042 is 0.7x the best's (1 + 2.0) / 0.026, below the floor: a few plays, then no more
     assert 1 <= steps.count((8, 7)) <= ctl.explore_known + 2 and (8, 7) not in steps[100:]
-    assert (2, 1) in steps[100:]  # (1 + 0.8) / 0.018 = 0.87x: still worth a look now and then
+    # (2, 1) could make at most 2 tokens / 0.018 s, below the best's 3 / 0.026 s: not worth even a look
+    assert (2, 1) not in steps[100:]
     ctl.explore_floor = 0.5
     assert (8, 7) in run(40)
+
+
+def test_exploration_never_plays_an_arm_that_cannot_win_even_accepting_every_draft():
+    """A tree whose step costs more than its depth can repay (here (40, 5): at most 6 tokens in 0.2 s, against the
+    chain's 3 in 0.02 s) is never explored once the step-time fit predicts it, even with no record of its own; a
+    neighbour that could win is still tried."""
+    gain = {(2, 1): 0.9, (4, 3): 2.0, (6, 5): 2.5, (40, 5): 4.9}
+    clock = FakeClock(lambda T, d: 0.012 + 0.002 * d + 0.0045 * max(T - 6, 0))
+    ctl = BudgetController([(1, 0), (2, 1), (4, 3), (6, 5), (16, 5), (40, 5)], explore_every=2, clock=clock,
+                           probe=False)
+    clock.ctl = ctl
+    ctl.times.observe(1, 16, 5, 0.012 + 0.010 + 0.0045 * 10)  # (16, 5) measured once: the fit knows the T slope
+    owner = object()
+    for _ in range(300):
+        T, d = ctl.start(owner, 1)
+        ctl.offer([gain.get(a, math.nan) if a[1] <= d else math.nan for a in ctl.arms], ctl.arms)
+        ctl.observe_accepted(gain.get((T, d), 0.0))
+    steps = ctl.history
+    assert ctl.rate_bound(1, 40, 5) < ctl.rate(1, 4, 3) < ctl.rate_bound(1, 6, 5)
+    assert (40, 5) not in steps and (6, 5) in steps[20:]
+    assert not ctl._worth_a_try(1, (40, 5), ctl.best(1)) and ctl._worth_a_try(1, (6, 5), (4, 3))
 
 
 def test_a_chain_arm_scores_and_offers_every_estimate_every_steps_and_drafts_the_same_chain():

@@ -404,11 +404,21 @@ class BudgetController:
         return best
 
     def _worth_a_try(self, rows: int, arm: tuple[int, int], best: tuple[int, int]) -> bool:
-        """Whether exploring ``arm`` may pay: it has fewer than :attr:`explore_known` plays of its own (its estimate
-        may be biased low, and only playing it tells), or it is expected within :attr:`explore_floor` of the best
-        arm's tokens/s. (At batch 16 on a CPU a deep neighbour runs ~0.6x the best arm's rate at twice its step
-        time: trying it every 8 steps for good cost ~5 %.)"""
+        """Whether exploring ``arm`` may pay. Never if it would be slower than the best arm even were every draft
+        accepted (``depth`` a row, :meth:`rate_bound`): at batch 16 on a CPU a 40-node tree's step costs ~3x the
+        best chain's and cannot win back its ~30 ms, so playing it only to learn that costs ~5 % of a batch.
+        Otherwise, while it has fewer than :attr:`explore_known` plays of its own (its estimate may be biased
+        low, and only playing it tells), or if it is expected within :attr:`explore_floor` of the best arm's
+        tokens/s. (At batch 16 a deep neighbour runs ~0.6x the best arm's rate at twice its step time: trying it
+        every 8 steps for good cost ~5 %.)"""
+        r, rb, bound = self.rate(rows, *arm), self.rate(rows, *best), self.rate_bound(rows, *arm)
+        if bound is not None and rb is not None and bound < rb:
+            return False
         if self._seen_arm.get(arm, (0.0, 0.0, 0.0))[2] < self.explore_known:
             return True
-        r, rb = self.rate(rows, *arm), self.rate(rows, *best)
         return r is None or rb is None or r >= self.explore_floor * rb
+
+    def rate_bound(self, rows: int, T: int, depth: int) -> float | None:
+        """The most tokens per second an arm can make: its :meth:`rate` were every row to accept ``depth`` drafts."""
+        t = self.times.predict(rows, T, depth)
+        return None if t is None else rows * (1.0 + min(depth, T - 1)) / max(t, 1e-9)
