@@ -369,21 +369,6 @@ def test_exploration_never_plays_an_arm_that_cannot_win_even_accepting_every_dra
     assert not ctl._worth_a_try(1, (40, 5), ctl.best(1)) and ctl._worth_a_try(1, (6, 5), (4, 3))
 
 
-def test_a_batch_explores_less_often_than_one_row():
-    """Exploring costs every live row its shortfall and measures acceptance over all of them: explore_every steps at
-    one row, explore_every * sqrt(row bucket) at a batch (32 steps at 16 rows)."""
-    gain = lambda T, d: min(d, 3.0) * (1 - 0.8 ** T)  # noqa: E731
-    explored = {}
-    for rows in (1, 16):
-        clock = FakeClock(lambda r, T, d: 0.005 + 0.0005 * r * T + 0.001 * d, rows=True)
-        ctl = BudgetController([(1, 0), (2, 1), (4, 3), (8, 3), (16, 3)], explore_every=8, clock=clock, probe=False)
-        clock.ctl = ctl
-        steps = drive(ctl, clock, 400, gain, rows=rows)[80:]
-        explored[rows] = sum(a != mode(steps) for a in steps)
-    assert BudgetController([(2, 1)]).explore_interval(16) == 32
-    assert explored[16] <= 320 / 32 + 1 and explored[1] >= 320 / 8 - 1
-
-
 def test_a_chain_arm_scores_and_offers_every_estimate_every_steps_and_drafts_the_same_chain():
     """Scoring is ~30 % of a chain's draft ops, so a chain arm offers estimates every estimate_every steps only (and
     while it has none); the steps in between draft the very same chain unscored and are judged by the arm's

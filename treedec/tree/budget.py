@@ -18,11 +18,11 @@ Sequoia's objective, ``(1 + E[accepted | T, depth]) / step_time(rows, T, depth)`
   from the rows' top-1 runs (:meth:`BudgetController.observe_chains`): what each would have accepted.
 * **Hold**: the arm played keeps its place while within ``hold_margin`` of the leader's rate.
 * **Exploration**: the first steps at a new row bucket (the nearest power of two) probe far-apart arms
-  (cheapest first; a middle-sized tree only in the first bucket); then every ``explore_every`` steps (times the
-  square root of the row bucket at a batch) a neighbour of the best arm (one bucket up/down in T or depth) or
-  the runner-up is tried: never one that could not beat the best even accepting every draft, and once an arm
-  has a record of its own, only if it is expected to reach ``explore_floor`` of the best arm's rate. So a
-  machine that gets busier or text that gets easier moves the choice, without costly detours at large batches.
+  (cheapest first; a middle-sized tree only in the first bucket); then every ``explore_every`` steps a
+  neighbour of the best arm (one bucket up/down in T or depth) or the runner-up is tried (once an arm
+  has a record of its own, only if it is expected to reach ``explore_floor`` of the best arm's rate),
+  so a machine that gets busier or text that gets easier moves the choice, without costly detours at
+  large batches.
 
 T is restricted to a few buckets (and a chain per depth) so ``compile=True`` builds few graphs.
 The clock is injectable (tests drive it with a synthetic step-time model).
@@ -393,23 +393,15 @@ class BudgetController:
             best = held  # within the margin of the leader: keep it (between near-equal arms the estimates are noise:
             #              at batch 1 the budget drifted among them to bigger trees, ~4 % below the chain)
         self._held[bucket] = best
-        every = self.explore_interval(rows)
-        if every and self.steps % every == 0:
+        if self.explore_every and self.steps % self.explore_every == 0:
             nbrs = self.neighbours(best)
             # and the runner-up outside them: a jump to another region (a chain, another pool) that the
             # one-bucket walk would reach only after many rounds
             nbrs += [a for a in ranked[1:] if a not in nbrs][:1]
             nbrs = [a for a in nbrs if self._worth_a_try(rows, a, best)]
             if nbrs:
-                return nbrs[(self.steps // every) % len(nbrs)]
+                return nbrs[(self.steps // self.explore_every) % len(nbrs)]
         return best
-
-    def explore_interval(self, rows: int) -> int:
-        """Steps between explorations: :attr:`explore_every` at one row, times the square root of the row bucket at
-        a batch (32 at 16 rows). An exploring step costs every live row its shortfall, while the acceptance it
-        measures is averaged over those rows, so a batch needs fewer such steps (at batch 16 on a CPU, exploring
-        every 8 of its ~35 steps cost ~5 % against the best fixed chain)."""
-        return self.explore_every * round(math.sqrt(row_bucket(rows)))
 
     def _worth_a_try(self, rows: int, arm: tuple[int, int], best: tuple[int, int]) -> bool:
         """Whether exploring ``arm`` may pay. Never if it would be slower than the best arm even were every draft
