@@ -19,10 +19,10 @@ Sequoia's objective, ``(1 + E[accepted | T, depth]) / step_time(rows, T, depth)`
 * **Hold**: the arm played keeps its place while within ``hold_margin`` of the leader's rate.
 * **Exploration**: the first steps at a new row bucket (the nearest power of two) probe far-apart arms
   (cheapest first; a middle-sized tree only in the first bucket); then every ``explore_every`` steps a
-  neighbour of the best arm (one bucket up/down in T or depth) or the runner-up is tried (once an arm
-  has a record of its own, only if it is expected to reach ``explore_floor`` of the best arm's rate),
-  so a machine that gets busier or text that gets easier moves the choice, without costly detours at
-  large batches.
+  neighbour of the best arm (one bucket up/down in T or depth) or the runner-up is tried: never one that
+  could not beat the best even accepting every draft, and once an arm has a record of its own, only if it
+  is expected to reach ``explore_floor`` of the best arm's rate. So a machine that gets busier or text that
+  gets easier moves the choice, without costly detours at large batches.
 
 T is restricted to a few buckets (and a chain per depth) so ``compile=True`` builds few graphs.
 The clock is injectable (tests drive it with a synthetic step-time model).
