@@ -53,7 +53,7 @@ def test_padding_never_changes_greedy_output_on_ragged_batches(seed, auto):
     n = 40
     refs = [greedy_reference(target, p, n) for p in prompts]
     inner = DynamicPolicy("auto" if auto else 16, depth=4, top_k=3, node_share=0.5, explore_every=2)
-    if auto:  # a step clock (every arm costs the same): trees, which accept more, are played whatever this machine's timing
+    if auto:  # a step clock (every arm costs the same): trees, which accept more, are played whatever the machine
         ticks = itertools.count()
         inner.budget.clock = lambda: next(ticks) * 1e-3
     pol = OraclePolicy(inner, refs, seed=seed)

@@ -78,4 +78,5 @@ def tree_attention(q, k, v, ancestor_bits, prefix_lens, backend: str = "sdpa", s
     return triton_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale)
 
 
-__all__ = ["BACKENDS", "default_backend", "dense_mask", "fold_query_groups", "prefix_tree_mask", "query_fold", "tree_attention", "tree_dense_mask"]
+__all__ = ["BACKENDS", "default_backend", "dense_mask", "fold_query_groups", "prefix_tree_mask", "query_fold",
+           "tree_attention", "tree_dense_mask"]

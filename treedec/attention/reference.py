@@ -17,7 +17,6 @@ from treedec.tree.layout import unpack_bits
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa=
 
 
-
 def dense_mask(ancestor_bits: torch.Tensor, prefix_lens: torch.Tensor, T: int, S: int) -> torch.Tensor:
     """Bool [B, T, S] visibility mask from packed bits ([T, W] or [B, T, W]) and prefix lengths [B]."""
     return prefix_tree_mask(unpack_bits(ancestor_bits, T), prefix_lens, S)

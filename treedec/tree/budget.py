@@ -405,9 +405,8 @@ class BudgetController:
 
     def _worth_a_try(self, rows: int, arm: tuple[int, int], best: tuple[int, int]) -> bool:
         """Whether exploring ``arm`` may pay. Never if it would be slower than the best arm even were every draft
-        accepted (``depth`` a row, :meth:`rate_bound`): at batch 16 on a CPU a 40-node tree's step costs ~3x the
-        best chain's and cannot win back its ~30 ms, so playing it only to learn that costs ~5 % of a batch.
-        Otherwise, while it has fewer than :attr:`explore_known` plays of its own (its estimate may be biased
+        accepted (``depth`` a row, :meth:`rate_bound`): at batch 16 on a CPU a 40-node tree's step costs more
+        than any acceptance can repay, and its step time is all that playing it would teach. Otherwise, while it has fewer than :attr:`explore_known` plays of its own (its estimate may be biased
         low, and only playing it tells), or if it is expected within :attr:`explore_floor` of the best arm's
         tokens/s. (At batch 16 a deep neighbour runs ~0.6x the best arm's rate at twice its step time: trying it
         every 8 steps for good cost ~5 %.)"""
