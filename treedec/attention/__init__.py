@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from treedec.attention.reference import (dense_mask, eager_tree_attention, fold_query_groups, prefix_tree_mask,
-                                         query_fold, sdpa_tree_attention, tree_dense_mask)
+from treedec.attention.reference import (dense_mask, eager_tree_attention, fold_query_groups, folded_sdpa,
+                                         prefix_tree_mask, query_fold, sdpa_tree_attention, tree_dense_mask)
 
 BACKENDS = ("eager", "sdpa", "triton")
 
@@ -78,5 +78,5 @@ def tree_attention(q, k, v, ancestor_bits, prefix_lens, backend: str = "sdpa", s
     return triton_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale)
 
 
-__all__ = ["BACKENDS", "default_backend", "dense_mask", "fold_query_groups", "prefix_tree_mask", "query_fold",
-           "tree_attention", "tree_dense_mask"]
+__all__ = ["BACKENDS", "default_backend", "dense_mask", "fold_query_groups", "folded_sdpa", "prefix_tree_mask",
+           "query_fold", "tree_attention", "tree_dense_mask"]

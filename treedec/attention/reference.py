@@ -80,6 +80,16 @@ def fold_query_groups(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return mask.repeat(1, 1, groups, 1) if groups > 1 else mask
 
 
+def folded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                scale: float | None = None) -> torch.Tensor:
+    """SDPA with each K/V head's G query heads as G·T rows of one attention: q [B, Hq, T, D] (viewed as
+    [B, Hkv, G·T, D]), ``mask`` None or folded ([B, 1, G·T, S], :func:`fold_query_groups`) -> [B, Hq, T, D]."""
+    B, Hq, T, D = q.shape
+    out = F.scaled_dot_product_attention(q.reshape(B, k.shape[1], Hq // k.shape[1] * T, D), k, v, attn_mask=mask,
+                                         scale=scale)
+    return out.reshape(B, Hq, T, D)
+
+
 def sdpa_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale: float | None = None, mask=None) -> torch.Tensor:
     """``scaled_dot_product_attention`` with a dense mask (the CPU default).
 
@@ -95,8 +105,7 @@ def sdpa_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale: float | None
     if mask.shape[-2] == T and query_fold(B, Hq, Hkv) > 1:
         mask = fold_query_groups(mask, G)
     if mask.shape[-2] == G * T and G > 1:
-        out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), k, v, attn_mask=mask, scale=scale)
-        return out.reshape(B, Hq, T, D)
+        return folded_sdpa(q, k, v, mask, scale)
     if G > 1 and not _SDPA_GQA:
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=G > 1 and _SDPA_GQA)

@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from treedec.attention import default_backend, fold_query_groups, query_fold, tree_attention, tree_dense_mask
+from treedec.attention import (default_backend, fold_query_groups, folded_sdpa, query_fold, tree_attention,
+                               tree_dense_mask)
 from treedec.models.cache import KVCache
 from treedec.models.config import LlamaConfig
 from treedec.models.packed import pack_linears
@@ -105,10 +106,9 @@ def _sdpa_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool)
     into rows where :func:`query_fold` says so; ``causal=True``: T new tokens and no prefix (a
     prefill from empty). GQA without copying K/V where torch allows it.
     """
-    B, Hq, T, D = q.shape
-    G = Hq // k.shape[1]
-    if not causal and query_fold(B, Hq, k.shape[1]) > 1:
-        return F.scaled_dot_product_attention(q.reshape(B, k.shape[1], G * T, D), k, v).reshape(B, Hq, T, D)
+    G = q.shape[1] // k.shape[1]
+    if not causal and query_fold(q.shape[0], q.shape[1], k.shape[1]) > 1:
+        return folded_sdpa(q, k, v)
     if G > 1 and not _SDPA_GQA:
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
     elif G > 1:

@@ -346,14 +346,24 @@ class BudgetController:
     def rate(self, rows: int, T: int, depth: int) -> float | None:
         """Expected tokens per second of an arm over the whole batch, sum over rows of (1 + E[accepted]) / step
         time (None while its acceptance or time is unknown). The root alone (T=1) accepts nothing by definition."""
-        g = 0.0 if T == 1 else self.accepted((T, depth))
+        return self._per_second(rows, T, depth, 0.0 if T == 1 else self.accepted((T, depth)))
+
+    def rate_bound(self, rows: int, T: int, depth: int) -> float | None:
+        """The most tokens per second an arm can make: its :meth:`rate` were every row to accept ``depth`` drafts."""
+        return self._per_second(rows, T, depth, float(min(depth, T - 1)))
+
+    def _per_second(self, rows: int, T: int, depth: int, accepted: float | None) -> float | None:
         t = self.times.predict(rows, T, depth)
-        return None if g is None or t is None else rows * (1.0 + g) / max(t, 1e-9)
+        return None if accepted is None or t is None else rows * (1.0 + accepted) / max(t, 1e-9)
+
+    def _rates(self, rows: int) -> dict[tuple[int, int], float]:
+        """Each arm with a known :meth:`rate`, most expected tokens/s first (one scoring pass a step)."""
+        scored = [(r, a) for a in self.arms if (r := self.rate(rows, *a)) is not None]
+        return {a: r for r, a in sorted(scored, key=lambda x: -x[0])}
 
     def ranked(self, rows: int) -> list[tuple[int, int]]:
         """The arms with a known rate, most expected tokens/s first."""
-        scored = [(r, a) for a in self.arms if (r := self.rate(rows, *a)) is not None]
-        return [a for _, a in sorted(scored, key=lambda x: -x[0])]
+        return list(self._rates(rows))
 
     def best(self, rows: int) -> tuple[int, int]:
         """The arm with the most expected tokens/s; the largest (deepest, widest) arm until data arrive."""
@@ -386,10 +396,11 @@ class BudgetController:
         probes = self._probes[bucket]
         if n <= len(probes):
             return probes[n - 1]
-        ranked = self.ranked(rows)
+        rates = self._rates(rows)
+        ranked = list(rates)
         best = ranked[0] if ranked else self.best(rows)
         held = self._held.get(bucket)
-        if held in ranked[1:] and self.rate(rows, *held) >= (1 - self.hold_margin) * self.rate(rows, *best):
+        if held in ranked[1:] and rates[held] >= (1 - self.hold_margin) * rates[best]:
             best = held  # within the margin of the leader: keep it (between near-equal arms the estimates are noise:
             #              at batch 1 the budget drifted among them to bigger trees, ~4 % below the chain)
         self._held[bucket] = best
@@ -405,19 +416,14 @@ class BudgetController:
 
     def _worth_a_try(self, rows: int, arm: tuple[int, int], best: tuple[int, int]) -> bool:
         """Whether exploring ``arm`` may pay. Never if it would be slower than the best arm even were every draft
-        accepted (``depth`` a row, :meth:`rate_bound`): at batch 16 on a CPU a 40-node tree's step costs more
-        than any acceptance can repay, and its step time is all that playing it would teach. Otherwise, while it has fewer than :attr:`explore_known` plays of its own (its estimate may be biased
-        low, and only playing it tells), or if it is expected within :attr:`explore_floor` of the best arm's
-        tokens/s. (At batch 16 a deep neighbour runs ~0.6x the best arm's rate at twice its step time: trying it
-        every 8 steps for good cost ~5 %.)"""
+        accepted (:meth:`rate_bound`): at batch 16 on a CPU a 40-node tree's step costs more than any acceptance
+        can repay, and its step time is all that playing it would teach. Otherwise, while it has fewer than
+        :attr:`explore_known` plays of its own (its estimate may be biased low, and only playing it tells), or if
+        it is expected within :attr:`explore_floor` of the best arm's tokens/s. (At batch 16 a deep neighbour runs
+        ~0.6x the best arm's rate at twice its step time: trying it every 8 steps for good cost ~5 %.)"""
         r, rb, bound = self.rate(rows, *arm), self.rate(rows, *best), self.rate_bound(rows, *arm)
         if bound is not None and rb is not None and bound < rb:
             return False
         if self._seen_arm.get(arm, (0.0, 0.0, 0.0))[2] < self.explore_known:
             return True
         return r is None or rb is None or r >= self.explore_floor * rb
-
-    def rate_bound(self, rows: int, T: int, depth: int) -> float | None:
-        """The most tokens per second an arm can make: its :meth:`rate` were every row to accept ``depth`` drafts."""
-        t = self.times.predict(rows, T, depth)
-        return None if t is None else rows * (1.0 + min(depth, T - 1)) / max(t, 1e-9)
