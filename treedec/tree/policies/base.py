@@ -24,19 +24,16 @@ def ancestry(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
 
 
 def topk_logp(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k most likely tokens and their log-probabilities (fp32), without a full-vocabulary copy.
+    """The k most likely tokens and their log-probabilities (fp32): top-k of the log-softmax.
 
-    Top-k runs on the raw logits; the log-softmax is needed only for what is kept, so a
-    logsumexp per row replaces it. ``temperature`` scores under ``softmax(logits / t)`` (the
-    order, and so the tokens, do not change).
+    One fused log-softmax kernel, then top-k on it (the order, and so the tokens, are the logits'):
+    inside a draft, after a head pass has streamed its weights through the caches, this is ~40 %
+    cheaper than top-k on the logits plus a logsumexp (a composite of six kernels), docs/design.md §8.
+    ``temperature`` scores under ``softmax(logits / t)``.
     """
-    top = logits.topk(k, dim=-1)
-    vals = top.values
-    if logits.dtype != torch.float32:  # (an fp32 head's logits need no cast: one op fewer per depth)
-        logits, vals = logits.float(), vals.float()
-    if temperature == 1.0:
-        return vals - torch.logsumexp(logits, dim=-1, keepdim=True), top.indices
-    return vals / temperature - torch.logsumexp(logits / temperature, dim=-1, keepdim=True), top.indices
+    x = logits if logits.dtype == torch.float32 else logits.float()
+    top = torch.log_softmax(x if temperature == 1.0 else x / temperature, dim=-1).topk(k, dim=-1)
+    return top.values, top.indices
 
 
 class ForestAncestry:

@@ -126,14 +126,24 @@ class DynamicPolicy(TreePolicy):
                 self._arm_rows: dict = {}
             self._depth_ids = torch.arange(1, self.max_depth + 1, device=dev)
         if k not in self._const:
-            D = self.max_depth
+            D, T = self.max_depth, self.total_tokens
             depth = [1] * k + [d for d in range(2, D + 1) for _ in range(k * k)]
             rank = list(range(k)) + list(range(k)) * (k * (D - 1))
-            t = torch.tensor([depth, rank], device=dev)
-            self._const[k] = dict(depth=t[0].expand(B, -1), rank=t[1].expand(B, -1),
-                                  first=torch.arange(k, device=dev).expand(B, k),
+            # a candidate's column among the per-depth parent ids [root, depth 1's k nodes, each depth's k expanded]
+            parent_col = [0] * k + [1 + (d - 2) * k + j // k for d in range(2, D + 1) for j in range(k * k)]
+            t = torch.tensor([depth, rank, parent_col], device=dev)
+            pos = torch.full((1, len(depth) + 1), -1, dtype=torch.long, device=dev)
+            pos[:, 0] = 0
+            self._const[k] = dict(depth=t[0].expand(B, -1), rank=t[1].expand(B, -1), parent_col=t[2],
+                                  root1=torch.zeros(B, 1, dtype=torch.long, device=dev),
+                                  first1=torch.arange(1, k + 1, device=dev).expand(B, k),
                                   rows=torch.arange(B, device=dev)[:, None],
-                                  slots=torch.arange(1, self.total_tokens, device=dev).expand(B, -1))
+                                  slots=torch.arange(1, T, device=dev).expand(B, -1),
+                                  pos=pos.expand(B, -1),  # candidate id + 1 -> its slot in the kept tree (-1: not kept)
+                                  zero=torch.zeros(B, 1, dtype=torch.long, device=dev),
+                                  zero_f=torch.zeros(B, 1, device=dev),
+                                  zero_b=torch.zeros(B, 1, dtype=torch.bool, device=dev),
+                                  neg1=torch.full((B, 1), -1, dtype=torch.long, device=dev))
         return self._const[k]
 
     def _check_mode(self, params: SamplingParams | None) -> None:
@@ -161,16 +171,14 @@ class DynamicPolicy(TreePolicy):
         temp = 1.0 if params is None or params.greedy else float(params.temperature)
         if not self._mode_checked:
             self._check_mode(params)
-        n_all = n_drafted(k, D)
-        # Every drafted node (candidate): token, cumulative draft log-prob, path score, parent candidate (-1 = root).
-        toks = torch.empty(B, n_all, dtype=torch.long, device=dev)
-        logq = torch.empty(B, n_all, device=dev)
-        score = torch.empty(B, n_all, device=dev)
-        parents = torch.empty(B, n_all, dtype=torch.long, device=dev)
-        logq[:, :k], toks[:, :k] = drafter.root_topk(k, temp)
-        score[:, :k] = self._edge(logq[:, :k], 1)
-        parents[:, :k] = -1
-        frontier = c["first"]  # candidate ids of nodes to expand next
+        raw = self.calibration is None  # then a node's score is its cumulative draft log-prob: one tensor for both
+        # Per depth: the candidates' tokens, cumulative draft log-probs and path scores [B, m] (m = k, then k*k), and
+        # the candidate ids (+1; 0 is the root) of the nodes expanded there, the parents of the next depth's
+        # candidates. Concatenated once at the end: no writes into preallocated buffers, no gathers over them.
+        lq, tok = drafter.root_topk(k, temp)
+        sc = lq if raw else self._edge(lq, 1)
+        toks, lqs, scs, fronts = [tok], [lq], [sc], [c["root1"], c["first1"]]
+        front_tok, front_lq, front_sc = tok, lq, sc
         front_feat = drafter.root_feat[:, None].expand(-1, k, -1)  # the feature each frontier node reads
         forest = ForestAncestry(B, max(self.max_inputs, 1), dev)
         parent_inputs = None  # drafter-input ids of the frontier's parents (None: children of the root)
@@ -178,27 +186,29 @@ class DynamicPolicy(TreePolicy):
         for d in range(2, D + 1):
             n_prev = forest.n
             anc_rows = forest.add(parent_inputs, k)
-            feat, logits = drafter.expand(toks.gather(1, frontier), front_feat, depth=d - 1,
-                                          anc_rows=anc_rows, n_prev=n_prev)
-            child_logq, child_tok = drafter.topk(logits, k, temp)  # [B, k, k]
-            new = slice(n_cand, n_cand + k * k)
-            toks[:, new] = child_tok.reshape(B, k * k)
-            logq[:, new] = (logq.gather(1, frontier)[:, :, None] + child_logq).reshape(B, k * k)
-            cum = (score.gather(1, frontier)[:, :, None] + self._edge(child_logq, d)).reshape(B, k * k)
-            score[:, new] = cum
-            parents[:, new] = frontier[:, :, None].expand(B, k, k).reshape(B, k * k)
+            feat, logits = drafter.expand(front_tok, front_feat, depth=d - 1, anc_rows=anc_rows, n_prev=n_prev)
+            child_lq, child_tok = drafter.topk(logits, k, temp)  # [B, k, k]
+            tok = child_tok.reshape(B, k * k)
+            lq = (front_lq[:, :, None] + child_lq).view(B, k * k)
+            sc = lq if raw else (front_sc[:, :, None] + self._edge(child_lq, d)).view(B, k * k)
+            toks.append(tok), lqs.append(lq), scs.append(sc)
             if d < D:
-                best = torch.sort(cum, dim=1, descending=True, stable=True).indices[:, :k]
+                best = torch.sort(sc, dim=1, descending=True, stable=True).indices[:, :k]
                 src = best // k  # which frontier slot each new frontier node came from
                 front_feat = feat[c["rows"], src]  # indexing: 3x faster than gather over an expanded index
                 parent_inputs = n_prev + src
-                frontier = n_cand + best
+                front_tok, front_lq = tok.gather(1, best), lq.gather(1, best)
+                front_sc = front_lq if raw else sc.gather(1, best)
+                fronts.append(best + (n_cand + 1))
             n_cand += k * k
+        toks, score = torch.cat(toks, 1), torch.cat(scs, 1)
+        logq = score if raw else torch.cat(lqs, 1)
+        parents1 = torch.cat(fronts, 1)[:, c["parent_col"][:n_cand]]  # each candidate's parent id + 1 (0: the root)
         order = torch.sort(score, dim=1, descending=True, stable=True)
         if self.budget is not None:
-            self._offer(c["depth"][:, :n_all], score, D, k)
+            self._offer(c["depth"][:, :n_cand], score, D, k)
         pad = None if self.node_share >= 1 else self.row_pad(order.values[:, : T - 1])
-        return self._rerank(c, drafter.root_tokens, toks, logq, parents, order.indices[:, : T - 1], D, pad)
+        return self._rerank(c, drafter.root_tokens, toks, logq, parents1, order.indices[:, : T - 1], D, pad)
 
     def _draft_chain(self, drafter, D: int) -> Tree:
         """An auto arm of top_k 1 (a chain): the static chain's lean draft (~10% faster at batch 1 than the
@@ -285,38 +295,37 @@ class DynamicPolicy(TreePolicy):
         self._curve.copy_(torch.where(ok, vals, torch.nan), non_blocking=True)
         self.budget.offer(self._curve, arms, exact)
 
-    def _rerank(self, c: dict, root, toks, logq, parents, keep, depth: int, pad: torch.Tensor | None = None) -> Tree:
-        """The kept candidates ``keep`` [B, T-1] (best first) as a [B, T] tree; ``pad`` [B, T-1]: slots to pad."""
+    def _rerank(self, c: dict, root, toks, logq, parents1, keep, depth: int, pad: torch.Tensor | None = None) -> Tree:
+        """The kept candidates ``keep`` [B, T-1] (best first) as a [B, T] tree; ``parents1``: each candidate's parent
+        id + 1 (0: the root); ``pad`` [B, T-1]: slots to pad."""
         B, dev = toks.shape[0], toks.device
         n = toks.shape[1]
         if pad is not None:  # padding sorts after every real node: each row's real tree comes first
             keep = torch.where(pad, keep + n, keep)
         keep = keep.sort(dim=1).values  # drafting order is topological
-        is_pad = None if pad is None else keep >= n
-        keep = keep % n
+        is_pad = None
+        if pad is not None:
+            is_pad, keep = keep >= n, keep % n
         pick = lambda t: t.gather(1, keep)  # noqa: E731
-        # Map a candidate's parent id to its position in the kept tree (+1 for the root; -1 -> root 0).
-        pos = torch.full((B, n + 1), -1, dtype=torch.long, device=dev)
-        pos[:, 0] = 0
-        pos.scatter_(1, keep + 1, c["slots"][:, : keep.shape[1]])
-        new_par = pos.gather(1, pick(parents) + 1)  # connected by construction: never -1 (tests check it)
+        # Map a candidate's parent id + 1 to its slot in the kept tree (the root: 0).
+        pos = c["pos"][:, : n + 1].scatter(1, keep + 1, c["slots"][:, : keep.shape[1]])
+        new_par = pos.gather(1, pick(parents1))  # connected by construction: never -1 (tests check it)
         node_depth, rank = pick(c["depth"][:, :n]), pick(c["rank"][:, :n])
         if is_pad is not None:  # a padding node: a depth-1 leaf under the root (positions stay valid)
             new_par, node_depth, rank = (torch.where(is_pad, v, t) for v, t in ((0, new_par), (1, node_depth),
                                                                              (0, rank)))
-        z = lambda dtype: torch.zeros(B, 1, dtype=dtype, device=dev)  # noqa: E731
-        par = torch.cat([z(torch.long) - 1, new_par], 1)
+        par = torch.cat([c["neg1"], new_par], 1)
         anc = ancestry(par, depth)
         pad_mask = None
         if is_pad is not None:  # it sees only itself (and the prefix): the root row is cut off
-            pad_mask = torch.cat([z(torch.bool), is_pad], 1)
+            pad_mask = torch.cat([c["zero_b"], is_pad], 1)
             anc = anc & ~(pad_mask[:, :, None] & ~torch.eye(anc.shape[-1], dtype=torch.bool, device=dev))
         return Tree(
             parents=par,
-            depth=torch.cat([z(torch.long), node_depth], 1),
-            rank=torch.cat([z(torch.long), rank], 1),
+            depth=torch.cat([c["zero"], node_depth], 1),
+            rank=torch.cat([c["zero"], rank], 1),
             tokens=torch.cat([root[:, None], pick(toks)], 1),
-            scores=torch.cat([z(logq.dtype), pick(logq)], 1),
+            scores=torch.cat([c["zero_f"], pick(logq)], 1),
             anc=anc,
             pad=pad_mask,
         )
