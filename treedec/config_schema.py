@@ -107,6 +107,14 @@ class LearnedTreeSchema:
 
 
 @dataclass
+class LookupTreeSchema:
+    _target_: str = "treedec.tree.policies.LookupPolicy"
+    inner: Any = MISSING  # the policy whose tree the copied chain joins (checked by its own _target_)
+    tokens: int = 12
+    ngram: List[int] = field(default_factory=lambda: [3, 2])
+
+
+@dataclass
 class CombProbeSchema:
     _target_: str = "treedec.tree.sequoia.comb_probe"
     top_k: int = 6
@@ -128,6 +136,7 @@ TREE_SCHEMAS: dict[str, type] = {
     "treedec.tree.policies.static.ChainPolicy": ChainTreeSchema,
     "treedec.tree.policies.learned.LearnedPolicy": LearnedTreeSchema,
     "treedec.tree.sequoia.comb_probe": CombProbeSchema,
+    "treedec.tree.policies.lookup.LookupPolicy": LookupTreeSchema,
 }
 
 
@@ -376,6 +385,8 @@ def validate_tree(node, where: str = "tree") -> None:
     shape = node.get("shape")
     if isinstance(shape, (DictConfig, dict)):
         _merge(ShapeSchema, shape, f"{where}.shape", "a tree shape has `name` and `choices` (a list of paths)")
+    if schema is LookupTreeSchema:
+        validate_tree(node.get("inner"), f"{where}.inner")
 
 
 def instantiate_checked(node, where: str):

@@ -71,7 +71,9 @@ class SpeculativeDecoder(Decoder):
         self.drafter.catch_up(nxt, self.draft.features(pre), lens, lens_host, root)
         self._active_t, self._active, self._rows = None, None, None
         self._index = 0
-        return root.tolist()
+        first = root.tolist()
+        pol.begin(rows, first)
+        return first
 
     def _root_only(self) -> Tree:
         """A one-node tree: the root alone, i.e. a plain decoding step."""

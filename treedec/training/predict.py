@@ -93,6 +93,7 @@ class CompactingDecoder(SpeculativeDecoder):
         self.cache.keep_rows(order)
         d.cache.keep_rows(order)
         d.keep_rows(idx, order)  # the root and any catch-up still pending
+        self.policy.keep_rows(order)  # and what the policy keeps per row (prompt lookup's context)
         if self._streams is not None:
             self._streams.generators = [self._streams.generators[i] for i in order]
         self._active, self._live = None, [self._live[j] for j in order]

@@ -1,7 +1,8 @@
-"""Tree-shape policies: static (fixed shape), chain, dynamic (EAGLE-2), learned (Sequoia)."""
+"""Tree-shape policies: static (fixed shape), chain, dynamic (EAGLE-2), learned (Sequoia), and prompt lookup beside any."""
 from treedec.tree.policies.base import TreePolicy
 from treedec.tree.policies.dynamic import DynamicPolicy
 from treedec.tree.policies.learned import LearnedPolicy
+from treedec.tree.policies.lookup import LookupPolicy
 from treedec.tree.policies.static import ChainPolicy, StaticPolicy
 
-__all__ = ["ChainPolicy", "DynamicPolicy", "LearnedPolicy", "StaticPolicy", "TreePolicy"]
+__all__ = ["ChainPolicy", "DynamicPolicy", "LearnedPolicy", "LookupPolicy", "StaticPolicy", "TreePolicy"]

@@ -75,6 +75,13 @@ class TreePolicy:
     def draft(self, drafter, params=None, generator: torch.Generator | None = None):
         raise NotImplementedError
 
+    def begin(self, prompts, first) -> None:
+        """A generation starts: each row's prompt and first token (host lists, in batch order). Policies that read
+        the context (prompt lookup) keep it; the others ignore it."""
+
+    def keep_rows(self, order) -> None:
+        """The batch was cut to rows ``order`` (their old slots, in the new order): per-row state follows."""
+
     def observe(self, info) -> None:
         """What the step just verified (a :class:`~treedec.decoding.loop.StepInfo`): policies that learn online
         (the dynamic tree's auto budget) use it; fixed shapes ignore it."""

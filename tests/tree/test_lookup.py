@@ -1,0 +1,169 @@
+"""Prompt lookup beside a draft tree: the n-gram index, the merged tree, and losslessness."""
+import random
+
+import pytest
+import torch
+
+from treedec.decoding.sampling import SamplingParams
+from treedec.decoding.speculative import SpeculativeDecoder
+from treedec.decoding.vanilla import VanillaDecoder
+from treedec.training.predict import CompactingDecoder
+from treedec.tree.layout import ancestor_matrix
+from treedec.tree.policies import ChainPolicy, DynamicPolicy, LookupPolicy, StaticPolicy, TreePolicy
+from treedec.tree.policies.lookup import NgramIndex
+from treedec.tree.tree import Tree, TreeError
+
+from tests.helpers import greedy_reference, make_pair
+
+
+def test_ngram_index_copies_what_followed_the_latest_earlier_occurrence():
+    idx = NgramIndex([5, 1, 2, 9, 9, 1, 2, 7, 8, 1, 2], sizes=(3, 2))
+    assert idx.propose(3) == [7, 8, 1]  # "1 2" last ended at 6 (not at the end itself): what followed it
+    idx.extend([7])  # "1 2 7" occurred before: the 3-gram wins over the 2-gram
+    assert idx.propose(4) == [8, 1, 2, 7]
+    assert NgramIndex([1, 2, 3, 4], sizes=(2,)).propose(5) == []  # no earlier occurrence
+    assert NgramIndex([4, 4], sizes=(1,)).propose(3) == [4]  # overlapping the suffix, as prompt lookup does
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ngram_index_grown_step_by_step_equals_one_built_at_once(seed):
+    rng = random.Random(seed)
+    toks = [rng.randrange(6) for _ in range(300)]
+    grown, cut = NgramIndex(toks[:7], sizes=(3, 2, 1)), 7
+    while cut < len(toks):
+        k = rng.randint(1, 6)
+        grown.extend(toks[cut: cut + k])
+        cut += k
+        once = NgramIndex(toks[:cut], sizes=(3, 2, 1))
+        assert grown.last == once.last and grown.propose(8) == once.propose(8)
+        tail = toks[:cut]  # brute force: the latest earlier end of the longest suffix that recurs
+        for n in (3, 2, 1):
+            ends = [e for e in range(n - 1, len(tail) - 1) if tail[e + 1 - n: e + 1] == tail[-n:]]
+            if ends:
+                assert once.propose(8) == tail[ends[-1] + 1: ends[-1] + 9]
+                break
+
+
+class Fixed(TreePolicy):
+    """An inner policy that returns a prepared tree."""
+
+    def __init__(self, tree: Tree):
+        self.tree, self.max_depth, self.max_size, self.max_inputs, self.max_rank = tree, 5, tree.size, 4, 3
+
+    def draft(self, drafter, params=None, generator=None):
+        return self.tree
+
+
+def _inner_tree(B: int, shape: str) -> Tree:
+    t = Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]) if shape == "bushy" else Tree.chain(4)
+    T = t.size
+    rep = lambda x: x.expand(B, T)  # noqa: E731
+    return Tree(rep(t.parents), rep(t.depth), rep(t.rank), torch.arange(B * T).view(B, T) + 100,
+                torch.zeros(B, T), anc=t.ancestors())
+
+
+@pytest.mark.parametrize("shape", ["bushy", "chain"])
+def test_the_copy_joins_each_row_as_a_chain_under_the_root_and_short_rows_are_padded(shape):
+    B = 3
+    inner = _inner_tree(B, shape)
+    pol = LookupPolicy(Fixed(inner), tokens=4, ngram=(2,))
+    pol.begin([[1, 2, 3, 1], [7, 8, 9], [4, 5, 6, 7, 8, 4]], [2, 1, 5])  # copies: [3, 1, 2], none, [6, 7, 8, 4]
+    tree = pol.draft(None)
+    T, L = inner.size, 4
+    assert tree.size == T + L and tree.tokens[:, :T].equal(inner.tokens)
+    assert tree.tokens[0, T:T + 3].tolist() == [3, 1, 2] and tree.tokens[2, T:].tolist() == [6, 7, 8, 4]
+    real = ~tree.pad
+    assert real[:, :T].all() and real[0].tolist()[T:] == [True] * 3 + [False] and not real[1, T:].any()
+    assert bool((tree.parents[:, 1:] < torch.arange(1, T + L)).all())  # topological
+    for b in range(B):  # real nodes: the ancestry of their parents; padding: only itself, never the root
+        want = ancestor_matrix(tree.parents[b], tree.depth[b])
+        for i in range(T + L):
+            row = tree.anc[b, i]
+            if real[b, i]:
+                assert row.equal(want[i]) and (i == 0 or tree.depth[b, i] == tree.depth[b, tree.parents[b, i]] + 1)
+            else:
+                assert row.nonzero().flatten().tolist() == [i]
+    assert pol.max_size == T + L and pol.max_depth == max(5, L)
+
+
+def test_no_copy_keeps_the_inner_tree_and_sampled_steps_verify_it_alone():
+    inner = _inner_tree(1, "bushy")
+    pol = LookupPolicy(Fixed(inner), tokens=4)
+    pol.begin([[1, 2, 3, 4]], [5])
+    assert pol.draft(None) is inner  # no n-gram recurs
+    pol.begin([[1, 2, 3, 1, 2]], [3])
+    assert pol.draft(None).size == inner.size + 3
+    assert pol.draft(None, SamplingParams(temperature=0.8)) is inner
+    with pytest.raises(TreeError, match="tokens >= 1"):
+        LookupPolicy(Fixed(inner), tokens=0)
+
+
+INNER = {
+    "chain": lambda: ChainPolicy(depth=3),
+    "static": lambda: StaticPolicy(shape="eagle_mc_sim_7b_63"),
+    "dynamic": lambda: DynamicPolicy(total_tokens=12, depth=4, top_k=3),
+    "dynamic_shared": lambda: DynamicPolicy(total_tokens=10, depth=4, top_k=3, node_share=0.6),
+}
+
+
+def _run(inner: str, seed: int, tokens: int = 10):
+    target, draft = make_pair(seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 23, 41)]
+    refs = [greedy_reference(target, p, 160) for p in prompts]
+    return refs, SpeculativeDecoder(target, draft, LookupPolicy(INNER[inner](), tokens=tokens)).generate(prompts, 160)
+
+
+@pytest.mark.parametrize("inner", list(INNER))
+@pytest.mark.parametrize("seed", range(5))
+def test_lookup_is_lossless_greedy_fp32(inner, seed):
+    refs, out = _run(inner, seed)
+    assert out.tokens == refs  # a ragged batch of three prompts
+
+
+@pytest.mark.parametrize("inner", list(INNER))
+def test_copies_are_accepted_past_the_inner_trees_depth(inner):
+    """Random tiny models fall into loops, where a copy of the context is right for many tokens: such paths are
+    accepted beyond the inner tree's depth (with seed 0 the loops are longer than every inner tree here)."""
+    refs, out = _run(inner, 0, tokens=12)
+    assert out.tokens == refs and max(out.stats.accepted) > INNER[inner]().max_depth
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_each_rows_context_follows_it_when_finished_rows_leave_the_batch(seed):
+    target, draft = make_pair(seed + 20)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 30, 4, 17)]
+    refs = [greedy_reference(target, p, 140) for p in prompts]
+    eos = refs[1][50]  # one row stops early at its EOS, the others run on in a narrower batch
+    want = VanillaDecoder(target, eos_ids=[eos]).generate(prompts, 120).tokens
+    pol = LookupPolicy(ChainPolicy(3), tokens=8)
+    dec = CompactingDecoder(target, draft, pol, eos_ids=[eos])
+    seen = []
+
+    def check(info):  # after every step, each live slot's context is its own row's verified tokens
+        for j, b in enumerate(dec._live):
+            ctx = pol.rows[j].tokens
+            seen.append(ctx == prompts[b] + refs[b][: len(ctx) - len(prompts[b])])
+
+    out = dec.generate(prompts, 120, hook=check)
+    assert out.tokens == want and len({len(t) for t in want}) > 1 and seen and all(seen)
+
+
+def test_tree_lookup_config_instantiates_and_unknown_keys_name_the_fix():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from treedec.config_schema import instantiate_checked, validate_tree
+    from treedec.errors import ConfigError
+    from treedec.models.paths import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="generate", overrides=["tree=lookup", "tree.tokens=16", "tree.inner.depth=6"])
+    validate_tree(cfg.tree)
+    pol = instantiate_checked(cfg.tree, "tree")
+    assert isinstance(pol, LookupPolicy) and pol.tokens == 16 and pol.inner.max_depth == 6 and pol.max_depth == 16
+    bad = OmegaConf.to_container(cfg.tree)
+    bad["inner"]["dpeth"] = 4
+    with pytest.raises(ConfigError, match="tree.inner"):
+        validate_tree(bad)

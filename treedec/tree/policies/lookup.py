@@ -1,0 +1,141 @@
+"""Prompt lookup inside a tree: a chain copied from the context, verified beside the draft's tree.
+
+Code repeats itself (names, call patterns, whole lines), and ``transformers``' prompt lookup
+drafts by copying what followed the last occurrence of the current n-gram. Here that copy is one
+more branch under the root of any policy's tree: it costs no draft-head pass, only its tokens in
+the verify, and the acceptance walk keeps whichever path the target accepts furthest (the draft's
+or the copy's). Greedy only: under sampling a copy that repeats a drafted sibling would let the walk
+pick between two independent draws of the same token, so sampled steps keep the inner tree alone.
+
+The context is the verified sequence of each row (its prompt, then every accepted token), kept on
+the host from what the decoder already reads each step (:meth:`TreePolicy.begin` / ``observe``), so
+the lookup adds no device read. An incremental index maps each n-gram to where it last ended.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from treedec.decoding.sampling import SamplingParams
+from treedec.tree.policies.base import TreePolicy
+from treedec.tree.tree import Tree, TreeError
+
+
+class NgramIndex:
+    """One row's verified tokens and, for each n in ``sizes``, the last position where each n-gram ended.
+
+    The n-grams ending at the newest token are indexed only once a later token arrives, so a lookup of
+    the current suffix finds its latest *earlier* occurrence, never itself.
+    """
+
+    def __init__(self, tokens: Sequence[int], sizes: Sequence[int]):
+        self.tokens: list[int] = []
+        self.sizes = tuple(sizes)
+        self.last: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, new: Sequence[int]) -> None:
+        toks = self.tokens
+        start = max(len(toks) - 1, 0)  # the old newest token's n-grams are indexed now
+        toks.extend(int(t) for t in new)
+        for end in range(start, len(toks) - 1):
+            for n in self.sizes:
+                if end + 1 >= n:
+                    self.last[tuple(toks[end + 1 - n: end + 1])] = end
+
+    def propose(self, max_tokens: int) -> list[int]:
+        """What followed the latest earlier occurrence of the longest suffix n-gram found (up to ``max_tokens``)."""
+        toks = self.tokens
+        for n in self.sizes:  # longest first
+            if len(toks) > n:
+                end = self.last.get(tuple(toks[-n:]))
+                if end is not None:
+                    return toks[end + 1: end + 1 + max_tokens]
+        return []
+
+
+class LookupPolicy(TreePolicy):
+    """``inner``'s tree plus, under the root, a chain of up to ``tokens`` tokens copied from the context.
+
+    ``ngram``: the n-gram sizes tried, longest first (the copy follows the latest earlier occurrence of
+    the context's last n tokens). Rows whose copy is shorter than the batch's longest are filled with
+    padding nodes (never accepted). Lossless: the tree is only wider.
+    """
+
+    def __init__(self, inner: TreePolicy, tokens: int = 12, ngram: Sequence[int] = (3, 2)):
+        sizes = sorted({int(n) for n in ngram}, reverse=True)
+        if int(tokens) < 1 or not sizes or sizes[-1] < 1:
+            raise TreeError(f"lookup needs tokens >= 1 and n-gram sizes >= 1, got tokens={tokens}, ngram={list(ngram)}")
+        self.inner, self.tokens, self.sizes = inner, int(tokens), sizes
+        self.max_depth = max(inner.max_depth, self.tokens)
+        self.max_size = inner.max_size + self.tokens
+        self.max_inputs, self.max_rank = inner.max_inputs, inner.max_rank
+        self.rows: list[NgramIndex] = []
+        self._blocks: dict = {}
+
+    @property
+    def wants_top_run(self) -> bool:
+        return self.inner.wants_top_run
+
+    def validate(self, vocab_size: int) -> None:
+        self.inner.validate(vocab_size)
+
+    def begin(self, prompts: Sequence[Sequence[int]], first: Sequence[int]) -> None:
+        self.rows = [NgramIndex([*p, t], self.sizes) for p, t in zip(prompts, first)]
+        self.inner.begin(prompts, first)
+
+    def keep_rows(self, order: Sequence[int]) -> None:
+        self.rows = [self.rows[i] for i in order]
+        self.inner.keep_rows(order)
+
+    def observe(self, info) -> None:
+        for row, toks, on in zip(self.rows, info.tokens, info.active):
+            if on and toks:
+                row.extend(toks)
+        self.inner.observe(info)
+
+    def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Tree:
+        tree = self.inner.draft(drafter, params, generator)
+        if tree.size == 1 or tree.draft_probs is not None or not (params is None or params.greedy):
+            return tree  # a plain step stays one; sampled steps keep the inner tree (module docstring)
+        copies = [r.propose(self.tokens) for r in self.rows]
+        L = max(map(len, copies), default=0)
+        return tree if L == 0 else self._merge(tree, copies, L)
+
+    def _merge(self, tree: Tree, copies: list[list[int]], L: int) -> Tree:
+        """``tree`` [B, T] with each row's copy as a chain under the root in slots T..T+L-1 (padding after it)."""
+        B, T = tree.tokens.shape
+        dev = tree.tokens.device
+        if (T, L) not in self._blocks:  # a full copy's parents, depths and ancestry rows
+            anc = torch.zeros(L, T + L, dtype=torch.bool)
+            anc[:, 0] = True
+            anc[:, T:] = torch.ones(L, L, dtype=torch.bool).tril()
+            alone = torch.zeros(L, T + L, dtype=torch.bool)
+            alone[:, T:] = torch.eye(L, dtype=torch.bool)
+            self._blocks[T, L] = (torch.tensor([0, *range(T, T + L - 1)]), torch.arange(1, L + 1), anc, alone)
+        par, dep, anc_full, anc_pad = self._blocks[T, L]
+        short = [len(c) < L for c in copies]
+        toks = torch.tensor([c + [0] * (L - len(c)) for c in copies])
+        par, dep, anc = par.expand(B, L), dep.expand(B, L), anc_full.expand(B, L, T + L)
+        pad = None
+        if any(short):
+            pad = torch.tensor([[j >= len(c) for j in range(L)] for c in copies])
+            par, dep = torch.where(pad, 0, par), torch.where(pad, 1, dep)  # a padding node: a leaf under the root
+            anc = torch.where(pad[:, :, None], anc_pad, anc)  # that sees only itself
+        to = lambda t: t.to(dev, non_blocking=True)  # noqa: E731
+        A = torch.zeros(B, T + L, T + L, dtype=torch.bool, device=dev)
+        A[:, :T, :T] = tree.ancestors()
+        A[:, T:] = to(anc)
+        z = torch.zeros(B, L, dtype=torch.long, device=dev)
+        inner_pad = tree.pad if tree.pad is not None else (None if pad is None else torch.zeros(B, T, dtype=torch.bool,
+                                                                                                 device=dev))
+        return Tree(
+            parents=torch.cat([tree.parents, to(par)], 1),
+            depth=torch.cat([tree.depth.expand(B, T), to(dep)], 1),
+            rank=torch.cat([tree.rank.expand(B, T), z], 1),
+            tokens=torch.cat([tree.tokens, to(toks)], 1),
+            scores=None if tree.scores is None else torch.cat([tree.scores, z.float()], 1),
+            anc=A,
+            pad=None if inner_pad is None else torch.cat([inner_pad, to(pad) if pad is not None else z.bool()], 1),
+        )
