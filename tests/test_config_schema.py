@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 import treedec.config_schema as schema
 from treedec.decoding.sampling import SamplingParams
-from treedec.tree.policies import ChainPolicy, DynamicPolicy, LearnedPolicy, StaticPolicy
+from treedec.tree.policies import ChainPolicy, DynamicPolicy, LearnedPolicy, LookupPolicy, StaticPolicy
 from treedec.tree.policies.learned import save_learned
 from treedec.tree.shapes import SHAPE_DIR, list_shapes
 
@@ -21,7 +21,7 @@ CONF = SHAPE_DIR.parents[1]
 GROUPS = ("tree", "sampling", "kernel", "model", "draft")
 OPTIONS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in GROUPS}
 POLICY = {"static": StaticPolicy, "dynamic": DynamicPolicy, "chain": ChainPolicy, "learned": LearnedPolicy,
-          "dynamic_sample": DynamicPolicy}
+          "dynamic_sample": DynamicPolicy, "lookup": LookupPolicy}
 
 
 @pytest.fixture(scope="module")

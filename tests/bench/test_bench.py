@@ -67,7 +67,7 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["methods"].keys() == m["methods"].keys()
     names = set(saved["methods"])
-    treedec = {"vanilla", "chain", "static", "dynamic_raw", "dynamic", "dynamic_auto", "learned"}
+    treedec = {"vanilla", "chain", "static", "dynamic_raw", "dynamic", "dynamic_auto", "learned", "lookup"}
     expected = set(treedec)
     if HAVE_HF:
         expected |= {"hf_greedy", "hf_prompt_lookup", "hf_assisted"}
