@@ -13,6 +13,7 @@ the lookup adds no device read. An incremental index maps each n-gram to where i
 """
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
@@ -20,6 +21,8 @@ import torch
 from treedec.decoding.sampling import SamplingParams
 from treedec.tree.policies.base import TreePolicy
 from treedec.tree.tree import Tree, TreeError
+
+log = logging.getLogger(__name__)
 
 
 class NgramIndex:
@@ -68,6 +71,10 @@ class LookupPolicy(TreePolicy):
         if int(tokens) < 1 or not sizes or sizes[-1] < 1:
             raise TreeError(f"lookup needs tokens >= 1 and n-gram sizes >= 1, got tokens={tokens}, ngram={list(ngram)}")
         self.inner, self.tokens, self.sizes = inner, int(tokens), sizes
+        if getattr(inner, "budget", None) is not None:
+            log.warning("tree=lookup around an auto budget: the budget does not know the copied tokens (it charges "
+                        "their verify to its arms and credits their accepted tokens to its estimates), so it drifts "
+                        "to larger trees; pair lookup with a fixed tree (docs/benchmarks.md)")
         self.max_depth = max(inner.max_depth, self.tokens)
         self.max_size = inner.max_size + self.tokens
         self.max_inputs, self.max_rank = inner.max_inputs, inner.max_rank
