@@ -112,6 +112,7 @@ class LookupTreeSchema:
     inner: Any = MISSING  # the policy whose tree the copied chain joins (checked by its own _target_)
     tokens: int = 12
     ngram: List[int] = field(default_factory=lambda: [3, 2])
+    max_rows: int = 4  # copies only while the batch holds at most this many rows
 
 
 @dataclass

@@ -96,6 +96,18 @@ def test_no_copy_keeps_the_inner_tree_and_sampled_steps_verify_it_alone():
     assert pol.draft(None, SamplingParams(temperature=0.8)) is inner
     with pytest.raises(TreeError, match="tokens >= 1"):
         LookupPolicy(Fixed(inner), tokens=0)
+    with pytest.raises(TreeError, match="max_rows >= 1"):
+        LookupPolicy(Fixed(inner), max_rows=0)
+
+
+def test_copies_only_while_the_batch_is_at_most_max_rows_wide():
+    inner = _inner_tree(3, "chain")
+    pol = LookupPolicy(Fixed(inner), tokens=4, max_rows=2)
+    pol.begin([[1, 2, 1]] * 3, [2] * 3)
+    assert pol.draft(None) is inner  # three rows: the inner tree alone
+    pol.keep_rows([0, 2])  # a row finished and left the batch: two rows get their copies again
+    pol.inner.tree = _inner_tree(2, "chain")
+    assert pol.draft(None).size == inner.size + 2
 
 
 INNER = {

@@ -63,14 +63,18 @@ class LookupPolicy(TreePolicy):
 
     ``ngram``: the n-gram sizes tried, longest first (the copy follows the latest earlier occurrence of
     the context's last n tokens). Rows whose copy is shorter than the batch's longest are filled with
-    padding nodes (never accepted). Lossless: the tree is only wider.
+    padding nodes (never accepted). ``max_rows``: copies are added while the batch holds at most this many
+    rows (every row verifies the longest copy's width, and at 16 rows this CPU's target is compute-bound: the
+    copy cost more than it returned there, docs/benchmarks.md); a compacted batch's last rows get them again.
+    Lossless: the tree is only wider.
     """
 
-    def __init__(self, inner: TreePolicy, tokens: int = 12, ngram: Sequence[int] = (3, 2)):
+    def __init__(self, inner: TreePolicy, tokens: int = 12, ngram: Sequence[int] = (3, 2), max_rows: int = 4):
         sizes = sorted({int(n) for n in ngram}, reverse=True)
-        if int(tokens) < 1 or not sizes or sizes[-1] < 1:
-            raise TreeError(f"lookup needs tokens >= 1 and n-gram sizes >= 1, got tokens={tokens}, ngram={list(ngram)}")
-        self.inner, self.tokens, self.sizes = inner, int(tokens), sizes
+        if int(tokens) < 1 or not sizes or sizes[-1] < 1 or int(max_rows) < 1:
+            raise TreeError(f"lookup needs tokens >= 1, n-gram sizes >= 1 and max_rows >= 1, got tokens={tokens}, "
+                            f"ngram={list(ngram)}, max_rows={max_rows}")
+        self.inner, self.tokens, self.sizes, self.max_rows = inner, int(tokens), sizes, int(max_rows)
         if getattr(inner, "budget", None) is not None:
             log.warning("tree=lookup around an auto budget: the budget does not know the copied tokens (it charges "
                         "their verify to its arms and credits their accepted tokens to its estimates), so it drifts "
@@ -106,6 +110,8 @@ class LookupPolicy(TreePolicy):
         tree = self.inner.draft(drafter, params, generator)
         if tree.size == 1 or tree.draft_probs is not None or not (params is None or params.greedy):
             return tree  # a plain step stays one; sampled steps keep the inner tree (module docstring)
+        if len(self.rows) > self.max_rows:
+            return tree
         copies = [r.propose(self.tokens) for r in self.rows]
         L = max(map(len, copies), default=0)
         return tree if L == 0 else self._merge(tree, copies, L)
