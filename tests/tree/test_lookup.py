@@ -100,6 +100,17 @@ def test_no_copy_keeps_the_inner_tree_and_sampled_steps_verify_it_alone():
         LookupPolicy(Fixed(inner), max_rows=0)
 
 
+def test_a_finished_row_of_an_uncompacted_batch_gets_no_copy():
+    from types import SimpleNamespace
+
+    pol = LookupPolicy(Fixed(_inner_tree(2, "chain")), tokens=4)
+    pol.begin([[1, 2, 1], [3, 4, 3]], [2, 4])
+    assert pol.draft(None).pad is None  # both rows copy two tokens
+    pol.observe(SimpleNamespace(tokens=[[1], []], active=[True, False]))  # row 1 finished
+    tree = pol.draft(None)
+    assert tree.tokens[0, 4:].tolist() == [2, 1] and not tree.pad[0].any() and tree.pad[1, 4:].all()
+
+
 def test_copies_only_while_the_batch_is_at_most_max_rows_wide():
     inner = _inner_tree(3, "chain")
     pol = LookupPolicy(Fixed(inner), tokens=4, max_rows=2)

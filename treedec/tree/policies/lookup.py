@@ -83,6 +83,7 @@ class LookupPolicy(TreePolicy):
         self.max_size = inner.max_size + self.tokens
         self.max_inputs, self.max_rank = inner.max_inputs, inner.max_rank
         self.rows: list[NgramIndex] = []
+        self.active: list[bool] = []  # rows still decoding (a finished row of an uncompacted batch gets no copy)
         self._blocks: dict = {}
 
     @property
@@ -94,25 +95,27 @@ class LookupPolicy(TreePolicy):
 
     def begin(self, prompts: Sequence[Sequence[int]], first: Sequence[int]) -> None:
         self.rows = [NgramIndex([*p, t], self.sizes) for p, t in zip(prompts, first)]
+        self.active = [True] * len(self.rows)
         self.inner.begin(prompts, first)
 
     def keep_rows(self, order: Sequence[int]) -> None:
-        self.rows = [self.rows[i] for i in order]
+        self.rows, self.active = [self.rows[i] for i in order], [self.active[i] for i in order]
         self.inner.keep_rows(order)
 
     def observe(self, info) -> None:
         for row, toks, on in zip(self.rows, info.tokens, info.active):
             if on and toks:
                 row.extend(toks)
+        self.active = list(info.active)
         self.inner.observe(info)
 
     def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Tree:
         tree = self.inner.draft(drafter, params, generator)
         if tree.size == 1 or tree.draft_probs is not None or not (params is None or params.greedy):
             return tree  # a plain step stays one; sampled steps keep the inner tree (module docstring)
-        if len(self.rows) > self.max_rows:
-            return tree
-        copies = [r.propose(self.tokens) for r in self.rows]
+        if len(self.rows) != tree.tokens.shape[0] or len(self.rows) > self.max_rows:
+            return tree  # (no context: drafted outside a decoder's generate, which calls begin)
+        copies = [r.propose(self.tokens) if on else [] for r, on in zip(self.rows, self.active)]
         L = max(map(len, copies), default=0)
         return tree if L == 0 else self._merge(tree, copies, L)
 
