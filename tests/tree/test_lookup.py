@@ -101,12 +101,12 @@ def test_no_copy_keeps_the_inner_tree_and_sampled_steps_verify_it_alone():
 
 
 def test_a_finished_row_of_an_uncompacted_batch_gets_no_copy():
-    from types import SimpleNamespace
+    from treedec.decoding.loop import StepInfo
 
     pol = LookupPolicy(Fixed(_inner_tree(2, "chain")), tokens=4)
     pol.begin([[1, 2, 1], [3, 4, 3]], [2, 4])
     assert pol.draft(None).pad is None  # both rows copy two tokens
-    pol.observe(SimpleNamespace(tokens=[[1], []], active=[True, False]))  # row 1 finished
+    pol.observe(StepInfo(1, [True, False], [[1], []], [2, 0]))  # row 1 finished
     tree = pol.draft(None)
     assert tree.tokens[0, 4:].tolist() == [2, 1] and not tree.pad[0].any() and tree.pad[1, 4:].all()
 
@@ -150,6 +150,34 @@ def test_copies_are_accepted_past_the_inner_trees_depth(inner):
     accepted beyond the inner tree's depth (with seed 0 the loops are longer than every inner tree here)."""
     refs, out = _run(inner, 0, tokens=12)
     assert out.tokens == refs and max(out.stats.accepted) > INNER[inner]().max_depth
+
+
+class Spy(ChainPolicy):
+    """A chain that records what it is told it accepted."""
+
+    wants_top_run = True
+
+    def __init__(self, depth):
+        super().__init__(depth)
+        self.seen = []
+
+    def observe(self, info):
+        self.seen.append((list(info.n_accept), list(info.top_run)))
+
+
+def test_the_inner_policy_learns_only_what_its_own_nodes_accepted():
+    """Copies accepted past the chain's depth reach the output, but the chain (an auto budget, in use) is told only
+    what its own nodes accepted, and its top-1 runs: both at most its depth, read in the step's one transfer."""
+    target, draft = make_pair(0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 23, 41)]
+    spy = Spy(3)
+    out = SpeculativeDecoder(target, draft, LookupPolicy(spy, tokens=12)).generate(prompts, 160)
+    assert out.tokens == [greedy_reference(target, p, 160) for p in prompts]
+    assert max(out.stats.accepted) > 3 and spy.seen
+    assert all(n <= 4 and r <= 3 for ns, rs in spy.seen for n, r in zip(ns, rs))  # root + 3 drafts at most
+    own = sum(max(n - 1, 0) for ns, _ in spy.seen for n in ns)
+    assert own < sum(k * c for k, c in out.stats.accepted.items()) / 4  # the copies' tokens were not credited to it
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -102,7 +102,7 @@ class SpeculativeDecoder(Decoder):
             res = tgt(tree.tokens, cache, position_ids=pos, tree_mask=tree.ancestors(),
                       layer_inputs=self.draft.feature_layers_needed)
         timer.lap("verify")
-        acc, n, packed, runs = self._accept(tree, res.logits, depth_cap)
+        acc, n, packed, runs, inner = self._accept(tree, res.logits, depth_cap)
         self._counts += acceptance_counts(tree, acc, self._active_t, self._counts.shape[1])
         timer.lap("accept")
         n_host = [r[0] for r in packed]
@@ -114,7 +114,7 @@ class SpeculativeDecoder(Decoder):
         timer.lap("commit")
         self._index += 1
         info = StepInfo(self._index, list(active), [r[1:1 + k] for r, k in zip(packed, n_host)], n_host,
-                        tree, acc.path, res.logits, runs)
+                        tree, acc.path, res.logits, runs, *inner)
         self.policy.observe(info)  # host values only (the step's one read has happened)
         return info, tree.size
 
@@ -142,9 +142,10 @@ class SpeculativeDecoder(Decoder):
         return info, 1
 
     def _accept(self, tree: Tree, logits: torch.Tensor, depth_cap: int) -> tuple[Acceptance, torch.Tensor, list,
-                                                                               list[int] | None]:
+                                                                               list[int] | None, tuple]:
         """The acceptance rule and the step's one host read -> (acceptance, n [B], [n, emitted...] per row,
-        each row's top-1 run when the policy wants it, read in the same transfer)."""
+        each row's top-1 run when the policy wants it, and (n, top-1 run) of the policy's own nodes alone when
+        others were verified beside them (``tree.inner_size``), all read in the same transfer)."""
         if tree.draft_probs is not None:
             draws, acc = None, self._accept_sampled_drafts(tree, logits, depth_cap)
         else:
@@ -153,12 +154,21 @@ class SpeculativeDecoder(Decoder):
         while True:
             n = torch.where(self._active_t, acc.n, 0)  # finished rows commit nothing: their caches stay frozen
             flag = [] if acc.unsettled is None else [acc.unsettled[:, None].long()]
-            run = [top_run(tree, acc, n)[:, None]] if self.policy.wants_top_run else []
-            packed = torch.cat([n[:, None], acc.emit, *flag, *run], 1).tolist()  # the one host read of the step
+            want_run = self.policy.wants_top_run
+            run = [top_run(tree, acc, n)[:, None]] if want_run else []
+            own = []
+            if tree.inner_size is not None and draws is not None:  # the policy's nodes alone: what they accepted
+                sub, k = tree.first(tree.inner_size), tree.inner_size
+                acc_in = accept_paths(sub, draws.token[:, :k], depth_cap, None if draws.miss is None else draws.miss[:, :k])
+                n_in = torch.where(self._active_t, acc_in.n, 0)
+                own = [n_in[:, None], *([top_run(sub, acc_in, n_in)[:, None]] if want_run else [])]
+            packed = torch.cat([n[:, None], acc.emit, *flag, *run, *own], 1).tolist()  # the one host read of the step
+            own_cols = [[r.pop() for r in packed] for _ in own][::-1]  # (n, run) of the policy's own nodes
             runs = [r.pop() for r in packed] if run else None
             redo = [b for b, r in enumerate(packed) if flag and r[-1] and self._active[b]]
             if not redo:
-                return acc, n, packed, runs
+                inner = (own_cols[0], own_cols[1] if len(own_cols) > 1 else None) if own_cols else (None, None)
+                return acc, n, packed, runs, inner
             # Rare: a path reached a node none of whose top-p candidates was in the nucleus. Draw that
             # row's missed nodes exactly and walk again: the other rows' paths and streams are unchanged.
             acc = accept_paths(tree, settle(draws, self.sampling, self._streams, redo), depth_cap)

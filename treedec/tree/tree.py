@@ -32,6 +32,8 @@ class Tree:
     ``pad`` (bool [B, T], optional) marks padding nodes: slots that fill a row whose own tree is
     smaller than the batch's T (per-row budgets). A padding node sees only itself (and the prefix),
     is nobody's parent, and :func:`~treedec.decoding.verify.accept_paths` never accepts it.
+    ``inner_size``: set when nodes were added beside the policy's own tree (prompt lookup's copy): its
+    first ``inner_size`` nodes are that tree (:meth:`first`), whose own acceptance the decoder also reports.
     """
 
     parents: torch.Tensor
@@ -42,6 +44,7 @@ class Tree:
     draft_probs: torch.Tensor | None = None
     anc: torch.Tensor | None = None
     pad: torch.Tensor | None = None
+    inner_size: int | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     # ---------------------------------------------------------------- construction
@@ -148,6 +151,13 @@ class Tree:
 
     def with_tokens(self, tokens: torch.Tensor, scores: torch.Tensor | None = None) -> "Tree":
         return replace(self, tokens=tokens, scores=scores if scores is not None else self.scores, _cache={})
+
+    def first(self, n: int) -> "Tree":
+        """The tree of the first ``n`` nodes of a drafted batch (a topological prefix is a tree)."""
+        cut = lambda t: None if t is None else t[..., :n]  # noqa: E731
+        anc = self.ancestors()
+        return Tree(self.parents[..., :n], self.depth[..., :n], self.rank[..., :n], cut(self.tokens), cut(self.scores),
+                    None if self.draft_probs is None else self.draft_probs[..., :n, :], anc[..., :n, :n], cut(self.pad))
 
     def row(self, b: int) -> "Tree":
         """Row ``b`` of a drafted batch as a single tree (a shape returns itself)."""

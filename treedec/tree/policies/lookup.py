@@ -10,10 +10,13 @@ pick between two independent draws of the same token, so sampled steps keep the 
 The context is the verified sequence of each row (its prompt, then every accepted token), kept on
 the host from what the decoder already reads each step (:meth:`TreePolicy.begin` / ``observe``), so
 the lookup adds no device read. An incremental index maps each n-gram to where it last ended.
+The merged tree records the inner tree's size (``Tree.inner_size``), so the decoder also reports what
+the inner nodes alone accepted, in the step's one read; the inner policy learns from that (an auto
+budget would otherwise credit the copy's tokens to its arms).
 """
 from __future__ import annotations
 
-import logging
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -21,8 +24,6 @@ import torch
 from treedec.decoding.sampling import SamplingParams
 from treedec.tree.policies.base import TreePolicy
 from treedec.tree.tree import Tree, TreeError
-
-log = logging.getLogger(__name__)
 
 
 class NgramIndex:
@@ -75,10 +76,6 @@ class LookupPolicy(TreePolicy):
             raise TreeError(f"lookup needs tokens >= 1, n-gram sizes >= 1 and max_rows >= 1, got tokens={tokens}, "
                             f"ngram={list(ngram)}, max_rows={max_rows}")
         self.inner, self.tokens, self.sizes, self.max_rows = inner, int(tokens), sizes, int(max_rows)
-        if getattr(inner, "budget", None) is not None:
-            log.warning("tree=lookup around an auto budget: the budget does not know the copied tokens (it charges "
-                        "their verify to its arms and credits their accepted tokens to its estimates), so it drifts "
-                        "to larger trees; pair lookup with a fixed tree (docs/benchmarks.md)")
         self.max_depth = max(inner.max_depth, self.tokens)
         self.max_size = inner.max_size + self.tokens
         self.max_inputs, self.max_rank = inner.max_inputs, inner.max_rank
@@ -89,6 +86,11 @@ class LookupPolicy(TreePolicy):
     @property
     def wants_top_run(self) -> bool:
         return self.inner.wants_top_run
+
+    @property
+    def budget(self):
+        """The inner policy's auto budget, if any (the bench reports its arms)."""
+        return getattr(self.inner, "budget", None)
 
     def validate(self, vocab_size: int) -> None:
         self.inner.validate(vocab_size)
@@ -107,6 +109,9 @@ class LookupPolicy(TreePolicy):
             if on and toks:
                 row.extend(toks)
         self.active = list(info.active)
+        if info.inner_n_accept is not None:  # the inner policy learns from what its own nodes accepted
+            info = replace(info, n_accept=info.inner_n_accept,
+                           top_run=info.inner_top_run if info.top_run is not None else None)
         self.inner.observe(info)
 
     def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Tree:
@@ -154,4 +159,5 @@ class LookupPolicy(TreePolicy):
             scores=None if tree.scores is None else torch.cat([tree.scores, z.float()], 1),
             anc=A,
             pad=None if inner_pad is None else torch.cat([inner_pad, to(pad) if pad is not None else z.bool()], 1),
+            inner_size=T,
         )
