@@ -159,7 +159,8 @@ class SpeculativeDecoder(Decoder):
             own = []
             if tree.inner_size is not None and draws is not None:  # the policy's nodes alone: what they accepted
                 sub, k = tree.first(tree.inner_size), tree.inner_size
-                acc_in = accept_paths(sub, draws.token[:, :k], depth_cap, None if draws.miss is None else draws.miss[:, :k])
+                miss = None if draws.miss is None else draws.miss[:, :k]
+                acc_in = accept_paths(sub, draws.token[:, :k], depth_cap, miss)
                 n_in = torch.where(self._active_t, acc_in.n, 0)
                 own = [n_in[:, None], *([top_run(sub, acc_in, n_in)[:, None]] if want_run else [])]
             packed = torch.cat([n[:, None], acc.emit, *flag, *run, *own], 1).tolist()  # the one host read of the step
