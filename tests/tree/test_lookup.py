@@ -218,3 +218,19 @@ def test_tree_lookup_config_instantiates_and_unknown_keys_name_the_fix():
     bad["inner"]["dpeth"] = 4
     with pytest.raises(ConfigError, match="tree.inner"):
         validate_tree(bad)
+
+
+@pytest.mark.parametrize("inner", ["chain", "dynamic"])
+def test_a_lookup_step_reads_the_device_once(inner):
+    """The copies come from host state and the inner tree's own acceptance rides in the step's one read."""
+    from treedec.profiling import count_ops
+
+    target, draft = make_pair(0)
+    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 23)]
+    dec = SpeculativeDecoder(target, draft, LookupPolicy(INNER[inner](), tokens=10))
+    with count_ops() as short:
+        a = dec.generate(prompts, 40)
+    with count_ops() as long:
+        b = dec.generate(prompts, 160)
+    steps = b.stats.steps - a.stats.steps
+    assert steps > 10 and (long.host_reads - short.host_reads) == steps
