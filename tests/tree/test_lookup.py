@@ -92,7 +92,8 @@ def test_no_copy_keeps_the_inner_tree_and_sampled_steps_verify_it_alone():
     pol.begin([[1, 2, 3, 4]], [5])
     assert pol.draft(None) is inner  # no n-gram recurs
     pol.begin([[1, 2, 3, 1, 2]], [3])
-    assert pol.draft(None).size == inner.size + 3
+    tree = pol.draft(None)  # a 3-token copy, padded to the width bucket 4
+    assert tree.size == inner.size + 4 and tree.pad[0, -1] and not tree.pad[0, :-1].any()
     assert pol.draft(None, SamplingParams(temperature=0.8)) is inner
     with pytest.raises(TreeError, match="tokens >= 1"):
         LookupPolicy(Fixed(inner), tokens=0)
@@ -218,6 +219,16 @@ def test_tree_lookup_config_instantiates_and_unknown_keys_name_the_fix():
     bad["inner"]["dpeth"] = 4
     with pytest.raises(ConfigError, match="tree.inner"):
         validate_tree(bad)
+
+
+def test_the_copy_width_takes_a_few_buckets_so_few_verify_shapes_are_built():
+    target, draft = make_pair(0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 23, 41)]
+    sizes = set()
+    dec = SpeculativeDecoder(target, draft, LookupPolicy(ChainPolicy(3), tokens=12))
+    dec.generate(prompts, 160, hook=lambda info: sizes.add(info.tree.size))
+    assert len(sizes) > 2 and sizes <= {1, 4} | {4 + w for w in (1, 2, 4, 8, 12)}
 
 
 @pytest.mark.parametrize("inner", ["chain", "dynamic"])

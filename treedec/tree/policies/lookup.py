@@ -76,6 +76,7 @@ class LookupPolicy(TreePolicy):
             raise TreeError(f"lookup needs tokens >= 1, n-gram sizes >= 1 and max_rows >= 1, got tokens={tokens}, "
                             f"ngram={list(ngram)}, max_rows={max_rows}")
         self.inner, self.tokens, self.sizes, self.max_rows = inner, int(tokens), sizes, int(max_rows)
+        self.widths = sorted({1 << i for i in range(self.tokens.bit_length()) if 1 << i < self.tokens} | {self.tokens})
         self.max_depth = max(inner.max_depth, self.tokens)
         self.max_size = inner.max_size + self.tokens
         self.max_inputs, self.max_rank = inner.max_inputs, inner.max_rank
@@ -121,8 +122,12 @@ class LookupPolicy(TreePolicy):
         if len(self.rows) != tree.tokens.shape[0] or len(self.rows) > self.max_rows:
             return tree  # (no context: drafted outside a decoder's generate, which calls begin)
         copies = [r.propose(self.tokens) if on else [] for r, on in zip(self.rows, self.active)]
-        L = max(map(len, copies), default=0)
-        return tree if L == 0 else self._merge(tree, copies, L)
+        longest = max(map(len, copies), default=0)
+        if longest == 0:
+            return tree
+        # the copy's width in a few buckets (1, 2, 4, 8, ..., tokens), padded: few verify shapes, so compile=True
+        # builds few graphs (and oneDNN few primitives), as the auto budget's T buckets do
+        return self._merge(tree, copies, next(w for w in self.widths if w >= longest))
 
     def _merge(self, tree: Tree, copies: list[list[int]], L: int) -> Tree:
         """``tree`` [B, T] with each row's copy as a chain under the root in slots T..T+L-1 (padding after it)."""
