@@ -7,7 +7,7 @@ Importing this module registers, in Hydra's ConfigStore:
   ``- optional schema@_here_: <name>`` first in its defaults, so once this module is imported,
   composing it rejects an unknown key or a wrong type with OmegaConf's own message, before
   anything is loaded);
-* ``schema/tree/{static,dynamic,chain,learned}``, ``schema/tree/shape``, ``schema/model``,
+* ``schema/tree/{static,dynamic,chain,learned,lookup}``, ``schema/tree/shape``, ``schema/model``,
   ``schema/draft``, ``schema/sampling``: the group schemas, for configs of
   your own (``defaults: [/schema/tree@_here_: dynamic, _self_]``).
 
@@ -316,7 +316,7 @@ def register_configs() -> None:
     for name, node in SCHEMAS.items():
         cs.store(group="schema", name=name, node=node)
     for name, node in (("static", StaticTreeSchema), ("dynamic", DynamicTreeSchema), ("chain", ChainTreeSchema),
-                       ("learned", LearnedTreeSchema)):
+                       ("learned", LearnedTreeSchema), ("lookup", LookupTreeSchema)):
         cs.store(group="schema/tree", name=name, node=node)
     for name, node in (("tree/shape", ShapeSchema), ("model", ModelSchema), ("draft", DraftSchema),
                        ("sampling", SamplingSchema)):

@@ -164,12 +164,12 @@ class SpeculativeDecoder(Decoder):
                 n_in = torch.where(self._active_t, acc_in.n, 0)
                 own = [n_in[:, None], *([top_run(sub, acc_in, n_in)[:, None]] if want_run else [])]
             packed = torch.cat([n[:, None], acc.emit, *flag, *run, *own], 1).tolist()  # the one host read of the step
-            own_cols = [[r.pop() for r in packed] for _ in own][::-1]  # (n, run) of the policy's own nodes
+            own_run = [r.pop() for r in packed] if len(own) > 1 else None  # the columns come off in reverse order
+            own_n = [r.pop() for r in packed] if own else None
             runs = [r.pop() for r in packed] if run else None
             redo = [b for b, r in enumerate(packed) if flag and r[-1] and self._active[b]]
             if not redo:
-                inner = (own_cols[0], own_cols[1] if len(own_cols) > 1 else None) if own_cols else (None, None)
-                return acc, n, packed, runs, inner
+                return acc, n, packed, runs, (own_n, own_run)
             # Rare: a path reached a node none of whose top-p candidates was in the nucleus. Draw that
             # row's missed nodes exactly and walk again: the other rows' paths and streams are unchanged.
             acc = accept_paths(tree, settle(draws, self.sampling, self._streams, redo), depth_cap)

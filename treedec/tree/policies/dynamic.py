@@ -135,7 +135,6 @@ class DynamicPolicy(TreePolicy):
             pos = torch.full((1, len(depth) + 1), -1, dtype=torch.long, device=dev)
             pos[:, 0] = 0
             self._const[k] = dict(depth=t[0].expand(B, -1), rank=t[1].expand(B, -1), parent_col=t[2],
-                                  root1=torch.zeros(B, 1, dtype=torch.long, device=dev),
                                   first1=torch.arange(1, k + 1, device=dev).expand(B, k),
                                   rows=torch.arange(B, device=dev)[:, None],
                                   slots=torch.arange(1, T, device=dev).expand(B, -1),
@@ -177,7 +176,7 @@ class DynamicPolicy(TreePolicy):
         # candidates. Concatenated once at the end: no writes into preallocated buffers, no gathers over them.
         lq, tok = drafter.root_topk(k, temp)
         sc = lq if raw else self._edge(lq, 1)
-        toks, lqs, scs, fronts = [tok], [lq], [sc], [c["root1"], c["first1"]]
+        toks, lqs, scs, fronts = [tok], [lq], [sc], [c["zero"], c["first1"]]  # (depth 1's parent: the root, 0)
         front_tok, front_lq, front_sc = tok, lq, sc
         front_feat = drafter.root_feat[:, None].expand(-1, k, -1)  # the feature each frontier node reads
         forest = ForestAncestry(B, max(self.max_inputs, 1), dev)

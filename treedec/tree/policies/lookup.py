@@ -141,11 +141,10 @@ class LookupPolicy(TreePolicy):
             alone[:, T:] = torch.eye(L, dtype=torch.bool)
             self._blocks[T, L] = (torch.tensor([0, *range(T, T + L - 1)]), torch.arange(1, L + 1), anc, alone)
         par, dep, anc_full, anc_pad = self._blocks[T, L]
-        short = [len(c) < L for c in copies]
         toks = torch.tensor([c + [0] * (L - len(c)) for c in copies])
         par, dep, anc = par.expand(B, L), dep.expand(B, L), anc_full.expand(B, L, T + L)
         pad = None
-        if any(short):
+        if min(map(len, copies)) < L:  # a row with no copy, a shorter one, or one padded up to the width bucket
             pad = torch.tensor([[j >= len(c) for j in range(L)] for c in copies])
             par, dep = torch.where(pad, 0, par), torch.where(pad, 1, dep)  # a padding node: a leaf under the root
             anc = torch.where(pad[:, :, None], anc_pad, anc)  # that sees only itself
