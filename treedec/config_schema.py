@@ -113,6 +113,7 @@ class LookupTreeSchema:
     tokens: int = 12
     ngram: List[int] = field(default_factory=lambda: [3, 2])
     max_rows: int = 4  # copies only while the batch holds at most this many rows
+    skip_draft: bool = True  # after a step whose copies outran the inner tree in every row: the copies alone
 
 
 @dataclass

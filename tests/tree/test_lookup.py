@@ -153,6 +153,49 @@ def test_copies_are_accepted_past_the_inner_trees_depth(inner):
     assert out.tokens == refs and max(out.stats.accepted) > INNER[inner]().max_depth
 
 
+@pytest.mark.parametrize("inner", ["chain", "dynamic"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_after_copies_outran_the_tree_the_next_step_verifies_them_alone(inner, skip):
+    """Once every live row accepted more copied tokens than the inner tree is deep, the next step verifies the copies
+    alone under the root and runs no draft-head pass (the head catches up on the next drafted step); lossless."""
+    target, draft = make_pair(0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 23, 41)]
+    pol = LookupPolicy(INNER[inner](), tokens=12, skip_draft=skip)
+    passes = []
+    draft.register_forward_hook(lambda *_: passes.append(1))
+    steps, expect = [], [False]
+
+    def check(info):
+        steps.append((info.tree.inner_size == 1, expect[-1], len(passes)))
+        passes.clear()
+        live = [b for b, on in enumerate(pol.active) if on]
+        expect.append(skip and bool(live) and all(info.n_accept[b] - 1 > pol.inner.max_depth and pol.rows[b].propose(12)
+                                                  for b in live))
+
+    out = SpeculativeDecoder(target, draft, pol).generate(prompts, 160, hook=check)
+    assert out.tokens == [greedy_reference(target, p, 160) for p in prompts]
+    assert [alone for alone, _, _ in steps] == [want for _, want, _ in steps]
+    alone = [n for a, _, n in steps if a]
+    assert pol.skipped_steps == len(alone) and (len(alone) > 3 if skip else not alone)
+    assert sum(alone) <= len(alone) // 2  # only a catch-up grown past Drafter.MAX_PENDING runs the head
+    assert all(n > 0 for a, _, n in steps[1:] if not a)
+
+
+def test_a_step_the_inner_budget_did_not_draft_is_timed_apart():
+    """The auto budget times a step from one draft() to the next: a copy-alone step between them is cut out."""
+    from treedec.tree.budget import BudgetController
+
+    now = [0.0]
+    b = BudgetController([(4, 3), (8, 3)], clock=lambda: now[0], probe=False)
+    seen = []
+    b.times.observe = lambda rows, T, depth, seconds: seen.append((T, depth, seconds))
+    for t, call in [(0.0, b.start), (2.0, b.pause), (5.0, b.start), (6.5, b.start)]:  # the copy alone: 2.0 to 5.0
+        now[0] = t
+        call() if call == b.pause else call("gen", 1)
+    assert seen == [(*b.history[0], 2.0), (*b.history[1], 1.5)]
+
+
 class Spy(ChainPolicy):
     """A chain that records what it is told it accepted."""
 
@@ -228,7 +271,8 @@ def test_the_copy_width_takes_a_few_buckets_so_few_verify_shapes_are_built():
     sizes = set()
     dec = SpeculativeDecoder(target, draft, LookupPolicy(ChainPolicy(3), tokens=12))
     dec.generate(prompts, 160, hook=lambda info: sizes.add(info.tree.size))
-    assert len(sizes) > 2 and sizes <= {1, 4} | {4 + w for w in (1, 2, 4, 8, 12)}
+    widths = (1, 2, 4, 8, 12)  # beside the chain, or alone (a step after copies outran it)
+    assert len(sizes) > 2 and sizes <= {1, 4} | {4 + w for w in widths} | {1 + w for w in widths}
 
 
 @pytest.mark.parametrize("inner", ["chain", "dynamic"])

@@ -213,6 +213,13 @@ class BudgetController:
         self.history.append(self.last)
         return self.last
 
+    def pause(self) -> None:
+        """A step that the policy does not draft begins (prompt lookup verifying its copy alone): the step that
+        just ended is measured here, and the next :meth:`start` measures nothing (the interval holds another step)."""
+        if self._t0 is not None and self.last is not None:
+            self.times.observe(self._rows, *self.last, self.clock() - self._t0)
+        self._t0 = None
+
     def offer(self, curve, arms: Sequence[tuple[int, int]], exact: Sequence[bool] | None = None) -> None:
         """This step's E[accepted] of each arm in ``arms`` (a 1-d array, NaN: not drafted this step).
 

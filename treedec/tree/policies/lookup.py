@@ -13,6 +13,10 @@ the lookup adds no device read. An incremental index maps each n-gram to where i
 The merged tree records the inner tree's size (``Tree.inner_size``), so the decoder also reports what
 the inner nodes alone accepted, in the step's one read; the inner policy learns from that (an auto
 budget would otherwise credit the copy's tokens to its arms).
+
+When the copy outran the draft (every row accepted more copied tokens than the inner tree is deep), the next
+step verifies the copy alone: a repeated block is being copied, and the draft head's passes (a third of a
+step at batch 1) would buy nothing. The head catches up lazily, in one pass, on the next drafted step.
 """
 from __future__ import annotations
 
@@ -67,21 +71,27 @@ class LookupPolicy(TreePolicy):
     padding nodes (never accepted). ``max_rows``: copies are added while the batch holds at most this many
     rows (every row verifies the longest copy's width, and at 16 rows this CPU's target is compute-bound: the
     copy cost more than it returned there, docs/benchmarks.md); a compacted batch's last rows get them again.
-    Lossless: the tree is only wider.
+    ``skip_draft``: a step after one where every row's copy outran the inner tree (accepted more drafts than it is
+    deep) verifies the copies alone, with no draft-head pass. Lossless: the tree is only wider, or only other.
     """
 
-    def __init__(self, inner: TreePolicy, tokens: int = 12, ngram: Sequence[int] = (3, 2), max_rows: int = 4):
+    def __init__(self, inner: TreePolicy, tokens: int = 12, ngram: Sequence[int] = (3, 2), max_rows: int = 4,
+                 skip_draft: bool = True):
         sizes = sorted({int(n) for n in ngram}, reverse=True)
         if int(tokens) < 1 or not sizes or sizes[-1] < 1 or int(max_rows) < 1:
             raise TreeError(f"lookup needs tokens >= 1, n-gram sizes >= 1 and max_rows >= 1, got tokens={tokens}, "
                             f"ngram={list(ngram)}, max_rows={max_rows}")
         self.inner, self.tokens, self.sizes, self.max_rows = inner, int(tokens), sizes, int(max_rows)
+        self.skip_draft = bool(skip_draft)
         self.widths = sorted({1 << i for i in range(self.tokens.bit_length()) if 1 << i < self.tokens} | {self.tokens})
         self.max_depth = max(inner.max_depth, self.tokens)
         self.max_size = inner.max_size + self.tokens
         self.max_inputs, self.max_rank = inner.max_inputs, inner.max_rank
         self.rows: list[NgramIndex] = []
         self.active: list[bool] = []  # rows still decoding (a finished row of an uncompacted batch gets no copy)
+        self.outran: list[bool] = []  # rows whose last step accepted more copied tokens than the inner tree is deep
+        self._skipped = False  # the step now running verifies the copies alone (the inner policy drafted nothing)
+        self.skipped_steps = 0  # such steps since construction (the bench and tests read it)
         self._blocks: dict = {}
 
     @property
@@ -99,10 +109,13 @@ class LookupPolicy(TreePolicy):
     def begin(self, prompts: Sequence[Sequence[int]], first: Sequence[int]) -> None:
         self.rows = [NgramIndex([*p, t], self.sizes) for p, t in zip(prompts, first)]
         self.active = [True] * len(self.rows)
+        self.outran = [False] * len(self.rows)
+        self._skipped = False
         self.inner.begin(prompts, first)
 
     def keep_rows(self, order: Sequence[int]) -> None:
         self.rows, self.active = [self.rows[i] for i in order], [self.active[i] for i in order]
+        self.outran = [self.outran[i] for i in order]
         self.inner.keep_rows(order)
 
     def observe(self, info) -> None:
@@ -110,24 +123,38 @@ class LookupPolicy(TreePolicy):
             if on and toks:
                 row.extend(toks)
         self.active = list(info.active)
+        # n_accept counts the root: more than max_depth drafts accepted is only possible along the copy
+        self.outran = [on and n - 1 > self.inner.max_depth for n, on in zip(info.n_accept, info.active)]
+        if self._skipped:
+            return  # the inner policy drafted nothing this step: nothing of it to learn
         if info.inner_n_accept is not None:  # the inner policy learns from what its own nodes accepted
             info = replace(info, n_accept=info.inner_n_accept,
                            top_run=info.inner_top_run if info.top_run is not None else None)
         self.inner.observe(info)
 
     def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Tree:
+        copies = None  # none under sampling (module docstring) or for a batch wider than max_rows
+        if (params is None or params.greedy) and len(self.rows) <= self.max_rows:
+            copies = [r.propose(self.tokens) if on else [] for r, on in zip(self.rows, self.active)]
+        self._skipped = (copies is not None and self.skip_draft and any(self.active)
+                         and all(o and c for o, c, on in zip(self.outran, copies, self.active) if on))
+        if self._skipped:
+            self.skipped_steps += 1
+            if self.budget is not None:  # the step that just ended was the inner policy's: its clock stops here
+                self.budget.pause()
+            return self._merge(Tree.root_only(drafter.root_tokens), copies, self._width(copies))
         tree = self.inner.draft(drafter, params, generator)
-        if tree.size == 1 or tree.draft_probs is not None or not (params is None or params.greedy):
-            return tree  # a plain step stays one; sampled steps keep the inner tree (module docstring)
-        if len(self.rows) != tree.tokens.shape[0] or len(self.rows) > self.max_rows:
-            return tree  # (no context: drafted outside a decoder's generate, which calls begin)
-        copies = [r.propose(self.tokens) if on else [] for r, on in zip(self.rows, self.active)]
-        longest = max(map(len, copies), default=0)
-        if longest == 0:
-            return tree
-        # the copy's width in a few buckets (1, 2, 4, 8, ..., tokens), padded: few verify shapes, so compile=True
-        # builds few graphs (and oneDNN few primitives), as the auto budget's T buckets do
-        return self._merge(tree, copies, next(w for w in self.widths if w >= longest))
+        if tree.size == 1 or tree.draft_probs is not None or not copies or not any(copies):
+            return tree  # a plain step stays one; a sampled tree is verified alone
+        if len(copies) != tree.tokens.shape[0]:
+            return tree  # no context: drafted outside a decoder's generate, which calls begin
+        return self._merge(tree, copies, self._width(copies))
+
+    def _width(self, copies: list[list[int]]) -> int:
+        """The longest copy's width in a few buckets (1, 2, 4, 8, ..., tokens), padded: few verify shapes, so
+        compile=True builds few graphs (and oneDNN few primitives), as the auto budget's T buckets do."""
+        longest = max(map(len, copies))
+        return next(w for w in self.widths if w >= longest)
 
     def _merge(self, tree: Tree, copies: list[list[int]], L: int) -> Tree:
         """``tree`` [B, T] with each row's copy as a chain under the root in slots T..T+L-1 (padding after it)."""
