@@ -129,6 +129,7 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
     # issue 17: 1, 2, 4; and a chain at each depth tried (T = depth + 1)
     assert {a["total_tokens"] for a in saved["methods"]["dynamic_auto"]["auto_arms"]} <= {1, 2, 3, 4, 8, 16}
     assert "accepted length histogram" in table and "auto: T" in table
+    assert 0 <= saved["methods"]["lookup"]["copy_alone_share"] <= 1 and "copies alone on" in table
     assert "host reads/step | aten ops/step |" in table
     row = next(ln for ln in table.splitlines() if ln.startswith("| dynamic |") and "%" in ln).split("|")
     assert float(row[-3]) == pytest.approx(saved["methods"]["dynamic"]["host_reads_per_step"], abs=0.05)

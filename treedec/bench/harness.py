@@ -258,6 +258,8 @@ def run(cfg: DictConfig) -> dict:
         if getattr(pol, "budget", None) is not None and name in table:
             arms = Counter(pol.budget.history).most_common(6)
             table[name]["auto_arms"] = [{"total_tokens": T, "depth": d, "steps": k} for (T, d), k in arms]
+        if getattr(pol, "steps", 0) and hasattr(pol, "skipped_steps") and name in table:  # prompt lookup
+            table[name]["copy_alone_share"] = pol.skipped_steps / pol.steps  # steps that ran no draft-head pass
     greedy_rows, sampled_rows = group_sampled(table, methods)
     machine = machine_info(target)
     try:

@@ -69,12 +69,14 @@ def tree_table(methods: dict) -> list[str]:
     if not rows:
         return []
     lines = ["", "Trees: mean tree size verified per step (T, root included) and how many steps accepted 0, 1, 2, … "
-             "drafts (auto: the most used (T, depth) arms):", "",
+             "drafts (auto: the most used (T, depth) arms; lookup: the share of steps that verified the copies alone):", "",
              "| method | τ | tok/s | mean T | accepted length histogram (0, 1, 2, …) |", "|---|---:|---:|---:|---|"]
     for n, e in rows:
         arms = e.get("auto_arms")
         note = (" — auto: " + ", ".join(f"T{a['total_tokens']}/d{a['depth']} ×{a['steps']}" for a in arms[:3])
                 if arms else "")
+        if e.get("copy_alone_share") is not None:
+            note += f" — copies alone on {100 * e['copy_alone_share']:.0f} % of steps"
         lines.append(f"| {n} | {_f(e['tau'], '.2f')} | {_f(e['tokens_per_s'], '.1f')} | "
                      f"{_f(e.get('mean_tree_size'), '.1f')} | {_hist(e['accepted_hist'])}{note} |")
     return lines

@@ -91,7 +91,7 @@ class LookupPolicy(TreePolicy):
         self.active: list[bool] = []  # rows still decoding (a finished row of an uncompacted batch gets no copy)
         self.outran: list[bool] = []  # rows whose last step accepted more copied tokens than the inner tree is deep
         self._skipped = False  # the step now running verifies the copies alone (the inner policy drafted nothing)
-        self.skipped_steps = 0  # such steps since construction (the bench and tests read it)
+        self.steps = self.skipped_steps = 0  # steps drafted and those among them that verified the copies alone
         self._blocks: dict = {}
 
     @property
@@ -133,6 +133,7 @@ class LookupPolicy(TreePolicy):
         self.inner.observe(info)
 
     def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Tree:
+        self.steps += 1
         copies = None  # none under sampling (module docstring) or for a batch wider than max_rows
         if (params is None or params.greedy) and len(self.rows) <= self.max_rows:
             copies = [r.propose(self.tokens) if on else [] for r, on in zip(self.rows, self.active)]
