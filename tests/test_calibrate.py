@@ -49,6 +49,7 @@ def test_calibrate_then_generate_with_learned_tree(stack, tmp_path, corpus, caps
     cal = yaml.safe_load(cal_file.read_text())
     assert cal["mode"]["rule"] == "greedy" and len(cal["values"]) == 3 and cal["trials_by_depth"][0] > 0
     assert all(b >= a for row in cal["values"] for a, b in zip(row, row[1:]))
+    assert cal["map"] == "power" and len(cal["power"]) == 3 and all(b > 0 for _, b in cal["power"])  # the one applied
 
     gdir = tmp_path / "gen"
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):

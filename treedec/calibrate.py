@@ -14,7 +14,7 @@
    and depth with the most expected tokens/s (or the fixed ``dp.budget`` / ``dp.depth``).
 4. **Calibration**: every edge the probe verified whose parent was accepted is binned by its draft
    probability and depth with its outcome (greedy: argmax match; sampling: the target's processed
-   probability of the child); a per-depth isotonic map (tree/calibration.py) is fitted and written
+   probability of the child); per-depth power and isotonic maps (tree/calibration.py) are fitted and written
    as ``calibration.yaml`` beside the shape file (``tree=dynamic tree.calibration=...``), with a
    reliability diagram ``reliability.png`` (and its bins, ``reliability.json``) in the run dir.
 5. **Output**: the shape file ``out`` (default ``<run dir>/learned_tree.yaml``; use it with
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import platform
 import statistics
 import time
@@ -126,12 +127,13 @@ def probe_acceptance(target, draft, probe, sampling, prompts, max_new_tokens: in
     return counts, total.as_dict(), reliability
 
 
-def fit_calibration(reliability, sampling, prior_strength: float, meta: dict):
-    """The per-depth isotonic map of a probe run -> (Calibration, the measured bins for the diagram)."""
-    from treedec.tree.calibration import Calibration, fit
+def fit_calibration(reliability, sampling, prior_strength: float, meta: dict, map: str = "power"):
+    """The per-depth power and isotonic maps of a probe run -> (Calibration applying ``map``, the measured bins)."""
+    from treedec.tree.calibration import Calibration, fit, fit_power
 
     conf, label, count = reliability.result()
     values = fit(conf, label, count, prior_strength=prior_strength)
+    power = fit_power(conf, label, count, prior_strength=prior_strength)
     greedy = bool(sampling.greedy)
     mode = {"rule": "greedy" if greedy else "sampling",
             "acceptance": "target argmax == child" if greedy else "target processed probability of the child",
@@ -139,7 +141,8 @@ def fit_calibration(reliability, sampling, prior_strength: float, meta: dict):
                                   "top_p": float(sampling.top_p)}),
             "draft_temperature": 1.0}
     bins = {"conf_sum": conf, "accept_sum": label, "count": count}
-    return Calibration(values, meta={**meta, "mode": mode, "trials_by_depth": [int(sum(c)) for c in count]}), bins
+    meta = {**meta, "mode": mode, "trials_by_depth": [int(sum(c)) for c in count]}
+    return Calibration(values, meta=meta, power=power, map=map), bins
 
 
 def reliability_plot(cal, bins: dict, path) -> Path | None:
@@ -159,11 +162,15 @@ def reliability_plot(cal, bins: dict, path) -> Path | None:
         if not pts:
             continue
         line, = ax.plot(cal.grid, cal.values[d - 1], lw=1.2, label=f"depth {d} ({int(sum(n))} edges)")
+        if cal.power:  # the power map, dashed (the one applied unless calibration.map=isotonic)
+            a, b = cal.power[d - 1]
+            xs = [i / 100 for i in range(1, 101)]
+            ax.plot(xs, [min(1.0, math.exp(a) * x ** b) for x in xs], lw=0.9, ls="--", color=line.get_color())
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=[8 + 40 * (p[2] / max(n)) for p in pts],
                    color=line.get_color(), alpha=0.8)
     ax.set_xlabel("draft probability of the edge")
     ax.set_ylabel("measured acceptance (parent accepted)")
-    ax.set_title(f"reliability ({cal.meta['mode']['rule']})")
+    ax.set_title(f"reliability ({cal.meta['mode']['rule']}; lines: isotonic, dashed: power)")
     ax.set_xlim(0, 1), ax.set_ylim(0, 1.02)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
@@ -335,7 +342,7 @@ def run(cfg: DictConfig) -> dict:
     cal, bins = fit_calibration(reliability, sampling, float(cfg.calibration.prior_strength), {
         "draft": str(cfg.draft.path), "model": str(cfg.model.path), "prompts": len(prompts),
         "prompt_source": str(cfg.prompts.source), "max_new_tokens": int(cfg.max_new_tokens),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S")})
+        "date": time.strftime("%Y-%m-%d %H:%M:%S")}, str(cfg.calibration.map))
     cal_out = save_calibration(out.with_name("calibration.yaml"), cal)
     write_text_atomic(run_dir / "reliability.json", json.dumps({**bins, "grid": cal.grid, "values": cal.values},
                                                                 indent=1) + "\n")

@@ -211,6 +211,7 @@ class TimingSchema:
 @dataclass
 class CalibrationFitSchema:
     prior_strength: float = 2.0  # pseudo-trials shrinking a sparse confidence bin towards the identity
+    map: str = "power"  # the map the dynamic policy applies: power or isotonic (the file holds both)
 
 
 @dataclass
@@ -420,6 +421,7 @@ _RULES: dict[str, list[tuple[str, Any, str]]] = {
         ("dp.max_budget", _ge(2), ">= 2 (T counts the root: a tree needs the root and one draft node)"),
         ("dp.max_depth", _ge(1), ">= 1"), ("dp.max_width", _ge(1), ">= 1 (or null: the probe's ranks)"),
         ("dp.prior_strength", _ge(0), ">= 0"), ("calibration.prior_strength", _ge(0), ">= 0"),
+        ("calibration.map", lambda v: v in ("power", "isotonic"), "power or isotonic"),
         ("timing.repeats", _ge(1), ">= 1"), ("timing.warmup", _ge(0), ">= 0"), ("timing.prefix_len", _ge(1), ">= 1"),
     ],
     "export_head": [],

@@ -6,16 +6,17 @@ import pytest
 import torch
 
 from treedec.tree import Tree, TreeError
-from treedec.tree.calibration import FLOOR, GRID, Calibration, Reliability, fit, isotonic, load_calibration, resolve, \
-    save_calibration
+from treedec.tree.calibration import FLOOR, GRID, Calibration, Reliability, fit, fit_power, isotonic, load_calibration, \
+    resolve, save_calibration
 from treedec.tree.policies import DynamicPolicy
 
 from tests.helpers import greedy_reference, make_pair
 from tests.decoding.test_policies import primed_drafter
 
 
-def random_calibration(seed: int, depth: int = 4) -> Calibration:
-    """Random non-decreasing per-depth tables, including flat stretches at 1 and at the floor."""
+def random_calibration(seed: int, depth: int = 4, map: str = "isotonic") -> Calibration:
+    """Random non-decreasing per-depth tables, including flat stretches at 1 and at the floor, and random power maps
+    (scale e^a up to e: saturating at 1 from some q on; exponent 0.3-2); ``map`` says which one applies."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(depth):
@@ -23,7 +24,9 @@ def random_calibration(seed: int, depth: int = 4) -> Calibration:
         v[: int(torch.randint(0, 3, (1,), generator=g))] = FLOOR
         v[len(GRID) - int(torch.randint(0, 4, (1,), generator=g)):] = 1.0
         rows.append(v.clamp(FLOOR, 1.0).tolist())
-    return Calibration(rows)
+    power = [[float(torch.rand(1, generator=g)) * 1.5 - 0.5, 0.3 + 1.7 * float(torch.rand(1, generator=g))]
+             for _ in range(depth)]
+    return Calibration(rows, power=power, map=map)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -46,12 +49,47 @@ def test_fit_is_monotone_and_recovers_a_known_acceptance_curve(seed):
         assert np.allclose([vals[d][i] for i in mid], f(np.array([GRID[i] for i in mid])), atol=0.06)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_power_fit_recovers_a_power_law_and_falls_back_to_the_identity(seed):
+    """Edges accepted with probability min(1, 1.6 q^1.3) at depth 1, 0.9 q^0.7 at depth 2: the log-log fit finds both;
+    a depth with too few confident bins is the identity (raw draft probabilities)."""
+    rng = np.random.default_rng(seed)
+    truth = [(np.log(1.6), 1.3), (np.log(0.9), 0.7), None]
+    nb = len(GRID) - 1
+    conf, lab, cnt = np.zeros((3, nb)), np.zeros((3, nb)), np.zeros((3, nb))
+    for d, ab in enumerate(truth):
+        q = rng.uniform(0, 1, 40000) if ab else rng.uniform(0, 0.015, 100)
+        p = np.minimum(1.0, np.exp(ab[0]) * q ** ab[1]) if ab else q
+        b = np.searchsorted(GRID[1:-1], q, side="right")
+        np.add.at(conf[d], b, q), np.add.at(lab[d], b, rng.uniform(0, 1, q.size) < p), np.add.at(cnt[d], b, 1)
+    got = fit_power(conf.tolist(), lab.tolist(), cnt.tolist(), prior_strength=0.0, qmin=0.02)
+    assert got[2] == [0.0, 1.0]
+    # depth 1 saturates at 1 from q ~0.7 on, which bends the log-log line: a looser check there
+    assert got[0][1] == pytest.approx(1.3, abs=0.25) and got[1] == pytest.approx([np.log(0.9), 0.7], abs=0.06)
+    cal = Calibration([[max(g, FLOOR) for g in GRID]] * 3, power=got)
+    assert cal.map == "power" and cal(0.5, 2) == pytest.approx(min(1.0, np.exp(got[1][0]) * 0.5 ** got[1][1]), rel=1e-5)
+
+
 def test_isotonic_pools_violators_and_an_empty_bin_is_the_identity():
     assert isotonic([0.1, 0.5, 0.3, 0.9], [1, 1, 1, 1]) == pytest.approx([0.1, 0.4, 0.4, 0.9])
     assert isotonic([0.8, 0.2], [3, 1]) == pytest.approx([0.65, 0.65])
     nb = len(GRID) - 1
     vals = fit([[0.0] * nb], [[0.0] * nb], [[0] * nb])  # no data: shrunk to the identity
     assert np.allclose(vals[0][1:], GRID[1:], atol=0.03)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_power_map_is_monotone_clamped_and_the_same_per_depth_or_per_element(seed):
+    cal = random_calibration(seed, map="power")
+    q = torch.rand(4000, generator=torch.Generator().manual_seed(seed)).sort().values.clamp(min=1e-6)
+    for depth in (1, 2, 4, 9):  # deeper than the table: its deepest row
+        a, b = cal.power[min(depth, cal.depth) - 1]
+        got = cal.log_accept(q.log(), depth)
+        want = (a + b * q.double().log()).clamp(np.log(FLOOR), 0.0)
+        assert torch.allclose(got.double(), want, atol=1e-5) and bool((got <= 0).all())
+        assert bool((got[1:] >= got[:-1] - 1e-6).all())
+        per_elem = cal.log_accept(q.log(), torch.full(q.shape, depth))
+        assert torch.allclose(per_elem, got, atol=1e-6)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -72,6 +110,14 @@ def test_calibration_file_round_trip_and_clear_errors(tmp_path):
     p = save_calibration(tmp_path / "c" / "calibration.yaml", cal)
     back = load_calibration(p)
     assert np.allclose(back.values, cal.values) and back.meta["mode"]["rule"] == "greedy"
+    assert back.map == "isotonic" and np.allclose(back.power, cal.power)  # both fits kept, the choice too
+    assert load_calibration(save_calibration(tmp_path / "p.yaml", random_calibration(0, map="power"))).map == "power"
+    with pytest.raises(TreeError, match="exponent > 0"):
+        Calibration(cal.values, power=[[0.0, -1.0]] * cal.depth)
+    with pytest.raises(TreeError, match="calibration map 'cubic'"):
+        Calibration(cal.values, power=cal.power, map="cubic")
+    with pytest.raises(TreeError, match="power needs a 'power' table"):
+        Calibration(cal.values, map="power")
     with pytest.raises(TreeError, match="not found"):
         load_calibration(tmp_path / "missing.yaml")
     with pytest.raises(TreeError, match="non-decreasing"):
@@ -83,7 +129,7 @@ def test_calibration_file_round_trip_and_clear_errors(tmp_path):
     (tmp_path / "calibration.yaml").write_text(p.read_text())
     assert np.allclose(resolve("auto", tmp_path).values, cal.values)
     shipped = resolve("auto", "tiny-code-eagle")  # the bundled head ships its calibration
-    assert shipped is not None and shipped.meta["mode"]["rule"] == "greedy"
+    assert shipped is not None and shipped.meta["mode"]["rule"] == "greedy" and shipped.map == "power"
     assert shipped.meta["prompt_source"] == "heldout"  # fitted on held-out stdlib prompts, not the bench's
 
 
@@ -108,10 +154,11 @@ def _check_tree(tree, total, depth):
         Tree.from_parents(par)
 
 
+@pytest.mark.parametrize("map", ["isotonic", "power"])
 @pytest.mark.parametrize("total,depth,k", [(10, 4, 3), (26, 6, 4), (40, 5, 8)])
 @pytest.mark.parametrize("seed", range(6))
-def test_calibrated_dynamic_tree_is_connected_topological_and_within_budget(total, depth, k, seed):
-    cal = random_calibration(seed, depth=3)
+def test_calibrated_dynamic_tree_is_connected_topological_and_within_budget(total, depth, k, seed, map):
+    cal = random_calibration(seed, depth=3, map=map)
     d = primed_drafter(seed % 3)
     with torch.inference_mode():
         tree = DynamicPolicy(total, depth, k, calibration=cal).draft(d)
@@ -146,7 +193,10 @@ def test_calibrated_and_auto_dynamic_trees_are_lossless_greedy_fp32(seed):
     prompt = torch.randint(0, 64, (7 + 5 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
     ref = greedy_reference(target, prompt, 120)
     for pol in (DynamicPolicy(20, 5, 4, calibration=random_calibration(seed)),
-                DynamicPolicy("auto", 5, 4, calibration=random_calibration(seed), max_total_tokens=48, explore_every=3)):
+                DynamicPolicy(20, 5, 4, calibration=random_calibration(seed, map="power")),
+                DynamicPolicy("auto", 5, 4, calibration=random_calibration(seed), max_total_tokens=48, explore_every=3),
+                DynamicPolicy("auto", 5, 4, calibration=random_calibration(seed, map="power"), max_total_tokens=48,
+                              explore_every=3)):
         assert SpeculativeDecoder(target, draft, pol).generate(prompt, 120).tokens[0] == ref
 
 

@@ -6,13 +6,22 @@ not: the bundled head's top-1 child is accepted ~0.87 of the time at every depth
 confidence decays with depth, so a raw-probability tree is too shallow. A :class:`Calibration`
 maps (depth, q) to the measured acceptance of an edge given its parent was accepted.
 
-The map is isotonic (pool-adjacent-violators on binned measurements, per depth, shrunk towards
-the identity where a bin has few trials) and stored on a fixed grid of q: monotone in q by
-construction, with no parametric shape imposed (the reliability diagram of the bundled head bends
-differently at each depth, which one temperature or one Platt slope cannot follow). On the device
-it is a piecewise-linear lookup (``torch.bucketize`` on the grid): batched, no host reads.
-Values are clamped to [``FLOOR``, 1] so log-acceptance is finite and never positive: a child's
-path score never exceeds its parent's.
+Two monotone maps are fitted per depth from the same binned measurements, and the file says which one
+the policy uses (``map``):
+
+* ``power`` (the default): acceptance = min(1, e^a q^b), b > 0, a weighted least-squares line in
+  log-log space over the bins (q >= ``POWER_QMIN``), i.e. a per-depth temperature (b = 1/t) with a scale.
+  On the device it is ``min(0, a + b log q)`` per edge: a multiply-add and a clamp on the log-probs the
+  draft already has, where the isotonic lookup takes seven kernels per depth, and on this CPU a
+  kernel right after a head pass costs 20-40 us whatever its size (docs/design.md §8).
+* ``isotonic``: pool-adjacent-violators on the bins, shrunk towards the identity where a bin has few
+  trials, stored on a fixed grid of q; no parametric shape imposed (a piecewise-linear lookup with
+  ``torch.bucketize`` on the device). It draws the reliability diagram's lines, and stays selectable.
+
+On the bundled head both keep the same trees to within 2 % of τ (docs/benchmarks.md), and only the power
+map made the calibrated tree faster than the raw one. Either is batched, with no host reads, and
+clamped to [``FLOOR``, 1], so log-acceptance is finite and never positive: a child's path score never
+exceeds its parent's.
 """
 from __future__ import annotations
 
@@ -27,6 +36,9 @@ from treedec.tree.tree import TreeError
 
 GRID = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 FLOOR = 1e-4  # smallest acceptance a map returns: log stays finite
+LOG_FLOOR = math.log(FLOOR)
+POWER_QMIN = 0.02  # the power map is fitted on bins of mean confidence >= this (a tree keeps no rarer edge)
+MAPS = ("power", "isotonic")
 HEADER = "# Draft calibration written by `python -m treedec.calibrate`: acceptance of an edge vs the draft's probability.\n"
 
 
@@ -69,15 +81,42 @@ def fit(conf_sum, label_sum, count, grid: Sequence[float] = GRID, prior_strength
     return out
 
 
+def fit_power(conf_sum, label_sum, count, prior_strength: float = 2.0,
+              qmin: float = POWER_QMIN) -> list[list[float]]:
+    """Per-depth ``[a, b]`` of acceptance = e^a q^b from binned measurements ``[depth][bin]``: weighted least squares of
+    log acceptance on log confidence over the bins of mean confidence >= ``qmin`` (each bin's acceptance shrunk
+    towards its confidence as in :func:`fit`, weights its trials). A depth with fewer than two such bins, or a
+    slope <= 0, gets the identity ``[0, 1]`` (the raw draft probability)."""
+    out = []
+    for cs, ls, n in zip(conf_sum, label_sum, count):
+        pts = [(c / k, (l + prior_strength * c / k) / (k + prior_strength), k) for c, l, k in zip(cs, ls, n)
+               if k > 0 and c / k >= qmin]
+        ab = [0.0, 1.0]
+        if len(pts) >= 2:
+            W = sum(w for _, _, w in pts)
+            x = [math.log(q) for q, _, _ in pts]
+            y = [math.log(max(acc, FLOOR)) for _, acc, _ in pts]
+            mx = sum(w * xi for (_, _, w), xi in zip(pts, x)) / W
+            my = sum(w * yi for (_, _, w), yi in zip(pts, y)) / W
+            sxx = sum(w * (xi - mx) ** 2 for (_, _, w), xi in zip(pts, x))
+            b = sum(w * (xi - mx) * (yi - my) for (_, _, w), xi, yi in zip(pts, x, y)) / sxx if sxx > 0 else 0.0
+            if b > 0:
+                ab = [round(my - b * mx, 6), round(b, 6)]
+        out.append(ab)
+    return out
+
+
 class Calibration:
     """A per-depth monotone map from an edge's draft probability to its acceptance probability.
 
-    ``values[d - 1]`` are the acceptances at the ``grid`` points for child depth d; depths beyond the
-    table reuse its deepest row. ``mode`` records the acceptance rule it was measured under.
+    ``values[d - 1]`` are the isotonic map's acceptances at the ``grid`` points for child depth d; ``power[d - 1]``
+    the power map's ``[a, b]`` (acceptance = min(1, e^a q^b)); ``map`` the one :meth:`log_accept` applies (``power``
+    when given). Depths beyond a table reuse its deepest row. ``mode`` records the acceptance rule it was measured under.
     """
 
     def __init__(self, values: Sequence[Sequence[float]], grid: Sequence[float] = GRID,
-                 meta: Mapping[str, Any] | None = None):
+                 meta: Mapping[str, Any] | None = None, power: Sequence[Sequence[float]] | None = None,
+                 map: str | None = None):
         g = [float(x) for x in grid]
         if len(g) < 2 or g[0] != 0.0 or g[-1] != 1.0 or any(b <= a for a, b in zip(g, g[1:])):
             raise TreeError(f"calibration grid must rise strictly from 0 to 1, got {grid}")
@@ -89,6 +128,17 @@ class Calibration:
                 raise TreeError(f"calibration depth {d} has {len(row)} values for a grid of {len(g)} points")
             if any(not (0.0 < v <= 1.0) for v in row) or any(b < a for a, b in zip(row, row[1:])):
                 raise TreeError(f"calibration depth {d} must be non-decreasing values in (0, 1], got {row}")
+        self.power = None if power is None else [[float(a), float(b)] for a, b in power]
+        for d, (a, b) in enumerate(self.power or [], 1):
+            if not (math.isfinite(a) and math.isfinite(b) and b > 0):
+                raise TreeError(f"calibration depth {d}: the power map needs a finite scale and an exponent > 0, got "
+                                f"{[a, b]}; recalibrate with `python -m treedec.calibrate`")
+        self.map = map or ("power" if self.power else "isotonic")
+        if self.map not in MAPS or (self.map == "power" and not self.power):
+            raise TreeError(f"calibration map {self.map!r}: use one of {list(MAPS)} (power needs a 'power' table: "
+                            "recalibrate with `python -m treedec.calibrate`)")
+        if self.power is not None and len(self.power) != len(vals):
+            raise TreeError(f"calibration has {len(vals)} isotonic depths but {len(self.power)} power ones")
         self.grid, self.values, self.meta = g, vals, dict(meta or {})
         self._dev: dict = {}
 
@@ -109,14 +159,28 @@ class Calibration:
             a = v - b * g
             pad = lambda t: torch.cat([t[:, 1:2], t[:, 1:], t[:, -1:]], 1).float().to(device)  # noqa: E731
             a, b = pad(a), pad(b)
-            self._dev = {key: (g.float().to(device), a, b, list(zip(a.unbind(0), b.unbind(0))))}
+            self._dev[key] = (g.float().to(device), a, b, list(zip(a.unbind(0), b.unbind(0))))
+        return self._dev[key]
+
+    def _power(self, device) -> torch.Tensor:
+        """[depths, 2] the power map's (a, b) on ``device``."""
+        key = ("power", str(device))
+        if key not in self._dev:
+            self._dev[key] = torch.tensor(self.power, dtype=torch.float32, device=device)
         return self._dev[key]
 
     def log_accept(self, logq: torch.Tensor, depth: int | torch.Tensor) -> torch.Tensor:
         """log of the calibrated acceptance of edges at child ``depth`` with draft log-probs ``logq`` (any shape);
         ``depth`` may be a tensor of depths broadcastable to ``logq`` (a chain's edges in one call)."""
+        x = logq if logq.dtype == torch.float32 else logq.float()
+        if self.map == "power":  # min(0, a + b log q): two kernels, no exp/log
+            if torch.is_tensor(depth):
+                ab = self._power(x.device)[depth.clamp(1, len(self.power)) - 1]
+                return torch.addcmul(ab[..., 0], ab[..., 1], x).clamp_(LOG_FLOOR, 0.0)
+            a, b = self.power[min(depth, len(self.power)) - 1]
+            return x.mul(b).add_(a).clamp_(LOG_FLOOR, 0.0)
         grid, a, b, rows = self._tables(logq.device)
-        q = (logq if logq.dtype == torch.float32 else logq.float()).exp()  # <= 1 up to rounding: the clamp below
+        q = x.exp()  # <= 1 up to rounding: the clamp below
         hi = torch.bucketize(q, grid)  # the bin (grid[hi-1], grid[hi]] holding q (0 and G: the padded end bins)
         if torch.is_tensor(depth):  # per-element rows of the table
             at = ((depth.clamp(1, self.depth) - 1) * a.shape[1]).expand_as(hi) + hi
@@ -131,7 +195,8 @@ class Calibration:
         return math.exp(self.log_accept(torch.tensor(math.log(max(q, 1e-30))), depth).item())
 
     def to_dict(self) -> dict:
-        return {**self.meta, "grid": self.grid, "values": self.values}
+        power = {} if self.power is None else {"map": self.map, "power": self.power}
+        return {**self.meta, **power, "grid": self.grid, "values": self.values}
 
 
 def save_calibration(path: str | Path, cal: Calibration) -> Path:
@@ -149,9 +214,9 @@ def load_calibration(path: str | Path) -> Calibration:
                         "beside learned_tree.yaml); pass tree.calibration=<that file>, auto or null")
     if not isinstance(data, dict) or not isinstance(data.get("values"), list):
         raise TreeError(f"calibration file {p} has no 'values' table (per depth, acceptance at each grid point)")
-    meta = {k: v for k, v in data.items() if k not in ("grid", "values")}
+    meta = {k: v for k, v in data.items() if k not in ("grid", "values", "power", "map")}
     try:
-        return Calibration(data["values"], data.get("grid", GRID), meta)
+        return Calibration(data["values"], data.get("grid", GRID), meta, data.get("power"), data.get("map"))
     except TreeError as e:
         raise TreeError(f"calibration file {p}: {e}") from e
 
