@@ -348,6 +348,30 @@ def test_exploration_skips_neighbours_known_to_be_far_below_the_best():
     assert (8, 7) in run(40)
 
 
+def test_a_wide_batch_explores_less_often():
+    """Exploration comes every explore_every steps up to 2 * explore_rows - 1 rows, then every explore_every *
+    (rows // explore_rows): at 16 rows a detour to a bigger tree costs twice a step of the best arm."""
+    gain = {(2, 1): 0.9, (4, 3): 2.0, (6, 5): 2.4}
+
+    def detours(rows: int) -> list[int]:
+        clock = FakeClock(lambda T, d: 0.010 + 0.001 * T)
+        ctl = BudgetController([(1, 0), (2, 1), (4, 3), (6, 5)], explore_every=4, clock=clock, probe=False)
+        clock.ctl = ctl
+        ctl.explore_floor, ctl.explore_known = 0.0, 1e9  # every neighbour stays worth a try: only the interval counts
+        owner = object()
+        for _ in range(400):
+            T, d = ctl.start(owner, rows)
+            ctl.offer([gain.get(a, math.nan) if a[1] <= d else math.nan for a in ctl.arms], ctl.arms)
+            ctl.observe_accepted(gain.get((T, d), 0.0))
+        best = mode(ctl.history[-100:])
+        return [i + 1 for i, a in enumerate(ctl.history) if i >= 80 and a != best]  # steps count from 1
+
+    by_rows = {rows: detours(rows) for rows in (1, 7, 8, 16)}
+    for rows, every in ((1, 4), (7, 4), (8, 8), (16, 16)):
+        assert by_rows[rows] and all(step % every == 0 for step in by_rows[rows]), rows
+    assert len(by_rows[1]) == len(by_rows[7]) >= 1.5 * len(by_rows[8]) >= 2.25 * len(by_rows[16])
+
+
 def test_exploration_never_plays_an_arm_that_cannot_win_even_accepting_every_draft():
     """A tree whose step costs more than its depth can repay (here (40, 5): at most 6 tokens in 0.2 s, against the
     chain's 3 in 0.02 s) is never explored once the step-time fit predicts it, even with no record of its own; a

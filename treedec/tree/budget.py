@@ -18,7 +18,9 @@ Sequoia's objective, ``(1 + E[accepted | T, depth]) / step_time(rows, T, depth)`
   from the rows' top-1 runs (:meth:`BudgetController.observe_chains`): what each would have accepted.
 * **Hold**: the arm played keeps its place while within ``hold_margin`` of the leader's rate.
 * **Exploration**: the first steps at a new row bucket (the nearest power of two) probe far-apart arms
-  (cheapest first; a middle-sized tree only in the first bucket); then every ``explore_every`` steps a
+  (cheapest first; a middle-sized tree only in the first bucket); then every ``explore_every`` steps (times
+  ``rows // explore_rows`` at a wide batch, where a detour costs the most: a 16-node tree's step is twice the
+  3-deep chain's at 16 rows, and exploring at the batch-1 pace cost 3-15 % there, below vanilla in 3 of 4 runs) a
   neighbour of the best arm (one bucket up/down in T or depth) or the runner-up is tried: never one that
   could not beat the best even accepting every draft, and once an arm has a record of its own, only if it
   is expected to reach ``explore_floor`` of the best arm's rate. So a machine that gets busier or text that
@@ -172,6 +174,7 @@ class BudgetController:
         self._played: dict[int, int] = {}  # row bucket (row_bucket) -> steps chosen there
         self._probes: dict[int, list[tuple[int, int]]] = {}  # row bucket -> the probes it takes
         self.explore_floor = 0.8  # once known, explore only arms expected to reach this share of the best arm's tokens/s
+        self.explore_rows = 4  # from 2x this many rows up, exploration comes every explore_every * (rows // this) steps
         self.explore_known = 4.0  # an arm is known after this many (decayed) plays of its own
         self.hold_margin = 0.03  # the arm played keeps its place unless the leader is expected this much faster
         self._held: dict[int, tuple[int, int]] = {}  # row bucket -> the arm held there
@@ -392,8 +395,9 @@ class BudgetController:
         return out + [(T, depths[j + s]) for s in (-1, 1) if 0 <= j + s < len(depths)]
 
     def choose(self, rows: int) -> tuple[int, int]:
-        """The best arm, or every ``explore_every`` steps one of its neighbours or the runner-up, in turn (so plain decoding,
-        once chosen, still tries a small tree now and then and comes back when trees pay again); the
+        """The best arm, or every ``explore_every`` steps (more at wide batches: :attr:`explore_rows`) one of its
+        neighbours or the runner-up, in turn (so plain decoding, once chosen, still tries a small tree now and then
+        and comes back when trees pay again); the
         :attr:`probes` first at each new row bucket. The arm last held keeps its place while it is expected
         within :attr:`hold_margin` of the best."""
         bucket = row_bucket(rows)
@@ -411,14 +415,15 @@ class BudgetController:
             best = held  # within the margin of the leader: keep it (between near-equal arms the estimates are noise:
             #              at batch 1 the budget drifted among them to bigger trees, ~4 % below the chain)
         self._held[bucket] = best
-        if self.explore_every and self.steps % self.explore_every == 0:
+        every = self.explore_every * max(1, rows // self.explore_rows)
+        if every and self.steps % every == 0:
             nbrs = self.neighbours(best)
             # and the runner-up outside them: a jump to another region (a chain, another pool) that the
             # one-bucket walk would reach only after many rounds
             nbrs += [a for a in ranked[1:] if a not in nbrs][:1]
             nbrs = [a for a in nbrs if self._worth_a_try(rows, a, best)]
             if nbrs:
-                return nbrs[(self.steps // self.explore_every) % len(nbrs)]
+                return nbrs[(self.steps // every) % len(nbrs)]
         return best
 
     def _worth_a_try(self, rows: int, arm: tuple[int, int], best: tuple[int, int]) -> bool:

@@ -111,7 +111,8 @@ class Calibration:
 
     ``values[d - 1]`` are the isotonic map's acceptances at the ``grid`` points for child depth d; ``power[d - 1]``
     the power map's ``[a, b]`` (acceptance = min(1, e^a q^b)); ``map`` the one :meth:`log_accept` applies (``power``
-    when given). Depths beyond a table reuse its deepest row. ``mode`` records the acceptance rule it was measured under.
+    when given). Depths beyond a table reuse its deepest row. ``mode`` records the acceptance rule it was measured
+    under.
     """
 
     def __init__(self, values: Sequence[Sequence[float]], grid: Sequence[float] = GRID,
