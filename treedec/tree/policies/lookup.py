@@ -72,7 +72,8 @@ class LookupPolicy(TreePolicy):
     rows (every row verifies the longest copy's width, and at 16 rows this CPU's target is compute-bound: the
     copy cost more than it returned there, docs/benchmarks.md); a compacted batch's last rows get them again.
     ``skip_draft``: a step after one where every row's copy outran the inner tree (accepted more drafts than it is
-    deep) verifies the copies alone, with no draft-head pass. Lossless: the tree is only wider, or only other.
+    deep) verifies the copies alone, with no draft-head pass. Lossless either way: only which tokens are verified
+    changes.
     """
 
     def __init__(self, inner: TreePolicy, tokens: int = 12, ngram: Sequence[int] = (3, 2), max_rows: int = 4,
@@ -163,7 +164,7 @@ class LookupPolicy(TreePolicy):
         B, dev = root_tokens.shape[0], root_tokens.device
         if ("root", S) not in self._blocks:
             self._blocks["root", S] = (torch.tensor([-1] + [0] * (S - 1)), torch.tensor([0] + [1] * (S - 1)),
-                               torch.eye(S, dtype=torch.bool), torch.arange(S) > 0)
+                                       torch.eye(S, dtype=torch.bool), torch.arange(S) > 0)
         par, dep, anc, pad = (t.to(dev, non_blocking=True) for t in self._blocks["root", S])
         zero = torch.zeros(B, S - 1, dtype=torch.long, device=dev)
         return Tree(par.expand(B, S), dep.expand(B, S), torch.zeros_like(par).expand(B, S),
