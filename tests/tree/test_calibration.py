@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from treedec.tree import Tree, TreeError
 from treedec.tree.calibration import FLOOR, GRID, Calibration, Reliability, fit, fit_power, isotonic, load_calibration, \
@@ -122,6 +123,9 @@ def test_calibration_file_round_trip_and_clear_errors(tmp_path):
         load_calibration(tmp_path / "missing.yaml")
     with pytest.raises(TreeError, match="non-decreasing"):
         Calibration([[1.0] + [0.5] * (len(GRID) - 1)])
+    old = tmp_path / "old.yaml"  # a file written before the power map: its isotonic table applies
+    old.write_text(yaml.dump({"grid": list(GRID), "values": cal.values}))
+    assert load_calibration(old).map == "isotonic" and load_calibration(old).power is None
     (tmp_path / "bad.yaml").write_text("grid: [0, 1]\n")
     with pytest.raises(TreeError, match="values"):
         load_calibration(tmp_path / "bad.yaml")
