@@ -207,8 +207,8 @@ class BudgetController:
         prefill is never counted as a step.
         """
         now = self.clock()
-        if owner is self._owner and self._t0 is not None and self.last is not None:
-            self.times.observe(self._rows, *self.last, now - self._t0)
+        if owner is self._owner:
+            self._close_step(now)
         self._owner, self._rows, self._t0 = owner, rows, now
         self._absorb()
         self.steps += 1
@@ -219,9 +219,13 @@ class BudgetController:
     def pause(self) -> None:
         """A step that the policy does not draft begins (prompt lookup verifying its copy alone): the step that
         just ended is measured here, and the next :meth:`start` measures nothing (the interval holds another step)."""
-        if self._t0 is not None and self.last is not None:
-            self.times.observe(self._rows, *self.last, self.clock() - self._t0)
+        self._close_step(self.clock())
         self._t0 = None
+
+    def _close_step(self, now: float) -> None:
+        """The step that began at the last :meth:`start` ended at ``now``: its seconds go to the step-time model."""
+        if self._t0 is not None and self.last is not None:
+            self.times.observe(self._rows, *self.last, now - self._t0)
 
     def offer(self, curve, arms: Sequence[tuple[int, int]], exact: Sequence[bool] | None = None) -> None:
         """This step's E[accepted] of each arm in ``arms`` (a 1-d array, NaN: not drafted this step).

@@ -120,11 +120,17 @@ class Tree:
         return cls.from_parents(parents, rank=rank)
 
     @classmethod
-    def root_only(cls, root_tokens: torch.Tensor) -> "Tree":
-        """A batch of one-node trees: the roots [B] alone, i.e. a plain decoding step."""
-        zero = torch.zeros(root_tokens.shape[0], 1, dtype=torch.long, device=root_tokens.device)
-        return cls(zero - 1, zero, zero, root_tokens[:, None], torch.zeros(zero.shape, device=zero.device),
-                   anc=torch.ones(1, 1, dtype=torch.bool, device=zero.device))
+    def root_only(cls, root_tokens: torch.Tensor, size: int = 1) -> "Tree":
+        """A batch of one-node trees: the roots [B] alone, i.e. a plain decoding step; with ``size`` > 1 followed by
+        padding nodes up to that many (the verify shape of a larger tree, e.g. one a compiled pass already has)."""
+        B, dev = root_tokens.shape[0], root_tokens.device
+        zero = torch.zeros(B, size, dtype=torch.long, device=dev)
+        if size == 1:
+            return cls(zero - 1, zero, zero, root_tokens[:, None], torch.zeros(zero.shape, device=dev),
+                       anc=torch.ones(1, 1, dtype=torch.bool, device=dev))
+        pad = torch.arange(size, device=dev).expand(B, size) > 0  # a padding node: a leaf under the root
+        return cls(pad.long() - 1, pad.long(), zero, torch.cat([root_tokens[:, None], zero[:, 1:]], 1),
+                   torch.zeros(zero.shape, device=dev), anc=torch.eye(size, dtype=torch.bool, device=dev), pad=pad)
 
     @classmethod
     def chain(cls, length: int) -> "Tree":

@@ -145,7 +145,9 @@ class LookupPolicy(TreePolicy):
             self.skipped_steps += 1
             if self.budget is not None:  # the step that just ended was the inner policy's: its clock stops here
                 self.budget.pause()
-            return self._merge(self._padded_root(drafter.root_tokens), copies, self._width(copies))
+            # the roots padded to the last inner tree's size: the same verify shape as the step before (compile=True
+            # builds no graph for it, oneDNN no primitive; the head passes saved cost ~10x those tokens)
+            return self._merge(Tree.root_only(drafter.root_tokens, self._inner_size), copies, self._width(copies))
         tree = self.inner.draft(drafter, params, generator)
         self._inner_size = tree.size
         if tree.size == 1 or tree.draft_probs is not None or not copies or not any(copies):
@@ -153,23 +155,6 @@ class LookupPolicy(TreePolicy):
         if len(copies) != tree.tokens.shape[0]:
             return tree  # no context: drafted outside a decoder's generate, which calls begin
         return self._merge(tree, copies, self._width(copies))
-
-    def _padded_root(self, root_tokens: torch.Tensor) -> Tree:
-        """The roots, then padding nodes up to the last inner tree's size: a copy-alone step verifies the same
-        number of tokens as the step before it (a few more than it needs), so ``compile=True`` builds no
-        graph for it, and oneDNN no primitive (the draft-head passes it saves cost ~10x those tokens)."""
-        S = max(self._inner_size, 1)
-        if S == 1:
-            return Tree.root_only(root_tokens)
-        B, dev = root_tokens.shape[0], root_tokens.device
-        if ("root", S) not in self._blocks:
-            self._blocks["root", S] = (torch.tensor([-1] + [0] * (S - 1)), torch.tensor([0] + [1] * (S - 1)),
-                                       torch.eye(S, dtype=torch.bool), torch.arange(S) > 0)
-        par, dep, anc, pad = (t.to(dev, non_blocking=True) for t in self._blocks["root", S])
-        zero = torch.zeros(B, S - 1, dtype=torch.long, device=dev)
-        return Tree(par.expand(B, S), dep.expand(B, S), torch.zeros_like(par).expand(B, S),
-                    torch.cat([root_tokens[:, None], zero], 1), torch.zeros(B, S, device=dev), anc=anc,
-                    pad=pad.expand(B, S))
 
     def _width(self, copies: list[list[int]]) -> int:
         """The longest copy's width in a few buckets (1, 2, 4, 8, ..., tokens), padded: few verify shapes, so
