@@ -174,7 +174,7 @@ class BudgetController:
         self._played: dict[int, int] = {}  # row bucket (row_bucket) -> steps chosen there
         self._probes: dict[int, list[tuple[int, int]]] = {}  # row bucket -> the probes it takes
         self.explore_floor = 0.8  # once known, explore only arms expected to reach this share of the best arm's tokens/s
-        self.explore_rows = 4  # from 2x this many rows up, exploration comes every explore_every * (rows // this) steps
+        self.explore_rows = 4  # from 2x this many rows, exploring every explore_every * (rows // this) steps
         self.explore_known = 4.0  # an arm is known after this many (decayed) plays of its own
         self.hold_margin = 0.03  # the arm played keeps its place unless the leader is expected this much faster
         self._held: dict[int, tuple[int, int]] = {}  # row bucket -> the arm held there
