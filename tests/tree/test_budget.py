@@ -522,3 +522,19 @@ def test_an_arm_never_played_borrows_its_pool_familys_correction():
         lone._pending, lone.last = ([est if a == arm else math.nan for a in arms], arms, None), arm
         lone.observe_accepted(acc)
     assert lone._family_factor[1] > 0.7 * lone.correction > 0.5  # not sunk to the floor by one play
+
+
+def test_a_rescaled_estimate_never_passes_what_the_arm_can_accept():
+    """A correction learnt where calibration is far too low (chains accepting 4x their estimate) must not lift an
+    unplayed arm's estimate above its depth and nodes: at batch 16 a 16-node, 6-deep tree estimated at 6.6 accepted
+    drafts per row outranked the 7-deep chain it could not beat, and its 60 ms steps cost ~20 %."""
+    arms = [(1, 0), (2, 1), (4, 3), (8, 7), (16, 6)]
+    ctl = BudgetController(arms, explore_every=0, probe=False)
+    for _ in range(20):  # the 7-deep chain accepts 4x what it was estimated at
+        ctl._pending, ctl.last = ([math.nan, 0.5, 0.8, 1.0, 2.0], arms, None), (8, 7)
+        ctl.observe_accepted(4.0)
+        ctl._absorb()
+    assert ctl.correction_of((16, 6)) > 3  # the batch-wide factor carried over to the unplayed tree
+    assert ctl.accepted((16, 6)) == pytest.approx(6.0)  # capped at its depth (and at T - 1 = 15 nodes)
+    assert ctl.accepted((4, 3)) <= 3.0 and ctl.accepted((2, 1)) <= 1.0
+    assert ctl.accepted((8, 7)) == pytest.approx(4.0, rel=0.05)  # the arm played is judged by its record

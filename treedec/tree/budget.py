@@ -353,7 +353,9 @@ class BudgetController:
         g = self.gain.get(arm)
         if g is None:
             return None
-        g *= self.correction_of(arm)
+        # rescaled, an estimate may pass what the arm can hold (a factor fitted on chains applied to a bushy tree):
+        # never more drafts than its depth or its nodes
+        g = min(g * self.correction_of(arm), float(min(arm[1], arm[0] - 1)))
         acc, _, n = self._seen_arm.get(arm, (0.0, 0.0, 0.0))
         return (acc + self.prior_plays * g) / (n + self.prior_plays)
 
