@@ -257,7 +257,7 @@ class BenchOptionsSchema:
     peers: List[str] = MISSING  # conf/bench.yaml
     prompt_lookup_num_tokens: int = 10
     assistant_path: Optional[str] = "auto"  # auto: tiny-code-assistant for the bundled target; or a directory
-    tie_ulps: float = 1.0
+    tie_ulps: float = 2.0
     strict_peers: bool = False
     plots: bool = True
 
