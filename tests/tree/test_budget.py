@@ -498,6 +498,7 @@ def test_the_auto_policy_gets_each_rows_top_run_in_the_steps_one_read():
             ranks = rank[b, info.path[b, 1:n]].tolist()
             want = next((i for i, r in enumerate(ranks) if r != 0), len(ranks))
             assert info.top_run[b] == want
+            assert want <= info.top_span[b] <= info.tree.depth.max()  # read in the same transfer; a run never passes it
             checked += 1
     assert checked > 10
     assert not DynamicPolicy(16, depth=4, top_k=3).wants_top_run  # fixed budgets do not ask for it
@@ -538,3 +539,35 @@ def test_a_rescaled_estimate_never_passes_what_the_arm_can_accept():
     assert ctl.accepted((16, 6)) == pytest.approx(6.0)  # capped at its depth (and at T - 1 = 15 nodes)
     assert ctl.accepted((4, 3)) <= 3.0 and ctl.accepted((2, 1)) <= 1.0
     assert ctl.accepted((8, 7)) == pytest.approx(4.0, rel=0.05)  # the arm played is judged by its record
+
+
+def test_top_span_is_how_deep_each_tree_holds_its_top1_chain():
+    from treedec.decoding.verify import top_span
+    from treedec.tree.tree import Tree
+
+    # root 0; 1 (rank 0) and 2 (rank 1) under it; 3 (rank 1) under 1; 4 (rank 0) under 2: the top-1 chain stops at 1
+    bushy = Tree.from_parents([-1, 0, 0, 1, 2], rank=[0, 0, 1, 1, 0])
+    chain = Tree.from_parents([-1, 0, 1, 2, 3])
+    assert top_span(bushy.with_tokens(torch.zeros(2, 5, dtype=torch.long))).tolist() == [1, 1]
+    assert top_span(chain.with_tokens(torch.zeros(1, 5, dtype=torch.long))).tolist() == [4]
+
+
+def test_a_chain_record_from_a_tree_that_cut_the_top1_chain_short_is_not_censored_there():
+    """A bushy 7-deep tree often holds the top-1 chain only a few levels deep; a run that reached that span says
+    nothing about the levels below it. Crediting the span alone made the 7-deep chain look ~20 % worse while bushy
+    trees were played: the span is extended by the measured top-1 continuation rates instead."""
+    arms = [(1, 0), (2, 1), (4, 3), (8, 7), (24, 7)]
+    family = {(2, 1): 1, (4, 3): 1, (8, 7): 1, (24, 7): 2}
+    ctl = BudgetController(arms, explore_every=0, probe=False, family=family)
+    ctl.gain = {a: 1.0 for a in arms[1:]}
+    ctl.last = (24, 7)
+    for _ in range(30):  # 7-deep chains played: of 10 rows one stops at depth 4, the others accept all 7
+        ctl._count_continuations([7] * 9 + [3], [7] * 10)
+    assert ctl.continuation(4) == pytest.approx(0.9, abs=0.03) and ctl.continuation(5) > 0.95
+    ctl._seen_arm.clear()
+    ctl.observe_chains([2, 2, 1], [2, 4, 4])  # row 0 reached its tree's span (2): censored; rows 1, 2 stopped short
+    acc87 = ctl._seen_arm[8, 7][0]
+    assert acc87 == pytest.approx((2 + ctl._further(2, 7) + 2 + 1) / 3)
+    assert ctl._further(2, 7) > 3  # ~0.9 + 0.81 + ... : far more than the 0 the span alone credited
+    assert ctl._seen_arm[2, 1][0] == pytest.approx(1.0)  # no deeper than the span: exact, min(run, d)
+    assert ctl._seen_arm[4, 3][0] == pytest.approx((2 + ctl._further(2, 3) + 2 + 1) / 3)

@@ -219,9 +219,10 @@ class StepInfo:
     (0 for a finished row). ``tree`` and ``logits`` are None for vanilla decoding. ``top_run[b]``
     (when the policy asks for it, :attr:`TreePolicy.wants_top_run`): how many accepted drafts lead
     row b's path before its first one that was not its parent's top-1 child, i.e. what a chain of
-    the draft's top-1 tokens would have accepted (up to the tree's depth). ``inner_n_accept`` /
-    ``inner_top_run``: the same for the policy's own nodes alone, when others were verified beside them
-    (``Tree.inner_size``: prompt lookup's copy), read in the same transfer.
+    the draft's top-1 tokens would have accepted, and ``top_span[b]`` how deep row b's tree holds that chain
+    (a run that reaches it is censored: a longer chain might have accepted more). ``inner_n_accept`` /
+    ``inner_top_run`` / ``inner_top_span``: the same for the policy's own nodes alone, when others were verified
+    beside them (``Tree.inner_size``: prompt lookup's copy), read in the same transfer.
     """
 
     index: int
@@ -234,6 +235,8 @@ class StepInfo:
     top_run: list[int] | None = None
     inner_n_accept: list[int] | None = None
     inner_top_run: list[int] | None = None
+    top_span: list[int] | None = None
+    inner_top_span: list[int] | None = None
 
     def tried_ranks(self, row: int) -> list[tuple[int, int, int]]:
         """(child depth, siblings tried, accepted sibling index or -1) along row's path (reads the device)."""

@@ -23,7 +23,7 @@ from treedec.decoding.loop import Decoder, DecodeStats, StepInfo, Timer, normali
 from treedec.decoding.sampling import RowStreams, SamplingParams, next_token, settle
 from treedec.decoding.vanilla import pick
 from treedec.decoding.verify import (Acceptance, accept_paths, acceptance_counts, emitted, node_choices, top_run,
-                                     verify_sampling)
+                                     top_span, verify_sampling)
 from treedec.models.draft import DraftHead
 from treedec.models.llama import Transformer
 from treedec.tree.policies.base import TreePolicy
@@ -113,8 +113,10 @@ class SpeculativeDecoder(Decoder):
         self.drafter.catch_up(acc.emit, feats, n, n_host, acc.bonus)
         timer.lap("commit")
         self._index += 1
+        (run, span), (own_n, own_run, own_span) = runs, inner
         info = StepInfo(self._index, list(active), [r[1:1 + k] for r, k in zip(packed, n_host)], n_host,
-                        tree, acc.path, res.logits, runs, *inner)
+                        tree, acc.path, res.logits, top_run=run, top_span=span, inner_n_accept=own_n,
+                        inner_top_run=own_run, inner_top_span=own_span)
         self.policy.observe(info)  # host values only (the step's one read has happened)
         return info, tree.size
 
@@ -142,10 +144,11 @@ class SpeculativeDecoder(Decoder):
         return info, 1
 
     def _accept(self, tree: Tree, logits: torch.Tensor, depth_cap: int) -> tuple[Acceptance, torch.Tensor, list,
-                                                                               list[int] | None, tuple]:
+                                                                               tuple, tuple]:
         """The acceptance rule and the step's one host read -> (acceptance, n [B], [n, emitted...] per row,
-        each row's top-1 run when the policy wants it, and (n, top-1 run) of the policy's own nodes alone when
-        others were verified beside them (``tree.inner_size``), all read in the same transfer)."""
+        (each row's top-1 run, its tree's top-1 span) when the policy wants them, and (n, top-1 run, span) of the
+        policy's own nodes alone when others were verified beside them (``tree.inner_size``), all read in the same
+        transfer)."""
         if tree.draft_probs is not None:
             draws, acc = None, self._accept_sampled_drafts(tree, logits, depth_cap)
         else:
@@ -155,21 +158,23 @@ class SpeculativeDecoder(Decoder):
             n = torch.where(self._active_t, acc.n, 0)  # finished rows commit nothing: their caches stay frozen
             flag = [] if acc.unsettled is None else [acc.unsettled[:, None].long()]
             want_run = self.policy.wants_top_run
-            run = [top_run(tree, acc, n)[:, None]] if want_run else []
+            run = [top_run(tree, acc, n)[:, None], top_span(tree)[:, None]] if want_run else []
             own = []
             if tree.inner_size is not None and draws is not None:  # the policy's nodes alone: what they accepted
                 sub, k = tree.first(tree.inner_size), tree.inner_size
                 miss = None if draws.miss is None else draws.miss[:, :k]
                 acc_in = accept_paths(sub, draws.token[:, :k], depth_cap, miss)
                 n_in = torch.where(self._active_t, acc_in.n, 0)
-                own = [n_in[:, None], *([top_run(sub, acc_in, n_in)[:, None]] if want_run else [])]
+                own = [n_in[:, None], *([top_run(sub, acc_in, n_in)[:, None], top_span(sub)[:, None]]
+                                        if want_run else [])]
             packed = torch.cat([n[:, None], acc.emit, *flag, *run, *own], 1).tolist()  # the one host read of the step
-            own_run = [r.pop() for r in packed] if len(own) > 1 else None  # the columns come off in reverse order
-            own_n = [r.pop() for r in packed] if own else None
-            runs = [r.pop() for r in packed] if run else None
+            pop = lambda: [r.pop() for r in packed]  # noqa: E731  (the columns come off in reverse order)
+            own_span, own_run = (pop(), pop()) if len(own) > 1 else (None, None)
+            own_n = pop() if own else None
+            spans, runs = (pop(), pop()) if run else (None, None)
             redo = [b for b, r in enumerate(packed) if flag and r[-1] and self._active[b]]
             if not redo:
-                return acc, n, packed, runs, (own_n, own_run)
+                return acc, n, packed, (runs, spans), (own_n, own_run, own_span)
             # Rare: a path reached a node none of whose top-p candidates was in the nucleus. Draw that
             # row's missed nodes exactly and walk again: the other rows' paths and streams are unchanged.
             acc = accept_paths(tree, settle(draws, self.sampling, self._streams, redo), depth_cap)

@@ -93,6 +93,21 @@ def top_run(tree, acc: Acceptance, n: torch.Tensor) -> torch.Tensor:
     return ((r == 0) & valid).long().cumprod(1).sum(1)
 
 
+def top_span(tree) -> torch.Tensor:
+    """[B] how deep each row's tree holds its top-1 chain (the root's rank-0 child, its rank-0 child, ...; padding
+    excluded): a top-1 run (:func:`top_run`) that reaches it is censored there, one that stops short is not."""
+    B = tree.tokens.shape[0]
+    rank = tree.rank if tree.rank.dim() == 2 else tree.rank.expand(B, -1)
+    off = rank != 0
+    if getattr(tree, "pad", None) is not None:
+        off = off | tree.pad
+    anc = tree.ancestors()
+    anc = anc if anc.dim() == 3 else anc.expand(B, -1, -1)
+    on_spine = ~(anc & off[:, None, :]).any(-1)  # the node and each of its ancestors are rank 0 (the root is)
+    depth = tree.depth if tree.depth.dim() == 2 else tree.depth.expand(B, -1)
+    return torch.where(on_spine, depth, 0).amax(-1)
+
+
 def emitted(tokens: torch.Tensor, path: torch.Tensor, n: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
     """[B, D+1] tokens a step produces: the accepted children in path order, then the bonus at n - 1.
 

@@ -197,6 +197,7 @@ class BudgetController:
         self.prior_plays = 2.0  # plays' worth of the (rescaled) estimate against an arm's own accepted record
         self.family = dict(family or {})
         self._chains = [a for a in self.arms if self.family.get(a) == 1 and a[0] == a[1] + 1]  # pool width 1, T = d + 1
+        self._top1: dict[int, tuple[float, float]] = {}  # depth -> decayed (continued, tried) of the top-1 chain
         self.family_prior = 4.0  # plays' worth of the batch-wide correction in each family's factor
         self._families: dict | None = {}  # family -> its factor (None: stale, see _family_factor)
 
@@ -269,21 +270,56 @@ class BudgetController:
         self._seen_arm[arm] = (decay * acc0 + accepted, decay * est0 + est, decay * n0 + 1)
         self._families = None  # the family factors are recomputed when next asked for
 
-    def observe_chains(self, runs: Sequence[int], decay: float = 0.95) -> None:
+    def observe_chains(self, runs: Sequence[int], spans: Sequence[int] | None = None, decay: float = 0.95) -> None:
         """What every chain arm would have accepted this step: ``runs`` are the live rows' top-1 runs (accepted drafts
         before the first that was not its parent's top-1 child); a chain of depth d accepts min(run, d). Recorded as
         a play of each chain arm no deeper than the step's tree (deeper ones would be censored), except the arm
         played (:meth:`observe_accepted` has it). Chains are the arms the calibration misjudges most (a 5-deep
         chain's estimate is ~half what it accepts on the bundled pair) and, once one looks poor, the last that
-        exploration tries: this way they are measured on the text at hand without being played."""
+        exploration tries: this way they are measured on the text at hand without being played.
+
+        ``spans``: how deep each row's tree held its top-1 chain. A bushy tree keeps its best T-1 nodes, which often
+        stop the top-1 chain short of the tree's depth; a run that reaches the span is censored there, and counting
+        it as the whole chain's record made a 7-deep chain look ~20 % worse than it is while bushy trees were played
+        (so they kept being played). Such a row is credited the span plus the expected further run, from the top-1
+        continuation rates measured at each depth (:meth:`continuation`)."""
         if not runs or self.last is None or self.last[0] == 1:
             return
+        if spans is not None:
+            self._count_continuations(runs, spans)
         for arm in self._chains:
             T, d = arm
             est = self.gain.get(arm, math.nan)
             if d > self.last[1] or arm == self.last or not math.isfinite(est):
                 continue
-            self._record(arm, sum(min(r, d) for r in runs) / len(runs), est, decay)
+            if spans is None:
+                total = sum(min(r, d) for r in runs)
+            else:
+                total = sum(min(r, d) if r < L or d <= L else L + self._further(L, d) for r, L in zip(runs, spans))
+            self._record(arm, total / len(runs), est, decay)
+
+    def _count_continuations(self, runs: Sequence[int], spans: Sequence[int], decay: float = 0.98) -> None:
+        """Per depth j, decayed (continued, tried) counts of the top-1 chain: a row tried depth j when its run reached
+        j - 1 and its tree held the top-1 draft at depth j, and continued when the run went on through it."""
+        deepest = max(spans, default=0)
+        for j in range(1, deepest + 1):
+            hit = sum(1 for r, L in zip(runs, spans) if j <= L and r >= j)
+            tried = sum(1 for r, L in zip(runs, spans) if j <= L and r >= j - 1)
+            h, t = self._top1.get(j, (0.0, 0.0))
+            self._top1[j] = (decay * h + hit, decay * t + tried)
+
+    def continuation(self, j: int) -> float:
+        """P(the top-1 chain's draft at depth j is accepted | those before it were), from the counts (0.5 prior)."""
+        h, t = self._top1.get(j, (0.0, 0.0))
+        return (h + 0.5) / (t + 1.0)
+
+    def _further(self, L: int, d: int) -> float:
+        """Expected accepted top-1 drafts at depths L+1..d given the run reached depth L."""
+        out, p = 0.0, 1.0
+        for j in range(L + 1, d + 1):
+            p *= self.continuation(j)
+            out += p
+        return out
 
     @property
     def correction(self) -> float:

@@ -242,7 +242,9 @@ class DynamicPolicy(TreePolicy):
             if n:
                 self.budget.observe_accepted(sum(n) / len(n))
             if info.top_run is not None:
-                self.budget.observe_chains([r for r, a in zip(info.top_run, info.active) if a])
+                live = [b for b, a in enumerate(info.active) if a]
+                self.budget.observe_chains([info.top_run[b] for b in live],
+                                           None if info.top_span is None else [info.top_span[b] for b in live])
 
     def kept(self, B: int, T: int) -> int:
         """Real (non-root) nodes kept over a batch of B rows at width T: the per-row budgets' global cap."""

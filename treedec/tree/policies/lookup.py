@@ -130,8 +130,9 @@ class LookupPolicy(TreePolicy):
         if self._skipped:
             return  # the inner policy drafted nothing this step: nothing of it to learn
         if info.inner_n_accept is not None:  # the inner policy learns from what its own nodes accepted
-            info = replace(info, n_accept=info.inner_n_accept,
-                           top_run=info.inner_top_run if info.top_run is not None else None)
+            run = info.top_run is not None
+            info = replace(info, n_accept=info.inner_n_accept, top_run=info.inner_top_run if run else None,
+                           top_span=info.inner_top_span if run else None)
         self.inner.observe(info)
 
     def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Tree:
