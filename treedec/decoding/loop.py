@@ -233,9 +233,9 @@ class StepInfo:
     path: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     top_run: list[int] | None = None
+    top_span: list[int] | None = None
     inner_n_accept: list[int] | None = None
     inner_top_run: list[int] | None = None
-    top_span: list[int] | None = None
     inner_top_span: list[int] | None = None
 
     def tried_ranks(self, row: int) -> list[tuple[int, int, int]]:

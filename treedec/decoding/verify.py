@@ -49,6 +49,11 @@ def node_choices(logits: torch.Tensor, params: SamplingParams, streams: RowStrea
     return draw_from(logits, params, streams)
 
 
+def _per_row(t: torch.Tensor, B: int, dims: int = 2) -> torch.Tensor:
+    """A tree field shared by the batch (one dimension fewer than ``dims``) as a view per row; per-row ones as they are."""
+    return t if t.dim() == dims else t.expand(B, *t.shape)
+
+
 def accept_paths(tree, choice: torch.Tensor, max_depth: int, miss: torch.Tensor | None = None) -> Acceptance:
     """Deepest path whose every node carries its parent's choice, batched, with no host reads.
 
@@ -58,9 +63,7 @@ def accept_paths(tree, choice: torch.Tensor, max_depth: int, miss: torch.Tensor 
     """
     parents, depth, tokens = tree.parents, tree.depth, tree.tokens
     B, T = tokens.shape
-    anc = tree.ancestors()
-    if anc.dim() == 2:
-        anc = anc.expand(B, T, T)
+    anc = _per_row(tree.ancestors(), B, 3)
     match = tokens == choice.gather(1, parents.clamp(min=0))
     match[:, 0] = True
     if getattr(tree, "pad", None) is not None:  # padding nodes (per-row budgets) are never accepted
@@ -86,9 +89,7 @@ def top_run(tree, acc: Acceptance, n: torch.Tensor) -> torch.Tensor:
     its top-1 path to: a counterfactual observation of every chain shorter than the tree, for the auto budget.
     ``n`` [B]: accepted nodes per row, root included (0 for a finished row).
     """
-    B = acc.path.shape[0]
-    rank = tree.rank if tree.rank.dim() == 2 else tree.rank.expand(B, -1)
-    r = rank.gather(1, acc.path)[:, 1:]  # the ranks of the path's drafts
+    r = _per_row(tree.rank, acc.path.shape[0]).gather(1, acc.path)[:, 1:]  # the ranks of the path's drafts
     valid = torch.arange(1, acc.path.shape[1], device=r.device) < n[:, None]
     return ((r == 0) & valid).long().cumprod(1).sum(1)
 
@@ -97,15 +98,11 @@ def top_span(tree) -> torch.Tensor:
     """[B] how deep each row's tree holds its top-1 chain (the root's rank-0 child, its rank-0 child, ...; padding
     excluded): a top-1 run (:func:`top_run`) that reaches it is censored there, one that stops short is not."""
     B = tree.tokens.shape[0]
-    rank = tree.rank if tree.rank.dim() == 2 else tree.rank.expand(B, -1)
-    off = rank != 0
+    off = _per_row(tree.rank, B) != 0
     if getattr(tree, "pad", None) is not None:
         off = off | tree.pad
-    anc = tree.ancestors()
-    anc = anc if anc.dim() == 3 else anc.expand(B, -1, -1)
-    on_spine = ~(anc & off[:, None, :]).any(-1)  # the node and each of its ancestors are rank 0 (the root is)
-    depth = tree.depth if tree.depth.dim() == 2 else tree.depth.expand(B, -1)
-    return torch.where(on_spine, depth, 0).amax(-1)
+    on_spine = ~(_per_row(tree.ancestors(), B, 3) & off[:, None, :]).any(-1)  # it and its ancestors are rank 0
+    return torch.where(on_spine, _per_row(tree.depth, B), 0).amax(-1)
 
 
 def emitted(tokens: torch.Tensor, path: torch.Tensor, n: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
