@@ -85,14 +85,14 @@ def test_sdpa_folded_query_groups(attn_cases, monkeypatch, per_row, Hq, Hkv):
     from treedec.attention import dense_mask, fold_query_groups, query_fold, reference
 
     B = 16 // Hkv
-    assert query_fold(B, Hq, Hkv) == Hq // Hkv and query_fold(1, Hq, Hkv) == 1
+    assert query_fold(B, Hq, Hkv, 6) == Hq // Hkv and query_fold(1, Hq, Hkv, 6) == 1
     case = attn_cases.make(B=B, Hq=Hq, Hkv=Hkv, T=6, D=16, prefix_lens=tuple(range(3, 3 + 5 * B, 5)),
                            per_row=per_row, seed=5)
     mask = dense_mask(case.bits, case.prefix_lens, 6, case.k.shape[2])[:, None]
     folded = fold_query_groups(mask, Hq // Hkv)
     assert folded.shape[-2] == 6 * (Hq // Hkv)
     outs = [run(case, "sdpa"), run(case, "sdpa", mask=mask), run(case, "sdpa", mask=folded)]
-    monkeypatch.setattr(reference, "query_fold", lambda B, Hq, Hkv: 1)
+    monkeypatch.setattr(reference, "query_fold", lambda B, Hq, Hkv, T: 1)
     plain = run(case, "sdpa", mask=mask)
     for out in outs:
         attn_cases.check(out, case, torch.float32)
@@ -258,3 +258,21 @@ def test_bf16_cuda(attn_cases, backend):
     case = attn_cases.make(B=2, Hq=8, Hkv=2, T=60, D=128, prefix_lens=(500, 77), dtype=torch.bfloat16,
                            per_row=True, device="cuda")
     attn_cases.check(run(case, backend), case, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_query_decode_folds_at_every_batch(dtype):
+    """A decoding step (one query per row, no mask) folds its query heads whatever the batch, and computes the
+    attention enable_gqa computes (to rounding): the folded kernel is the fast one at one query."""
+    from treedec.attention import query_fold
+    from treedec.models.llama import _sdpa_plain
+
+    assert query_fold(1, 8, 2, 1) == 4 and query_fold(1, 8, 2, 2) == 1 and query_fold(1, 4, 4, 1) == 1
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 8, 1, 16, generator=g).to(dtype)
+    k, v = (torch.randn(3, 2, 37, 16, generator=g).to(dtype) for _ in range(2))
+    out = _sdpa_plain(q, k, v, causal=False)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(4, 1),
+                                                           v.double().repeat_interleave(4, 1))
+    assert out.shape == q.shape
+    torch.testing.assert_close(out.double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)

@@ -66,13 +66,16 @@ def eager_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale: float | Non
     return torch.einsum("bhts,bhsd->bhtd", probs, vf).to(q.dtype)
 
 
-def query_fold(B: int, Hq: int, Hkv: int) -> int:
+def query_fold(B: int, Hq: int, Hkv: int, T: int) -> int:
     """How many query heads :func:`sdpa_tree_attention` folds into each K/V head's rows: G or 1.
 
     Folding pays from 16 (row, K/V head) pairs up: SDPA's CPU kernel then runs 7-13 % faster a
-    12-layer forward at batch 16; at batch 1 it is 2-5 % slower (docs/benchmarks.md).
+    12-layer forward at batch 16; at batch 1 a tree (T > 1) is 2-5 % slower. One query per row (a
+    decoding step, T = 1) always folds: at one query the bf16 kernel with ``enable_gqa`` takes ~5x
+    as long as the same attention folded (65 vs 13 us a layer over 250 keys), so a batch-1 vanilla
+    step is 8-15 % faster folded (docs/benchmarks.md).
     """
-    return Hq // Hkv if B * Hkv >= 16 else 1
+    return Hq // Hkv if T == 1 or B * Hkv >= 16 else 1
 
 
 def fold_query_groups(mask: torch.Tensor, groups: int) -> torch.Tensor:
@@ -102,7 +105,7 @@ def sdpa_tree_attention(q, k, v, ancestor_bits, prefix_lens, scale: float | None
         mask = dense_mask(ancestor_bits, prefix_lens, T, k.shape[2])[:, None]
     Hkv = k.shape[1]
     G = Hq // Hkv
-    if mask.shape[-2] == T and query_fold(B, Hq, Hkv) > 1:
+    if mask.shape[-2] == T and query_fold(B, Hq, Hkv, T) > 1:
         mask = fold_query_groups(mask, G)
     if mask.shape[-2] == G * T and G > 1:
         return folded_sdpa(q, k, v, mask, scale)
