@@ -1,4 +1,5 @@
 """EAGLE draft head: shapes, shared target weights, safetensors round trip and clear errors."""
+import copy
 import json
 import warnings
 
@@ -7,6 +8,7 @@ import torch
 
 from treedec.models import LlamaConfig, Transformer
 from treedec.models.draft import DRAFT_CONFIG, DRAFT_WEIGHTS, DraftConfig, DraftHead, target_fingerprint
+from treedec.models.packed import PackedLinear
 
 
 def small_target(vocab=50, hidden=32):
@@ -68,13 +70,37 @@ def test_a_head_of_another_dtype_than_its_target_drafts(head_dtype, target_dtype
     assert torch.allclose(logits.float(), ref, atol=0.05, rtol=0.02)
 
 
-def test_auto_dtype_drafts_in_fp32_on_a_cpu(tmp_path):
+def test_auto_dtype_is_the_faster_of_fp32_and_packed_bf16_on_a_cpu(tmp_path, monkeypatch):
+    """``dtype="auto"`` for a bf16 target on a CPU is what this machine runs a head's few-row matmuls faster in
+    (measured once per process), fp32 for an fp32 target; a bf16 head is packed, its LM rows too."""
+    from treedec.models import draft as draft_mod
+
     target = small_target().to(torch.bfloat16)
     DraftHead(DraftConfig.for_target(target.config)).to(torch.bfloat16).bind(target).save(tmp_path)
     assert DraftHead.load(tmp_path, target=target).fc.weight.dtype == torch.bfloat16  # None: the file's dtype
-    head = DraftHead.load(tmp_path, target=target, dtype="auto")
-    assert head.fc.weight.dtype == torch.float32 and head._lm_weight.dtype == torch.float32
+    for faster, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(draft_mod, "packed_bf16_is_faster", lambda shapes, rows=4, f=faster: f)
+        head = DraftHead.load(tmp_path, target=target, dtype="auto")
+        lm = target.lm_head.weight if head._lm_weight is None else head._lm_weight  # (the target's own, shared)
+        assert head.fc.weight.dtype == dtype and lm.dtype == dtype
+        assert (head._lm_packed is not None) == (dtype == torch.bfloat16) == isinstance(head.fc, PackedLinear)
+    assert DraftHead.load(tmp_path, target=target.float(), dtype="auto").fc.weight.dtype == torch.float32
     assert DraftHead.load(tmp_path, target=target, dtype="bf16").fc.weight.dtype == torch.bfloat16
+
+
+def test_a_packed_bf16_head_drafts_what_the_unpacked_one_does():
+    """Packing (its layers and its LM rows) changes the kernel's weight layout, not the numbers."""
+    target = small_target().to(torch.bfloat16)
+    plain = DraftHead(DraftConfig.for_target(target.config)).to(torch.bfloat16)
+    plain.layer.fuse()
+    plain.bind(target)
+    packed = copy.deepcopy(plain).prepare(target)
+    assert isinstance(packed.fc, PackedLinear) and packed._lm_packed is not None and plain._lm_packed is None
+    tokens, feats = torch.tensor([[1, 2, 3]]), torch.randn(1, 3, 32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        a = plain(tokens, feats, plain.new_cache(1, 8), torch.arange(3)[None])
+        b = packed(tokens, feats, packed.new_cache(1, 8), torch.arange(3)[None])
+        assert torch.equal(a, b) and torch.equal(plain.logits(a), packed.logits(b))
 
 
 def test_feature_layers_must_fit_the_head_kind_and_the_target():

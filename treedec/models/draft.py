@@ -27,6 +27,7 @@ from treedec.attention import prefix_tree_mask
 from treedec.models.cache import KVCache
 from treedec.models.draft_config import BUNDLED_DRAFTS, DRAFT_CONFIG, DRAFT_WEIGHTS, KINDS, DraftConfig
 from treedec.models.llama import DecoderLayer, ModelOutput, Transformer, rope_cos_sin, rope_inv_freq
+from treedec.models.packed import PackedLinear, pack_linears, packed_bf16_is_faster, packed_weight, should_pack
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -53,14 +54,25 @@ def target_fingerprint(target: Transformer) -> str:
 
 
 def inference_dtype(target: Transformer | None, device=None) -> torch.dtype | None:
-    """The head's dtype for ``dtype="auto"``: fp32 on a CPU, else the target's.
+    """The head's dtype for ``dtype="auto"``: the target's on a GPU; on a CPU fp32, or for a bf16 target bf16
+    (packed) where this CPU runs the head's few-row matmuls faster so.
 
-    A head runs a handful of rows per matmul. On CPUs bf16 matmuls pay a fixed ~20 us per call
-    (oneDNN) where fp32 ones at a few rows take ~5 us, so an fp32 head drafts faster for a bf16
-    target (docs/benchmarks.md); the head's outputs are cast back at its boundaries.
+    A head runs a handful of rows per matmul (a chain's one node, a catch-up's accepted tokens, a batch's rows),
+    and which dtype is cheaper there is the machine's: on a Xeon with AMX oneDNN's bf16 call has a fixed
+    ~20 us cost and fp32 is 2-5x cheaper; on an AMD EPYC (AVX-512 BF16, no AMX) fp32 beyond one row is 2-3x
+    slower than packed bf16, and a bf16 head drafted 4-10 % faster at batches 1 and 4 (docs/benchmarks.md).
+    So it is measured once per process on the head's shapes at 4 rows (:func:`packed_bf16_is_faster`). The
+    head's inputs and outputs are cast at its boundaries either way.
     """
     dev = torch.device(device) if device is not None else target.device if target is not None else torch.device("cpu")
-    return torch.float32 if dev.type == "cpu" else (target.dtype if target is not None else None)
+    if dev.type != "cpu":
+        return target.dtype if target is not None else None
+    if target is None or target.dtype != torch.bfloat16:
+        return torch.float32
+    c = target.config
+    H, qkv = c.hidden_size, (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    shapes = ((2 * H, H), (H, qkv), (H, 2 * c.intermediate_size), (c.intermediate_size, H), (H, min(c.vocab_size, 2048)))
+    return torch.bfloat16 if packed_bf16_is_faster(shapes) else torch.float32
 
 
 class DraftHead(nn.Module):
@@ -148,13 +160,15 @@ class DraftHead(nn.Module):
         if self.fc.weight.device != target.device:
             self.to(device=target.device)
         self._target = (target,)  # a tuple keeps the target out of this module's parameters
-        self._lm_weight = None  # an EAGLE-3 head has its own LM head; an EAGLE head shares the target's
+        self._lm_weight = self._lm_packed = None  # an EAGLE-3 head has its own LM head; an EAGLE head shares the target's
         if dc.kind == "eagle":
             w = target.lm_head.weight.detach()
             if dc.draft_vocab_size:
                 w = w[self.vocab_ids]
             if w.dtype != self.fc.weight.dtype or dc.draft_vocab_size:  # a copy in the head's dtype
                 self._lm_weight = w.to(self.fc.weight.dtype)
+            if isinstance(self.fc, PackedLinear):  # a packed bf16 head multiplies by packed LM rows too
+                self._lm_packed = packed_weight(self._lm_weight if self._lm_weight is not None else w)
         return self
 
     def restrict_vocab(self, token_ids: torch.Tensor) -> "DraftHead":
@@ -231,6 +245,8 @@ class DraftHead(nn.Module):
 
     def logits(self, feat: torch.Tensor) -> torch.Tensor:
         """Draft logits for predicted features: over the draft vocabulary (all of the target's by default)."""
+        if self._lm_packed is not None:
+            return self._lm_packed(_as(feat, torch.bfloat16))
         w = self.target.lm_head.weight if self._lm_weight is None else self._lm_weight
         return torch.nn.functional.linear(_as(feat, w.dtype), w)
 
@@ -295,5 +311,13 @@ class DraftHead(nn.Module):
         if missing or unexpected:
             raise ValueError(f"draft weights in {path} do not match its config: missing {missing}, unexpected {unexpected}")
         head = head.to(device=device or "cpu", dtype=dtype or state["fc.weight"].dtype)
-        head.layer.fuse()  # inference: one matmul for q/k/v and one for gate/up (file names unchanged)
-        return head.bind(target) if target is not None else head
+        return head.prepare(target)
+
+    def prepare(self, target: Transformer | None = None) -> "DraftHead":
+        """The inference form of a loaded head: q/k/v and gate/up fused into one matmul each (file names
+        unchanged), a bf16 head's weights on a CPU packed once for oneDNN (as the target's are), bound to
+        ``target`` when given."""
+        self.layer.fuse()
+        if should_pack(self):
+            pack_linears(self)
+        return self.bind(target) if target is not None else self

@@ -213,9 +213,7 @@ def load_published(path: str | Path, build: Callable[[DraftConfig], nn.Module], 
     if missing or unexpected:
         raise ValueError(f"{path} ({layout} layout) does not hold a whole head: missing {sorted(missing)}, "
                          f"unexpected {sorted(unexpected)}")
-    head = head.to(device=device or "cpu", dtype=dtype or state["fc.weight"].dtype).eval()
-    head.layer.fuse()
-    return head.bind(target) if target is not None else head
+    return head.to(device=device or "cpu", dtype=dtype or state["fc.weight"].dtype).eval().prepare(target)
 
 
 

@@ -11,6 +11,9 @@ noise) unpacked.
 """
 from __future__ import annotations
 
+import functools
+import time
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -77,4 +80,47 @@ def pack_linears(model: nn.Module) -> nn.Module:
     return model
 
 
-__all__ = ["AVAILABLE", "PACK_LIMIT_BYTES", "PackedLinear", "pack_linears", "should_pack"]
+def packed_weight(weight: torch.Tensor) -> PackedLinear | None:
+    """A bias-free :class:`PackedLinear` over ``weight`` (not a parameter of any module: a draft head's rows of
+    its target's LM head), or None where packing does not apply (not bf16, not a CPU, no oneDNN)."""
+    if not (AVAILABLE and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
+        return None
+    lin = PackedLinear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    with torch.inference_mode(False):  # a normal tensor: the repack check reads its version counter
+        w = weight.detach()
+        lin.weight = nn.Parameter(w.clone() if w.is_inference() else w, requires_grad=False)
+    lin.repack()
+    return lin
+
+
+@functools.lru_cache(maxsize=None)
+def packed_bf16_is_faster(shapes: tuple[tuple[int, int], ...], rows: int = 4) -> bool:
+    """Whether packed bf16 linears of these (in, out) ``shapes`` beat fp32 ones at ``rows`` rows on this CPU.
+
+    Measured once per process (~10 ms), because the answer is the machine's: on a Xeon with AMX fp32 is 2-5x
+    cheaper at a few rows (oneDNN's bf16 call has a fixed cost), on an AMD EPYC (AVX-512 BF16, no AMX) MKL's
+    fp32 GEMM beyond one row is 2-3x slower than packed bf16 (docs/benchmarks.md). Best of 5 interleaved rounds.
+    """
+    if not AVAILABLE:
+        return False
+    g = torch.Generator().manual_seed(0)
+    fp32 = [(torch.randn(o, i, generator=g), torch.randn(rows, i, generator=g)) for i, o in shapes]
+    bf16 = [(packed_weight(w.to(torch.bfloat16)), x.to(torch.bfloat16)) for w, x in fp32]
+    with torch.inference_mode():
+
+        def clock(run) -> float:
+            t = time.perf_counter()
+            for _ in range(4):
+                run()
+            return time.perf_counter() - t
+
+        run32 = lambda: [F.linear(x, w) for w, x in fp32]  # noqa: E731
+        run16 = lambda: [p(x) for p, x in bf16]  # noqa: E731
+        best = [clock(run32), clock(run16)]  # (the first rounds warm up)
+        for _ in range(5):
+            best = [min(best[0], clock(run32)), min(best[1], clock(run16))]
+    return best[1] < best[0]
+
+
+__all__ = ["AVAILABLE", "PACK_LIMIT_BYTES", "PackedLinear", "pack_linears", "packed_bf16_is_faster", "packed_weight",
+           "should_pack"]
