@@ -100,3 +100,25 @@ def test_a_packed_model_deep_copies_and_its_copy_repacks():
         assert torch.equal(lin(x), bf.model.layers[0].mlp.down_proj(x)) and lin._packed is not None
         f32 = copy.deepcopy(bf).float()
         assert f32.model.layers[0].mlp.down_proj(x.float()).dtype == torch.float32
+
+
+def test_packed_weight_multiplies_as_f_linear_and_only_where_packing_applies():
+    """A draft head's LM rows (a plain tensor, even one made in inference mode) packed: F.linear's numbers."""
+    from treedec.models.packed import packed_weight
+
+    w = torch.randn(48, 32)
+    assert packed_weight(w) is None  # fp32: nothing to pack
+    with torch.inference_mode():
+        wb = w.to(torch.bfloat16)  # an inference tensor (no version counter): copied into a normal one
+        x = torch.randn(3, 32).to(torch.bfloat16)
+        p = packed_weight(wb)
+        assert torch.equal(p(x), F.linear(x, wb))
+
+
+def test_the_head_dtype_measurement_needs_packing(monkeypatch):
+    from treedec.models import packed
+
+    packed.packed_bf16_is_faster.cache_clear()
+    monkeypatch.setattr(packed, "AVAILABLE", False)
+    assert packed.packed_bf16_is_faster(((32, 16),)) is False
+    packed.packed_bf16_is_faster.cache_clear()
