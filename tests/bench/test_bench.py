@@ -118,6 +118,7 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
     if HAVE_HF:
         assert saved["methods"]["hf_assisted"]["assistant_layers"] == 1
     assert saved["machine"]["threads"] == 1 and saved["machine"]["torch"] == torch.__version__
+    assert saved["machine"]["draft_dtype"] in ("float32", "bfloat16")  # as loaded: dtype=auto is measured
     assert saved["prompts"]["ids"] == ["add", "p1"] and saved["failures"] == []
     assert saved["config"]["bench"]["max_new_tokens"] == 12
     table = (tmp_path / "results.md").read_text()

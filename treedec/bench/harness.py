@@ -261,7 +261,7 @@ def run(cfg: DictConfig) -> dict:
         if getattr(pol, "steps", 0) and hasattr(pol, "skipped_steps") and name in table:  # prompt lookup
             table[name]["copy_alone_share"] = pol.skipped_steps / pol.steps  # steps that ran no draft-head pass
     greedy_rows, sampled_rows = group_sampled(table, methods)
-    machine = machine_info(target)
+    machine = machine_info(target, draft)
     try:
         machine["loadavg_start"], machine["loadavg_end"] = load_start, list(os.getloadavg())
     except OSError:

@@ -42,7 +42,8 @@ def _git_commit() -> str | None:
         return None
 
 
-def machine_info(target) -> dict:
+def machine_info(target, draft=None) -> dict:
+    """Where a benchmark ran; ``draft_dtype`` is the head's dtype as loaded (``draft.dtype=auto`` measures it)."""
     dev = target.device
     info = {
         "cpu": _cpu_model(), "cpu_flags": _cpu_flags(), "cpu_count": os.cpu_count(),
@@ -51,6 +52,8 @@ def machine_info(target) -> dict:
         "attn_backend": target.backend(),
         "git_commit": _git_commit(),
     }
+    if draft is not None:
+        info["draft_dtype"] = str(draft.fc.weight.dtype).removeprefix("torch.")
     if dev.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(dev)
         info["cuda"] = torch.version.cuda
