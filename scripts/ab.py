@@ -62,9 +62,10 @@ def main() -> None:
         if kind == "vanilla":
             runs[spec] = lambda rows: vanilla.generate(target, rows, a.tokens)
             continue
-        if (dtype or "auto") not in heads:
-            heads[dtype or "auto"] = DraftHead.load("tiny-code-eagle", target=target, dtype=dtype or "auto")
-        dec = CompactingDecoder(target, heads[dtype or "auto"], policy(kind, arg))
+        dtype = dtype or "auto"
+        if dtype not in heads:
+            heads[dtype] = DraftHead.load("tiny-code-eagle", target=target, dtype=dtype)
+        dec = CompactingDecoder(target, heads[dtype], policy(kind, arg))
         runs[spec] = lambda rows, dec=dec: dec.generate(rows, a.tokens)
     if "vanilla" not in runs:
         raise SystemExit("include vanilla: every ratio is to it")

@@ -167,8 +167,11 @@ class DraftHead(nn.Module):
                 w = w[self.vocab_ids]
             if w.dtype != self.fc.weight.dtype or dc.draft_vocab_size:  # a copy in the head's dtype
                 self._lm_weight = w.to(self.fc.weight.dtype)
-            if isinstance(self.fc, PackedLinear):  # a packed bf16 head multiplies by packed LM rows too
-                self._lm_packed = packed_weight(self._lm_weight if self._lm_weight is not None else w)
+            if isinstance(self.fc, PackedLinear):  # a packed bf16 head multiplies by packed LM rows too: the target's
+                #                                  own packed LM head when it shares it whole, else its rows packed
+                shared = self._lm_weight is None and isinstance(target.lm_head, PackedLinear)
+                self._lm_packed = target.lm_head if shared else packed_weight(
+                    w if self._lm_weight is None else self._lm_weight)
         return self
 
     def restrict_vocab(self, token_ids: torch.Tensor) -> "DraftHead":

@@ -97,7 +97,7 @@ def packed_weight(weight: torch.Tensor) -> PackedLinear | None:
 def packed_bf16_is_faster(shapes: tuple[tuple[int, int], ...], rows: int = 4) -> bool:
     """Whether packed bf16 linears of these (in, out) ``shapes`` beat fp32 ones at ``rows`` rows on this CPU.
 
-    Measured once per process (~10 ms), because the answer is the machine's: on a Xeon with AMX fp32 is 2-5x
+    Measured once per process (~30 ms), because the answer is the machine's: on a Xeon with AMX fp32 is 2-5x
     cheaper at a few rows (oneDNN's bf16 call has a fixed cost), on an AMD EPYC (AVX-512 BF16, no AMX) MKL's
     fp32 GEMM beyond one row is 2-3x slower than packed bf16 (docs/benchmarks.md). Best of 5 interleaved rounds.
     """
