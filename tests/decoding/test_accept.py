@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from treedec.decoding.sampling import RowStreams, SamplingParams, settle, target_probs
-from treedec.decoding.verify import accept_paths, acceptance_counts, node_choices, verify_greedy, verify_sampling
+from treedec.decoding.verify import (accept_chain, accept_paths, acceptance_counts, node_choices, top_run, top_span,
+                                     verify_greedy, verify_sampling)
 from treedec.tree import Tree
 from treedec.tree.policies.base import ancestry
 
@@ -60,6 +61,26 @@ def test_device_walk_equals_the_sequential_greedy_walk(seed):
             if hit >= 0:
                 want[2, ranks[kids[hit]]] += 1
     assert torch.equal(counts, want)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_chain_walk_equals_the_general_walk(seed):
+    """accept_chain is accept_paths on a chain, field for field (a path cap past the chain's depth included), with a
+    tiny vocabulary so that runs of every length occur, and its top-1 run is its accepted drafts (what the decoder
+    reads off the host for a chain instead of running top_run / top_span)."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, V = 6, int(torch.randint(2, 10, (1,), generator=g)), 2
+    cap = T - 1 + int(torch.randint(0, 3, (1,), generator=g))
+    idx = torch.arange(T)
+    tree = Tree((idx - 1).expand(B, T), idx.expand(B, T), torch.zeros(B, T, dtype=torch.long),
+                torch.randint(0, V, (B, T), generator=g), is_chain=True)
+    choice = torch.randint(0, V, (B, T), generator=g)
+    miss = torch.rand(B, T, generator=g) < 0.2
+    want, got = accept_paths(tree, choice, cap, miss), accept_chain(tree, choice, cap, miss)
+    for name in ("path", "n", "bonus", "emit", "on_path", "unsettled"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(top_run(tree, want, want.n), want.n - 1)
+    assert torch.equal(top_span(tree), torch.full((B,), T - 1))
 
 
 def test_finished_rows_count_nothing():

@@ -22,8 +22,8 @@ from treedec.decoding.drafter import Drafter
 from treedec.decoding.loop import Decoder, DecodeStats, StepInfo, Timer, normalize_eos, pad_prompts, static_room
 from treedec.decoding.sampling import RowStreams, SamplingParams, next_token, settle
 from treedec.decoding.vanilla import pick
-from treedec.decoding.verify import (Acceptance, accept_paths, acceptance_counts, emitted, node_choices, top_run,
-                                     top_span, verify_sampling)
+from treedec.decoding.verify import (Acceptance, accept_chain, accept_paths, acceptance_counts, emitted, node_choices,
+                                     top_run, top_span, verify_sampling)
 from treedec.models.draft import DraftHead
 from treedec.models.llama import Transformer
 from treedec.tree.policies.base import TreePolicy
@@ -153,12 +153,13 @@ class SpeculativeDecoder(Decoder):
             draws, acc = None, self._accept_sampled_drafts(tree, logits, depth_cap)
         else:
             draws = node_choices(logits, self.sampling, self._streams)
-            acc = accept_paths(tree, draws.token, depth_cap, draws.miss)
+            acc = (accept_chain if tree.is_chain else accept_paths)(tree, draws.token, depth_cap, draws.miss)
         while True:
             n = torch.where(self._active_t, acc.n, 0)  # finished rows commit nothing: their caches stay frozen
             flag = [] if acc.unsettled is None else [acc.unsettled[:, None].long()]
             want_run = self.policy.wants_top_run
-            run = [top_run(tree, acc, n)[:, None], top_span(tree)[:, None]] if want_run else []
+            # a chain's top-1 run is its accepted drafts and its span its depth: known on the host once n is read
+            run = [top_run(tree, acc, n)[:, None], top_span(tree)[:, None]] if want_run and not tree.is_chain else []
             own = []
             if tree.inner_size is not None and draws is not None:  # the policy's nodes alone: what they accepted
                 sub, k = tree.first(tree.inner_size), tree.inner_size
@@ -172,6 +173,8 @@ class SpeculativeDecoder(Decoder):
             own_span, own_run = (pop(), pop()) if len(own) > 1 else (None, None)
             own_n = pop() if own else None
             spans, runs = (pop(), pop()) if run else (None, None)
+            if want_run and tree.is_chain:
+                runs, spans = [max(r[0] - 1, 0) for r in packed], [tree.size - 1] * len(packed)
             redo = [b for b, r in enumerate(packed) if flag and r[-1] and self._active[b]]
             if not redo:
                 return acc, n, packed, (runs, spans), (own_n, own_run, own_span)

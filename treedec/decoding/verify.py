@@ -82,6 +82,22 @@ def accept_paths(tree, choice: torch.Tensor, max_depth: int, miss: torch.Tensor 
     return Acceptance(path, n, bonus, emitted(tokens, path, n, bonus), on_path, unsettled)
 
 
+def accept_chain(tree, choice: torch.Tensor, max_depth: int, miss: torch.Tensor | None = None) -> Acceptance:
+    """:func:`accept_paths` for a chain (``tree.is_chain``: node i's parent is i - 1): the longest run of drafts each
+    equal to its parent's choice. The same result in ~a third of the ops (~25 against ~70 us a step on a CPU), which
+    matters where a step is a few ms."""
+    tokens = tree.tokens
+    T = tokens.shape[1]
+    run = (tokens[:, 1:] == choice[:, :-1]).cumprod(1).sum(1)  # accepted drafts per row
+    n = run + 1
+    idx = torch.arange(max_depth + 1, device=tokens.device)
+    path = torch.where(idx < n[:, None], idx, 0)
+    bonus = choice.gather(1, run[:, None])[:, 0]
+    on_path = idx[:T] < n[:, None]
+    unsettled = None if miss is None else (on_path & miss).any(-1)
+    return Acceptance(path, n, bonus, emitted(tokens, path, n, bonus), on_path, unsettled)
+
+
 def top_run(tree, acc: Acceptance, n: torch.Tensor) -> torch.Tensor:
     """[B] accepted drafts leading each row's path before the first that is not its parent's top-1 child (rank 0).
 

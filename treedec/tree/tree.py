@@ -34,6 +34,8 @@ class Tree:
     is nobody's parent, and :func:`~treedec.decoding.verify.accept_paths` never accepts it.
     ``inner_size``: set when nodes were added beside the policy's own tree (prompt lookup's copy): its
     first ``inner_size`` nodes are that tree (:meth:`first`), whose own acceptance the decoder also reports.
+    ``is_chain``: the policy vouches that node i's parent is i - 1 in every row (no padding): the decoder then
+    takes the chain's shorter acceptance (:func:`~treedec.decoding.verify.accept_chain`), a host-known fact.
     """
 
     parents: torch.Tensor
@@ -45,6 +47,7 @@ class Tree:
     anc: torch.Tensor | None = None
     pad: torch.Tensor | None = None
     inner_size: int | None = None
+    is_chain: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     # ---------------------------------------------------------------- construction

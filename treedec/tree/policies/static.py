@@ -37,6 +37,7 @@ class StaticPolicy(TreePolicy):
         self.max_depth = self.shape.max_depth
         self.max_size = len(self.shape)
         self.shape.ancestors()  # memoised now, so that a step's first device plan for a batch reads nothing back
+        self.is_chain = self.shape.parents.tolist() == list(range(-1, len(self.shape) - 1))
         self._plan()
 
     def _plan(self) -> None:
@@ -114,7 +115,8 @@ class StaticPolicy(TreePolicy):
                 feat, logits = drafter.expand(tokens[:, grow], feat[:, st["grow_parent_slot"]], depth=st["depth"],
                                               anc_rows=st["anc_rows"], n_prev=st["n_prev"])
                 parent_ids = grow
-        return Tree(shape["parents"], shape["depth"], shape["rank"], tokens, scores, probs_out, anc=shape["anc"])
+        return Tree(shape["parents"], shape["depth"], shape["rank"], tokens, scores, probs_out, anc=shape["anc"],
+                    is_chain=self.is_chain)
 
 
 class ChainPolicy(StaticPolicy):
