@@ -77,7 +77,16 @@ class StepTimeModel:
     def __init__(self, alpha: float = 0.25, refit_every: int = 8, inputs: dict[tuple[int, int], int] | None = None):
         self.alpha, self.refit_every = alpha, refit_every
         self.inputs = dict(inputs or {})
-        self.ema: dict[tuple[int, int, int], float] = {}
+        self.ema: dict[tuple[int, int, int], float] = {}  # per arm, in units of the machine's pace (see observe)
+        # The machine's pace: every prediction is an EMA or fit times this. A shared CPU drifts by 15 % between
+        # minutes while an arm explored once a minute keeps the time it had then, so per-arm EMAs alone compared
+        # arms measured at different paces (at batch 1 the 5-deep chain ended predicted slower than the 7-deep).
+        self.pace = 1.0
+        # An established arm's surprise moves the pace by this share (of its log), then its own time by ``alpha`` of
+        # what is left: a lasting change ends ~60 % in the pace, ~40 % in the arm (a machine that gets slower per
+        # node, not uniformly, must still show the played arm as dearer than the ones explored before).
+        self.pace_alpha = 0.25
+        self.established = 8  # steps after which an arm's surprise is taken as (partly) the machine's
         self._count: dict[tuple[int, int, int], int] = {}
         self._coef: np.ndarray | None = None
         self._ratio: dict[int, float] = {}  # rows -> median measured / fitted time of its arms (since the fit)
@@ -85,16 +94,26 @@ class StepTimeModel:
         self._pred: dict[tuple[int, int, int], float] = {}  # fitted predictions since the fit (per step: ~30 arms)
 
     def observe(self, rows: int, T: int, depth: int, seconds: float) -> None:
-        """One step's seconds; a step more than twice the arm's EMA counts as twice it (a preempted step on a
+        """One step's seconds; a step more than twice the arm's prediction counts as twice it (a preempted step on a
         shared machine would otherwise ban its arm for many steps; a real slowdown still shows in a few), and
-        an arm's second step replaces its first when faster (the first pays one-time work: index plans)."""
+        an arm's second step replaces its first when faster (the first pays one-time work: index plans).
+
+        Times are kept relative to :attr:`pace`. An established arm (the one played most, every step) that runs
+        slower or faster than predicted moves the pace (most of it), so every arm's prediction follows the machine;
+        an arm explored now and then is measured against the pace of the moment: so arms are compared nearly as if
+        interleaved, whenever each was last played."""
         key = (rows, T, depth)
         old = self.ema.get(key)
         n = self._count[key] = self._count.get(key, 0) + 1
-        if old is None or (n == 2 and seconds < old):
-            self.ema[key] = seconds
+        t = seconds / self.pace
+        if old is None or (n == 2 and t < old):
+            self.ema[key] = t
         else:
-            self.ema[key] = old + self.alpha * (min(seconds, 2 * old) - old)
+            t = min(t, 2 * old)
+            if n > self.established:
+                self.pace *= (t / old) ** self.pace_alpha
+                t = min(seconds / self.pace, 2 * old)
+            self.ema[key] = old + self.alpha * (t - old)
         self._fresh += 1
         if old is None or self._fresh >= self.refit_every:  # a new arm changes the fit most: refit at once
             self._coef = None
@@ -133,18 +152,18 @@ class StepTimeModel:
         return self._ratio[rows]
 
     def predict(self, rows: int, T: int, depth: int) -> float | None:
-        """Predicted seconds of a step (None before any measurement)."""
+        """Predicted seconds of a step at the current :attr:`pace` (None before any measurement)."""
         key = (rows, T, depth)
         t = self.ema.get(key)
         if t is not None and self._count.get(key, 0) >= 2:
-            return t
+            return t * self.pace
         c = self.coef()
         if c is None:
-            return t
+            return None if t is None else t * self.pace
         if key not in self._pred:
             self._pred[key] = max(float(c @ np.array(self.features(rows, T, depth))) * self._scale(rows, c), 1e-9)
         # measured once: that step may have paid one-time work, so the fit (of the settled arms) may say less
-        return self._pred[key] if t is None else min(t, self._pred[key])
+        return self.pace * (self._pred[key] if t is None else min(t, self._pred[key]))
 
 
 class BudgetController:
@@ -416,6 +435,7 @@ class BudgetController:
         """Each arm with a known :meth:`rate`, most expected tokens/s first (one scoring pass a step)."""
         scored = [(r, a) for a in self.arms if (r := self.rate(rows, *a)) is not None]
         return {a: r for r, a in sorted(scored, key=lambda x: -x[0])}
+
 
     def ranked(self, rows: int) -> list[tuple[int, int]]:
         """The arms with a known rate, most expected tokens/s first."""
