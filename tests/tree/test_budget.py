@@ -43,6 +43,26 @@ def test_step_time_model_predicts_a_new_row_count_from_the_others():
     assert one.predict(16, 8, 4) > 1.5 * before and one.predict(4, 8, 4) < one.predict(16, 8, 4)
 
 
+def test_an_arm_measured_at_another_pace_follows_the_machine():
+    """The machine slows down 1.5x after arm (8, 7) was last measured: the established arm's steps move the shared
+    pace, so (8, 7)'s prediction follows the machine most of the way (to within ~20 % of its time at today's pace).
+    Per-arm times alone kept its old time (a third off) and ranked it far cheaper than the arm played."""
+
+    def run(pace_alpha: float) -> tuple[float, float]:
+        m = StepTimeModel()
+        m.pace_alpha = pace_alpha
+        for t in [0.011] * 3:
+            m.observe(1, 8, 7, t)
+        for t in [0.010] * 40 + [0.015] * 40:  # every step of the held arm now takes 1.5x as long
+            m.observe(1, 6, 5, t)
+        assert m.predict(1, 6, 5) == pytest.approx(0.015, rel=0.02)
+        return m.predict(1, 8, 7), m.pace
+
+    (paced, pace), (stale, _) = run(0.25), run(0.0)
+    assert stale == pytest.approx(0.011) and pace > 1.2
+    assert paced == pytest.approx(0.0165, rel=0.2) and abs(paced - 0.0165) < 0.5 * abs(stale - 0.0165)
+
+
 class FakeClock:
     """Step seconds from a synthetic model of the arm the controller chose for the step that just ended."""
 
