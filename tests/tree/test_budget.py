@@ -63,6 +63,31 @@ def test_an_arm_measured_at_another_pace_follows_the_machine():
     assert paced == pytest.approx(0.0165, rel=0.2) and abs(paced - 0.0165) < 0.5 * abs(stale - 0.0165)
 
 
+@pytest.mark.parametrize("paired", [True, False])
+def test_a_tree_is_judged_against_its_depths_chain_on_the_same_steps(paired):
+    """A bushy tree played on easy text accepts 4 drafts a step where its depth's chain would have accepted 3.5; then
+    the text gets hard and the chain plays, accepting 1.5. The tree's own record still says 4 (it was not played
+    since), which would make it look 2.5x the chain; judged as 4/3.5 of the chain's record now it is ~2 drafts."""
+    tree, chain = (16, 5), (6, 5)
+    ctl = BudgetController([(1, 0), chain, tree], family={chain: 1, tree: 2}, probe=False)
+    ctl.paired = paired
+    ctl.gain = {chain: 2.0, tree: 2.5}
+    for _ in range(30):  # easy text, the tree plays: top-1 runs 3 and 4 (the chain's 3.5)
+        ctl.last = tree
+        ctl.observe_accepted(4.0)
+        ctl.observe_chains([3, 4], [5, 5])
+    for _ in range(60):  # hard text, the chain plays
+        ctl.last = chain
+        ctl.observe_accepted(1.5)
+        ctl.observe_chains([1, 2], [5, 5])
+    assert ctl.accepted(chain) < 1.8
+    if paired:
+        # ~4/3.5 of the chain's, plus the estimate's small prior weight (prior_plays): far from the stale 4
+        assert 4 / 3.5 * ctl.accepted(chain) <= ctl.accepted(tree) < 2.2
+    else:  # the stale record: what the budget did before
+        assert ctl.accepted(tree) > 3.5
+
+
 class FakeClock:
     """Step seconds from a synthetic model of the arm the controller chose for the step that just ended."""
 

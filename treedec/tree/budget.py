@@ -223,6 +223,14 @@ class BudgetController:
         self._top1: dict[int, tuple[float, float]] = {}  # depth -> decayed (continued, tried) of the top-1 chain
         self.family_prior = 4.0  # plays' worth of the batch-wide correction in each family's factor
         self._families: dict | None = {}  # family -> its factor (None: stale, see _family_factor)
+        # A tree's own accepted record is confounded by the text it was played on: the budget turns to bushy trees
+        # on easy text and to chains on hard, so bushy trees' records looked ~16 % better than they were at batch 1
+        # (chains ~7 % worse), and the budget played them 10 % below the chain. Each step that plays a tree also
+        # tells what the chain of its depth would have accepted (the top-1 runs), so a tree is judged by its
+        # accepted drafts per chain draft on the same steps, times the chain's record now (``paired``).
+        self.paired = True
+        self._paired: dict[tuple[int, int], tuple[float, float]] = {}  # arm -> decayed (its accepted, its chain's)
+        self._last_accepted: float | None = None
 
     def start(self, owner, rows: int) -> tuple[int, int]:
         """Called at the start of each draft(): close the previous step's clock, pick this step's arm.
@@ -276,6 +284,7 @@ class BudgetController:
         chain and a bushy tree of the same calibrated value do not accept alike), so an arm played often
         is rescaled by its own ratio (:meth:`correction_of`). Called after the step's host read.
         """
+        self._last_accepted = None if self.last is None or self.last[0] == 1 else accepted
         if self.last is None or self.last[0] == 1:
             return
         if self._pending is None:  # a step that offered no estimates (an unscored chain): its smoothed estimate
@@ -310,16 +319,21 @@ class BudgetController:
             return
         if spans is not None:
             self._count_continuations(runs, spans)
+        played = self._last_accepted
         for arm in self._chains:
             T, d = arm
-            est = self.gain.get(arm, math.nan)
-            if d > self.last[1] or arm == self.last or not math.isfinite(est):
+            if d > self.last[1] or arm == self.last:
                 continue
             if spans is None:
                 total = sum(min(r, d) for r in runs)
             else:
                 total = sum(min(r, d) if r < L or d <= L else L + self._further(L, d) for r, L in zip(runs, spans))
-            self._record(arm, total / len(runs), est, decay)
+            if d == self.last[1] and played is not None:  # the played tree against its depth's chain, same step
+                a, c = self._paired.get(self.last, (0.0, 0.0))
+                self._paired[self.last] = (decay * a + played, decay * c + total / len(runs))
+            est = self.gain.get(arm, math.nan)
+            if math.isfinite(est):
+                self._record(arm, total / len(runs), est, decay)
 
     def _count_continuations(self, runs: Sequence[int], spans: Sequence[int], decay: float = 0.98) -> None:
         """Per depth j, decayed (continued, tried) counts of the top-1 chain: a row tried depth j when its run reached
@@ -416,6 +430,11 @@ class BudgetController:
         # never more drafts than its depth or its nodes
         g = min(g * self.correction_of(arm), float(min(arm[1], arm[0] - 1)))
         acc, _, n = self._seen_arm.get(arm, (0.0, 0.0, 0.0))
+        chain = (arm[1] + 1, arm[1])
+        a, c = self._paired.get(arm, (0.0, 0.0))
+        if self.paired and c > 0 and n > 0 and chain != arm and chain in self._chains:
+            # its own record, as a ratio to its depth's chain on the same steps, times that chain's record now
+            acc = n * (a / c) * self.accepted(chain)
         return (acc + self.prior_plays * g) / (n + self.prior_plays)
 
     def rate(self, rows: int, T: int, depth: int) -> float | None:
