@@ -7,15 +7,20 @@ Sequoia's objective, ``(1 + E[accepted | T, depth]) / step_time(rows, T, depth)`
   path acceptances, prefix sums; computed on the device). It reaches the host one step late, with
   no extra synchronisation (:meth:`BudgetController.offer`), and is smoothed by an EMA: per context.
 * **Step time**: wall-clock between successive ``draft()`` calls (each step ends with one host read,
-  so that interval is a whole step), a per-arm EMA keyed by (rows, T, depth); arms never measured
-  are predicted by a least-squares fit over :data:`FEATURES` (non-negative slopes) of the measured ones,
-  and an arm measured once by at most that fit (a first step pays one-time work: up to 3x a step here).
+  so that interval is a whole step), a per-arm EMA keyed by (rows, T, depth), relative to a shared
+  machine pace that the arm played every step keeps current (:attr:`StepTimeModel.pace`: a shared CPU
+  drifts by 15 % between minutes, and arms explored at different minutes must be compared at today's);
+  arms never measured are predicted by a least-squares fit over :data:`FEATURES` (non-negative slopes)
+  of the measured ones, and an arm measured once by at most that fit (a first step pays one-time work).
 * **Correction**: the drafts each step really accepted rescale the chosen arm's estimate (per arm,
   shrunk towards its pool family's ratio, and that towards the batch-wide one): calibration fitted
   on other text is off by 2-8x, differently for chains and bushy trees. An arm played often is then
   judged by its own accepted record, the rescaled estimate counting as two steps
   (:meth:`BudgetController.accepted`). Chains, the worst estimated, are also recorded on every step
   from the rows' top-1 runs (:meth:`BudgetController.observe_chains`): what each would have accepted.
+  A tree's own record is kept as a ratio to what its depth's chain would have accepted on the same
+  steps, times that chain's record now (:attr:`BudgetController.paired`): trees played on easy text
+  otherwise carried that text's record into hard text.
 * **Hold**: the arm played keeps its place while within ``hold_margin`` of the leader's rate.
 * **Exploration**: the first steps at a new row bucket (the nearest power of two) probe far-apart arms
   (cheapest first; a middle-sized tree only in the first bucket); then every ``explore_every`` steps (times
