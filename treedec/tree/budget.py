@@ -460,7 +460,6 @@ class BudgetController:
         scored = [(r, a) for a in self.arms if (r := self.rate(rows, *a)) is not None]
         return {a: r for r, a in sorted(scored, key=lambda x: -x[0])}
 
-
     def ranked(self, rows: int) -> list[tuple[int, int]]:
         """The arms with a known rate, most expected tokens/s first."""
         return list(self._rates(rows))

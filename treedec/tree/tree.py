@@ -140,7 +140,7 @@ class Tree:
         """A single path of ``length`` nodes, root included (classic speculative decoding)."""
         if length < 1:
             raise TreeError(f"a chain needs at least 1 node, got {length}")
-        return cls.from_parents([-1] + list(range(length - 1)))
+        return replace(cls.from_parents([-1] + list(range(length - 1))), is_chain=True)
 
     # ---------------------------------------------------------------- derived views
     def __len__(self) -> int:
