@@ -26,7 +26,8 @@ import torch.nn as nn
 from treedec.attention import prefix_tree_mask
 from treedec.models.cache import KVCache
 from treedec.models.draft_config import BUNDLED_DRAFTS, DRAFT_CONFIG, DRAFT_WEIGHTS, KINDS, DraftConfig
-from treedec.models.llama import DecoderLayer, ModelOutput, Transformer, rope_cos_sin, rope_inv_freq
+from treedec.models.llama import (DecoderLayer, ModelOutput, Transformer, one_row_matmuls, rope_cos_sin, rope_inv_freq,
+                                  rope_lookup)
 from treedec.models.packed import PackedLinear, pack_linears, packed_bf16_is_faster, packed_weight, should_pack
 
 
@@ -230,13 +231,15 @@ class DraftHead(nn.Module):
         """
         t = self.target
         dt = self.fc.weight.dtype
-        x = self.fc(torch.cat((_as(t.model.embed_tokens(tokens), dt), _as(features, dt)), dim=-1))
+        x = torch.cat((_as(t.model.embed_tokens(tokens), dt), _as(features, dt)), dim=-1)
         mask, cos, sin = self._mask_rope(tokens.shape[1], cache, position_ids, mask)
         backend = "eager" if t.attn_backend == "eager" else "sdpa"  # one small layer: a dense mask is cheapest
-        return self.layer(x, _as(cos, dt), _as(sin, dt), cache, 0, None, mask, backend)
+        with one_row_matmuls(x, tokens.numel() == 1):  # a chain's node at batch 1: ATen's kernel, as the target's
+            return self.layer(self.fc(x), cos, sin, cache, 0, None, mask, backend)
 
     def _mask_rope(self, T: int, cache: KVCache, position_ids: torch.Tensor, mask: torch.Tensor | None):
-        """(dense mask, cos, sin) of a cached forward: ``mask`` None is a chain after each row's prefix."""
+        """(dense mask, cos, sin in the head's dtype) of a cached forward: ``mask`` None is a chain after each row's
+        prefix."""
         cache.check_room(T)
         host = cache.host_lengths
         if mask is None and T == 1 and min(host) == max(host):
@@ -244,7 +247,7 @@ class DraftHead(nn.Module):
         elif mask is None:
             chain = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
             mask = prefix_tree_mask(chain, cache.lengths, max(host) + T, host_lens=host)[:, None]
-        return (mask, *rope_cos_sin(position_ids, self.inv_freq))
+        return (mask, *rope_lookup(self, position_ids, self.config.max_position_embeddings, self.fc.weight.dtype))
 
     def logits(self, feat: torch.Tensor) -> torch.Tensor:
         """Draft logits for predicted features: over the draft vocabulary (all of the target's by default)."""

@@ -113,7 +113,7 @@ class Eagle3Head(DraftHead, kind="eagle3"):
         mask, cos, sin = self._mask_rope(tokens.shape[1], cache, position_ids, mask)
         backend = "eager" if t.attn_backend == "eager" else "sdpa"
         emb = t.model.embed_tokens(tokens).to(dt)
-        return self.layer(emb, features.to(dt), cos.to(dt), sin.to(dt), cache, mask, backend)
+        return self.layer(emb, features.to(dt), cos, sin, cache, mask, backend)
 
     def logits(self, feat: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(feat.to(self.fc.weight.dtype)))

@@ -89,6 +89,8 @@ class StaticPolicy(TreePolicy):
         tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
         tokens[:, 0] = drafter.root_tokens
         sampled = self.sample_drafts and params is not None and not params.greedy
+        if self.is_chain and not sampled and not self.scores:
+            return self._draft_chain(drafter, shape)
         scores = torch.zeros(B, T, device=dev) if self.scores or sampled else None
         probs_out = torch.zeros(B, T, drafter.vocab_size, device=dev) if sampled else None
         logits = drafter.root_logits[:, None]  # [B, n_expanded, K]: children logits of the last depth's expanded nodes
@@ -117,6 +119,20 @@ class StaticPolicy(TreePolicy):
                 parent_ids = grow
         return Tree(shape["parents"], shape["depth"], shape["rank"], tokens, scores, probs_out, anc=shape["anc"],
                     is_chain=self.is_chain)
+
+    def _draft_chain(self, drafter, shape: dict) -> Tree:
+        """:meth:`draft` for a chain of top-1 drafts: each depth's token is its parent's best, with slices where the
+        general plan indexes (a third fewer ops a depth, which at batch 1 is ~5 % of a chain's draft)."""
+        B, T = drafter.batch, len(self.shape)
+        tokens = torch.empty(B, T, dtype=torch.long, device=drafter.device)
+        tokens[:, 0] = drafter.root_tokens
+        logits, feat = drafter.root_logits, drafter.root_feat[:, None]
+        for d in range(1, T):
+            tokens[:, d] = drafter.head.to_target_ids(logits.topk(1, dim=-1).indices[:, 0])
+            if d < T - 1:
+                feat, logits = drafter.expand(tokens[:, d:d + 1], feat, depth=d, anc_rows=None, n_prev=d - 1)
+                logits = logits[:, 0]
+        return Tree(shape["parents"], shape["depth"], shape["rank"], tokens, anc=shape["anc"], is_chain=True)
 
 
 class ChainPolicy(StaticPolicy):
