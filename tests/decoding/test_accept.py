@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from treedec.decoding.sampling import RowStreams, SamplingParams, settle, target_probs
-from treedec.decoding.verify import (accept_chain, accept_paths, acceptance_counts, node_choices, top_run, top_span,
-                                     verify_greedy, verify_sampling)
+from treedec.decoding.verify import (accept_chain, accept_paths, acceptance_counts, add_chain_counts, node_choices,
+                                     top_run, top_span, verify_greedy, verify_sampling)
 from treedec.tree import Tree
 from treedec.tree.policies.base import ancestry
 
@@ -81,6 +81,11 @@ def test_the_chain_walk_equals_the_general_walk(seed):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert torch.equal(top_run(tree, want, want.n), want.n - 1)
     assert torch.equal(top_span(tree), torch.full((B,), T - 1))
+    active = torch.rand(B, generator=g) < 0.8  # finished rows count nothing (their n is 0 in the decoder)
+    n = torch.where(active, got.n, 0)
+    host = [[0] * (cap + 3) for _ in range(4)]
+    add_chain_counts(host, n.tolist(), T - 1)
+    assert host == acceptance_counts(tree, want, active, cap + 3).tolist()
 
 
 def test_finished_rows_count_nothing():

@@ -22,8 +22,8 @@ from treedec.decoding.drafter import Drafter
 from treedec.decoding.loop import Decoder, DecodeStats, StepInfo, Timer, normalize_eos, pad_prompts, static_room
 from treedec.decoding.sampling import RowStreams, SamplingParams, next_token, settle
 from treedec.decoding.vanilla import pick
-from treedec.decoding.verify import (Acceptance, accept_chain, accept_paths, acceptance_counts, emitted, node_choices,
-                                     top_run, top_span, verify_sampling)
+from treedec.decoding.verify import (Acceptance, accept_chain, accept_paths, acceptance_counts, add_chain_counts,
+                                     emitted, node_choices, top_run, top_span, verify_sampling)
 from treedec.models.draft import DraftHead
 from treedec.models.llama import Transformer
 from treedec.tree.policies.base import TreePolicy
@@ -61,6 +61,7 @@ class SpeculativeDecoder(Decoder):
         self.cache = tgt.new_cache(B, room + pol.max_size)
         self.drafter = Drafter(self.draft, B, room + pol.max_inputs + pol.max_depth + 1 + Drafter.MAX_PENDING)
         self._counts = torch.zeros(4, max(pol.max_depth, pol.max_rank) + 2, dtype=torch.long, device=dev)
+        self._chain_counts = [[0] * self._counts.shape[1] for _ in range(4)]
         lens_host = [len(r) for r in rows]
         # Prefill the target; its next token is the first root. Then prefill the draft on (f_t, x_{t+1}).
         pre = tgt(ids, self.cache, logits=(lens - 1)[:, None], layer_inputs=self.draft.feature_layers_needed)
@@ -103,9 +104,12 @@ class SpeculativeDecoder(Decoder):
                       layer_inputs=self.draft.feature_layers_needed)
         timer.lap("verify")
         acc, n, packed, runs, inner = self._accept(tree, res.logits, depth_cap)
-        self._counts += acceptance_counts(tree, acc, self._active_t, self._counts.shape[1])
-        timer.lap("accept")
         n_host = [r[0] for r in packed]
+        if tree.is_chain:  # a chain's counts follow from n alone, on the host
+            add_chain_counts(self._chain_counts, n_host, tree.size - 1)
+        else:
+            self._counts += acceptance_counts(tree, acc, self._active_t, self._counts.shape[1])
+        timer.lap("accept")
         cache.commit(acc.path, n, n_host)
         f = self.draft.features(res)  # the head's target features ([B, T, H]; EAGLE-3: [B, T, 3H])
         feats = f[self._rows, acc.path]  # indexing, not gather over an expanded index: 3x faster on CPUs
@@ -202,4 +206,4 @@ class SpeculativeDecoder(Decoder):
     def _finish(self, stats: DecodeStats) -> None:
         self.drafter.flush()  # the end state is eager catch-up's (one head forward per generate, for whoever reads it)
         c = self._counts.tolist()
-        stats.add_counts(*c)
+        stats.add_counts(*[[x + y for x, y in zip(row, host)] for row, host in zip(c, self._chain_counts)])

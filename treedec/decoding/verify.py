@@ -22,6 +22,7 @@ greedy walk, used by tests and simulations.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -159,6 +160,22 @@ def acceptance_counts(tree, acc: Acceptance, active: torch.Tensor, width: int) -
     out[2].scatter_add_(1, rank.clamp(max=W - 1), hit.long())
     out[3].scatter_add_(1, rank.clamp(max=W - 1), tried.long())
     return out.sum(1)
+
+
+def add_chain_counts(counts: list[list[int]], n: Sequence[int], depth: int) -> None:
+    """:func:`acceptance_counts` of a chain of ``depth`` drafts, from each row's accepted nodes ``n`` (root included,
+    0 for a finished row) on the host, added into ``counts`` [4][width]: the drafts at depths 1..n-1 were accepted,
+    those at 1..min(n, depth) tried, all of rank 0. (~30 device ops a step fewer, known once n is read.)"""
+    W = len(counts[0])
+    for k in n:
+        if k <= 0:
+            continue
+        for d in range(1, k):
+            counts[0][min(d, W - 1)] += 1
+        for d in range(1, min(k, depth) + 1):
+            counts[1][min(d, W - 1)] += 1
+        counts[2][0] += k - 1
+        counts[3][0] += min(k, depth)
 
 
 @dataclass
