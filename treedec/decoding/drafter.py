@@ -187,9 +187,10 @@ class Drafter:
             raise ValueError(f"anc_rows=None means one node that sees every earlier input; got {n} nodes")
         if anc_rows is None and uniform:
             mask = "full"  # one query seeing every key: attention needs no mask
+        elif anc_rows is None:  # a chain's node over ragged rows sees its row's prefix and every node before it
+            keys = torch.arange(max(host) + n_prev + 1, device=tokens.device)
+            mask = (keys < (cache.lengths + (n_prev + 1))[:, None])[:, None, None]
         else:
-            if anc_rows is None:
-                anc_rows = torch.ones(1, n_prev + 1, dtype=torch.bool, device=tokens.device)
             mask = prefix_tree_mask(anc_rows, cache.lengths, max(host) + n_prev + n, host_lens=host)[:, None]
         if uniform:
             pos = torch.full((B, n), host[0] - 1 + depth, dtype=torch.long, device=tokens.device)
