@@ -162,3 +162,17 @@ def test_static_trees_skip_scores_unless_asked_and_draft_the_same_tokens(policy)
     assert torch.equal(fast.ancestors(), scored.ancestors())
     sc, par = scored.scores[0], scored.parents[0]
     assert sc[0] == 0 and bool((sc[1:] < sc[par[1:]]).all())  # cumulative log-probs: each edge costs something
+
+
+def test_a_chain_node_over_ragged_rows_sees_what_its_tree_mask_shows():
+    """A chain's node (``anc_rows=None``) over rows of different lengths attends through a length mask: the same
+    features and logits as the general tree mask of a node that sees every input before it."""
+    d = primed_drafter(4)
+    tok = torch.tensor([[5], [7]])
+    feat = d.root_feat[:, None]
+    with torch.inference_mode():
+        for n_prev in (0, 3):
+            lean = d.expand(tok, feat, depth=n_prev + 1, anc_rows=None, n_prev=n_prev)
+            general = d.expand(tok, feat, depth=n_prev + 1, anc_rows=torch.ones(1, n_prev + 1, dtype=torch.bool),
+                               n_prev=n_prev)
+            assert torch.equal(lean[0], general[0]) and torch.equal(lean[1], general[1])

@@ -377,3 +377,50 @@ def test_one_row_bf16_steps_use_aten_matmuls_and_give_the_same_outputs(monkeypat
     ref = m(ids[:, 4:].expand(2, 1), two).logits[:1]
     assert all(seen)
     assert torch.allclose(step.float(), ref.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_rows_are_rope_cos_sin_bit_for_bit(dtype, monkeypatch):
+    """A forward's cos/sin are rows of a per-model table (one index op instead of nine): the same values as computing
+    them for the positions at hand, rebuilt when the model changes dtype, and computed directly where a table would
+    be too large (a very long context), with the same forward outputs either way."""
+    from treedec.models import llama
+    from treedec.profiling import count_ops
+
+    m = tiny_model().to(dtype)
+    pos = torch.randint(0, m.config.max_position_embeddings, (3, 7), generator=torch.Generator().manual_seed(0))
+    cos, sin = llama.rope_lookup(m, pos, m.config.max_position_embeddings, dtype)
+    want = llama.rope_cos_sin(pos, m.inv_freq)
+    assert cos.dtype == sin.dtype == dtype
+    assert torch.equal(cos, want[0].to(dtype)) and torch.equal(sin, want[1].to(dtype))
+    m.to(torch.float32 if dtype == torch.bfloat16 else torch.bfloat16)  # a new dtype: a new table
+    other = llama.rope_lookup(m, pos, m.config.max_position_embeddings, m.dtype)[0]
+    assert other.dtype == m.dtype and torch.equal(other, llama.rope_cos_sin(pos, m.inv_freq)[0].to(m.dtype))
+    m.to(dtype)
+    ids = torch.randint(0, m.config.vocab_size, (2, 6))
+    m(ids, m.new_cache(2, 16))  # the table for this dtype, built once
+    with count_ops() as table:
+        ref = m(ids, m.new_cache(2, 16)).logits
+    monkeypatch.setattr(llama, "ROPE_TABLE_BYTES", 0)
+    m._rope_table = None
+    with count_ops() as direct:
+        got = m(ids, m.new_cache(2, 16)).logits
+    assert torch.equal(got, ref)
+    assert direct.aten_ops - table.aten_ops >= 5, (table.ops, direct.ops)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_rope_is_hf_rotate_half(dtype):
+    """One roll against rope_cos_sin's signed sin gives HF's ``x * cos + rotate_half(x) * sin`` bit for bit."""
+    from treedec.models.llama import apply_rope, rope_cos_sin
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 9, 16, generator=g).to(dtype)[:, 1:]  # a strided view, as q/k are
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    pos = torch.randint(0, 500, (2, 9), generator=g)
+    cos, sin = rope_cos_sin(pos, inv)
+    emb = torch.cat((pos[..., None].float() * inv,) * 2, -1)[:, None]
+    hf_sin = emb.sin().to(dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    want = x * cos.to(dtype) + torch.cat((-x2, x1), dim=-1) * hf_sin
+    assert torch.equal(apply_rope(x, cos, sin), want)
