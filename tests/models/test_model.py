@@ -393,6 +393,13 @@ def test_rope_table_rows_are_rope_cos_sin_bit_for_bit(dtype, monkeypatch):
     want = llama.rope_cos_sin(pos, m.inv_freq)
     assert cos.dtype == sin.dtype == dtype
     assert torch.equal(cos, want[0].to(dtype)) and torch.equal(sin, want[1].to(dtype))
+    # a slot past the context (a padding column, a finished row) reads the table's slack, and one past that the last
+    # row: never an index error (a device-side assert on a GPU)
+    n = m.config.max_position_embeddings
+    near, far = torch.tensor([[n + 3]]), torch.tensor([[n + 10 ** 6]])
+    assert torch.equal(llama.rope_lookup(m, near, n, dtype)[0], llama.rope_cos_sin(near, m.inv_freq)[0].to(dtype))
+    last = torch.tensor([[n + llama.ROPE_TABLE_SLACK - 1]])
+    assert torch.equal(llama.rope_lookup(m, far, n, dtype)[1], llama.rope_lookup(m, last, n, dtype)[1])
     m.to(torch.float32 if dtype == torch.bfloat16 else torch.bfloat16)  # a new dtype: a new table
     other = llama.rope_lookup(m, pos, m.config.max_position_embeddings, m.dtype)[0]
     assert other.dtype == m.dtype and torch.equal(other, llama.rope_cos_sin(pos, m.inv_freq)[0].to(m.dtype))

@@ -71,6 +71,7 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[to
 
 
 ROPE_TABLE_BYTES = 64 << 20  # a longer context's cos/sin table is not kept: computed per forward instead
+ROPE_TABLE_SLACK = 256  # table rows past the context (see rope_lookup)
 
 
 def rope_lookup(owner: nn.Module, position_ids: torch.Tensor, n_positions: int,
@@ -79,18 +80,21 @@ def rope_lookup(owner: nn.Module, position_ids: torch.Tensor, n_positions: int,
     ``[0, n_positions)`` built once per device and dtype (bit for bit the same values).
 
     A forward then costs one index op instead of nine, ~30 us on a CPU, where a draft head's pass is
-    ~0.3 ms. Positions must lie below ``n_positions`` (the model's trained context).
+    ~0.3 ms. The table holds :data:`ROPE_TABLE_SLACK` positions past ``n_positions``, where padding columns and
+    finished rows may sit near the end of the context; a position past those gets the last one's values
+    (such a slot's outputs are never read), where an index past the table would fail (on a GPU, as a
+    device-side assert).
     """
-    inv = owner.inv_freq
-    if torch.compiler.is_compiling() or 2 * n_positions * 2 * inv.numel() * dtype.itemsize > ROPE_TABLE_BYTES:
+    inv, n = owner.inv_freq, n_positions + ROPE_TABLE_SLACK
+    if torch.compiler.is_compiling() or 2 * n * 2 * inv.numel() * dtype.itemsize > ROPE_TABLE_BYTES:
         cos, sin = rope_cos_sin(position_ids, inv)  # (a compiled graph folds this itself)
         return cos.to(dtype), sin.to(dtype)
     key = (inv.device, dtype, inv.data_ptr())
     table = getattr(owner, "_rope_table", None)
     if table is None or table[0] != key:
-        cos, sin = rope_cos_sin(torch.arange(n_positions, device=inv.device)[None], inv)
+        cos, sin = rope_cos_sin(torch.arange(n, device=inv.device)[None], inv)
         table = owner._rope_table = (key, torch.stack((cos[0, 0], sin[0, 0])).to(dtype))  # [2, n, D]
-    cs = table[1][:, position_ids]  # [2, B, T, D]
+    cs = table[1][:, position_ids.clamp(max=n - 1)]  # [2, B, T, D]
     return cs[0][:, None], cs[1][:, None]
 
 
