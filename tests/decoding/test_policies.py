@@ -176,3 +176,31 @@ def test_a_chain_node_over_ragged_rows_sees_what_its_tree_mask_shows():
             general = d.expand(tok, feat, depth=n_prev + 1, anc_rows=torch.ones(1, n_prev + 1, dtype=torch.bool),
                                n_prev=n_prev)
             assert torch.equal(lean[0], general[0]) and torch.equal(lean[1], general[1])
+
+
+def test_a_path_of_lower_ranked_drafts_is_not_a_top1_chain():
+    """Only a path of top-1 drafts takes the chain's fast paths (drafting by slices, acceptance and counts off the
+    host): a static path through a runner-up child drafts that child, as its shape says."""
+    d = primed_drafter(5)
+    pol = StaticPolicy(choices=[[1], [1, 0]])
+    assert not pol.is_chain and ChainPolicy(2).is_chain
+    with torch.inference_mode():
+        tree = pol.draft(d)
+    assert not tree.is_chain
+    assert torch.equal(tree.tokens[:, 1], d.root_logits.topk(2).indices[:, 1])
+
+
+def test_the_draft_heads_rope_spans_the_targets_context():
+    """An imported head whose config states a shorter context than its target's still rotates every position the
+    target can reach exactly (its RoPE table is sized by the longer of the two)."""
+    from treedec.models.llama import rope_cos_sin
+
+    d = primed_drafter(6)
+    head = d.head
+    head.config.max_position_embeddings = 16
+    head._rope_table = None
+    pos = torch.tensor([[900], [1000]])
+    with torch.inference_mode():
+        _, cos, sin = head._mask_rope(1, d.cache, pos, "full")
+    want = rope_cos_sin(pos, head.inv_freq)
+    assert torch.equal(cos, want[0].to(cos.dtype)) and torch.equal(sin, want[1].to(sin.dtype))

@@ -163,10 +163,13 @@ def acceptance_counts(tree, acc: Acceptance, active: torch.Tensor, width: int) -
 
 
 def add_chain_counts(counts: list[list[int]], n: Sequence[int], depth: int) -> None:
-    """:func:`acceptance_counts` of a chain of ``depth`` drafts, from each row's accepted nodes ``n`` (root included,
-    0 for a finished row) on the host, added into ``counts`` [4][width]: the drafts at depths 1..n-1 were accepted,
-    those at 1..min(n, depth) tried, all of rank 0. (~30 device ops a step fewer, known once n is read.)"""
+    """:func:`acceptance_counts` of a chain of ``depth`` top-1 drafts (``Tree.is_chain``), from each row's accepted
+    nodes ``n`` (root included, 0 for a finished row) on the host, added into ``counts`` [4][width] (width > depth, as
+    the decoder's): the drafts at depths 1..n-1 were accepted, those at 1..min(n, depth) tried, all of rank 0.
+    (~30 device ops a step fewer, known once n is read.)"""
     W = len(counts[0])
+    if W <= depth:
+        raise ValueError(f"counts of width {W} cannot hold a {depth}-deep chain's depths apart")
     for k in n:
         if k <= 0:
             continue

@@ -234,7 +234,7 @@ class DraftHead(nn.Module):
         x = torch.cat((_as(t.model.embed_tokens(tokens), dt), _as(features, dt)), dim=-1)
         mask, cos, sin = self._mask_rope(tokens.shape[1], cache, position_ids, mask)
         backend = "eager" if t.attn_backend == "eager" else "sdpa"  # one small layer: a dense mask is cheapest
-        with one_row_matmuls(x, tokens.numel() == 1):  # a chain's node at batch 1: ATen's kernel, as the target's
+        with one_row_matmuls(x, tokens.numel() == 1):  # a chain's node at batch 1: ATen's kernel, as the target's step
             return self.layer(self.fc(x), cos, sin, cache, 0, None, mask, backend)
 
     def _mask_rope(self, T: int, cache: KVCache, position_ids: torch.Tensor, mask: torch.Tensor | None):
@@ -247,7 +247,9 @@ class DraftHead(nn.Module):
         elif mask is None:
             chain = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
             mask = prefix_tree_mask(chain, cache.lengths, max(host) + T, host_lens=host)[:, None]
-        return (mask, *rope_lookup(self, position_ids, self.config.max_position_embeddings, self.fc.weight.dtype))
+        # the target's context, where an imported head's config says less: its drafts must not lose RoPE there
+        n = max(self.config.max_position_embeddings, self.target.config.max_position_embeddings)
+        return (mask, *rope_lookup(self, position_ids, n, self.fc.weight.dtype))
 
     def logits(self, feat: torch.Tensor) -> torch.Tensor:
         """Draft logits for predicted features: over the draft vocabulary (all of the target's by default)."""

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from treedec.models.cache import KVCache
 from treedec.models.config import LlamaConfig
 from treedec.models.draft import DraftConfig, DraftHead
-from treedec.models.llama import MLP, Attention, ModelOutput, RMSNorm, rope_cos_sin
+from treedec.models.llama import MLP, Attention, ModelOutput, RMSNorm, one_row_matmuls, rope_cos_sin
 
 
 class Eagle3Layer(nn.Module):
@@ -113,7 +113,8 @@ class Eagle3Head(DraftHead, kind="eagle3"):
         mask, cos, sin = self._mask_rope(tokens.shape[1], cache, position_ids, mask)
         backend = "eager" if t.attn_backend == "eager" else "sdpa"
         emb = t.model.embed_tokens(tokens).to(dt)
-        return self.layer(emb, features.to(dt), cos, sin, cache, mask, backend)
+        with one_row_matmuls(emb, tokens.numel() == 1):  # one row: ATen's kernel, as DraftHead.forward
+            return self.layer(emb, features.to(dt), cos, sin, cache, mask, backend)
 
     def logits(self, feat: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(feat.to(self.fc.weight.dtype)))

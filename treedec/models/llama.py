@@ -77,7 +77,7 @@ ROPE_TABLE_SLACK = 256  # table rows past the context (see rope_lookup)
 def rope_lookup(owner: nn.Module, position_ids: torch.Tensor, n_positions: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rope_cos_sin` in ``dtype`` for ``owner``'s ``inv_freq``, as rows of a table of positions
-    ``[0, n_positions)`` built once per device and dtype (bit for bit the same values).
+    ``[0, n_positions)`` built once per device, dtype and size (bit for bit the same values).
 
     A forward then costs one index op instead of nine, ~30 us on a CPU, where a draft head's pass is
     ~0.3 ms. The table holds :data:`ROPE_TABLE_SLACK` positions past ``n_positions``, where padding columns and
@@ -89,7 +89,7 @@ def rope_lookup(owner: nn.Module, position_ids: torch.Tensor, n_positions: int,
     if torch.compiler.is_compiling() or 2 * n * 2 * inv.numel() * dtype.itemsize > ROPE_TABLE_BYTES:
         cos, sin = rope_cos_sin(position_ids, inv)  # (a compiled graph folds this itself)
         return cos.to(dtype), sin.to(dtype)
-    key = (inv.device, dtype, inv.data_ptr())
+    key = (inv.device, dtype, inv.data_ptr(), n)
     table = getattr(owner, "_rope_table", None)
     if table is None or table[0] != key:
         cos, sin = rope_cos_sin(torch.arange(n, device=inv.device)[None], inv)
@@ -100,6 +100,8 @@ def rope_lookup(owner: nn.Module, position_ids: torch.Tensor, n_positions: int,
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, T, D]; cos/sin [B, 1, T, D] from :func:`rope_cos_sin` (rotate-half convention, as in HF Llama).
+
+    ``sin`` must carry rotate-half's sign (:func:`rope_cos_sin`'s): an HF-convention sin gives wrong results silently.
 
     Computed in x's dtype with cos/sin rounded to it, exactly as ``transformers`` does, so that
     bf16 models decode the same tokens in both (cos/sin are computed in fp32 first).
@@ -115,7 +117,9 @@ def one_row_matmuls(x: torch.Tensor, one_row: bool):
 
     oneDNN, which PyTorch uses for bf16 matmuls on CPUs, pays ~20 us per call whatever the size;
     for a single row ATen's kernel is 1.5-3x faster (a 12-layer step here: 4.1 -> 2.7 ms), for two
-    rows or more oneDNN wins (docs/benchmarks.md). Same fp32 accumulation, so the same outputs.
+    rows or more oneDNN wins (docs/benchmarks.md). Both accumulate in fp32, but not in the same order: a result
+    may differ by a bf16 rounding unit (as a tree pass and a one-token pass do anyway; greedy outputs part only at
+    such ties, see the README). It flips a process-wide flag: not for concurrent forwards in threads.
     """
     if not (one_row and x.dtype == torch.bfloat16 and x.device.type == "cpu" and torch.backends.mkldnn.enabled):
         yield

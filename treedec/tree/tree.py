@@ -34,8 +34,9 @@ class Tree:
     is nobody's parent, and :func:`~treedec.decoding.verify.accept_paths` never accepts it.
     ``inner_size``: set when nodes were added beside the policy's own tree (prompt lookup's copy): its
     first ``inner_size`` nodes are that tree (:meth:`first`), whose own acceptance the decoder also reports.
-    ``is_chain``: the policy vouches that node i's parent is i - 1 in every row (no padding): the decoder then
-    takes the chain's shorter acceptance (:func:`~treedec.decoding.verify.accept_chain`), a host-known fact.
+    ``is_chain``: the policy vouches that node i's parent is i - 1 and node i its top-ranked child (rank 0), in every
+    row (no padding): the decoder then takes the chain's shorter acceptance
+    (:func:`~treedec.decoding.verify.accept_chain`) and reads its counts and top-1 run off the host.
     """
 
     parents: torch.Tensor

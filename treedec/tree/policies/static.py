@@ -37,7 +37,9 @@ class StaticPolicy(TreePolicy):
         self.max_depth = self.shape.max_depth
         self.max_size = len(self.shape)
         self.shape.ancestors()  # memoised now, so that a step's first device plan for a batch reads nothing back
-        self.is_chain = self.shape.parents.tolist() == list(range(-1, len(self.shape) - 1))
+        # a chain of top-1 drafts (what Tree.is_chain vouches for): node i's parent is i - 1 and its rank 0
+        self.is_chain = (self.shape.parents.tolist() == list(range(-1, len(self.shape) - 1))
+                         and not any(self.shape.rank.tolist()))
         self._plan()
 
     def _plan(self) -> None:
