@@ -204,3 +204,27 @@ def test_the_draft_heads_rope_spans_the_targets_context():
         _, cos, sin = head._mask_rope(1, d.cache, pos, "full")
     want = rope_cos_sin(pos, head.inv_freq)
     assert torch.equal(cos, want[0].to(cos.dtype)) and torch.equal(sin, want[1].to(sin.dtype))
+
+
+def test_a_top1_chain_drafts_with_fewer_kernels_and_the_same_tokens():
+    """The chain's lean draft (views where the general static plan runs index and index_put kernels) gives the
+    general plan's tree with at least two kernels (ops other than views) fewer per depth; counts, not timings, so
+    the saving is checked on any machine."""
+    from treedec.profiling import count_ops
+
+    views = {"aten::select.int", "aten::slice.Tensor", "aten::unsqueeze", "aten::view", "aten::expand",
+             "aten::as_strided", "aten::alias", "aten::detach", "aten::detach_", "aten::t", "aten::transpose.int",
+             "aten::reshape", "aten::_reshape_alias", "aten::squeeze.dim"}
+    kernels = lambda c: sum(n for op, n in c.ops.items() if op not in views)  # noqa: E731
+    d = primed_drafter(7)
+    lean, general = ChainPolicy(5), ChainPolicy(5)
+    general.is_chain = False  # the general static plan, for comparison
+    with torch.inference_mode():
+        lean.draft(d), general.draft(d)  # plans and the root's catch-up, outside the counts
+        with count_ops() as a:
+            t_lean = lean.draft(d)
+        with count_ops() as b:
+            t_general = general.draft(d)
+    assert torch.equal(t_lean.tokens, t_general.tokens) and t_lean.is_chain and not t_general.is_chain
+    assert kernels(b) - kernels(a) >= 2 * 5, (a.ops, b.ops)
+    assert a.host_reads == b.host_reads == 0
