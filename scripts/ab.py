@@ -1,6 +1,7 @@
 """Interleaved A/B of decoding methods in one process: the check behind a small speed claim on a noisy machine.
 
     python scripts/ab.py --batch 4 vanilla chain:5@fp32 chain:5@bf16 dynamic:16/5/2@fp32 dynamic:16/5/2@bf16
+    python scripts/ab.py --against 1f8ec11 vanilla chain:7 auto     # this tree's code against an earlier commit's
 
 A method is ``vanilla``, ``chain:D``, ``static`` (EAGLE's 26-node shape), ``dynamic:T/D/K`` (calibrated),
 ``auto`` (``tree.total_tokens=auto``, pool 7 / 4) or ``lookup:D`` (prompt lookup beside a D-deep chain), with
@@ -8,75 +9,91 @@ A method is ``vanilla``, ``chain:D``, ``static`` (EAGLE's 26-node shape), ``dyna
 third-party prompts, ragged batches, finished rows leave the batch. Within a pass the methods take turns on
 each batch, the order rotating; each pass's ratio is to that pass's vanilla, so a machine that speeds up or
 slows down between passes moves every method alike (``bench.batch_sizes`` does the same for a whole report).
+
+``--against REV`` also runs every method on the package as it was at git revision REV, in the same process
+(a copy under another package name, in a temporary directory), each ratio to that code's own vanilla, and
+prints new ÷ old per method: how a code change is measured here, where separate runs minutes apart differ by
+±15 %.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
+import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from treedec.data.prompts import load_prompt_set
-from treedec.decoding import vanilla
-from treedec.models import load_model
-from treedec.models.draft import DraftHead
-from treedec.models.tokenizer import load_tokenizer
-from treedec.training.predict import CompactingDecoder
-from treedec.tree.policies import ChainPolicy, DynamicPolicy, LookupPolicy, StaticPolicy
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def policy(kind: str, arg: str):
+def policy(kind: str, arg: str, P):
+    """The tree policy of a method, from ``P`` (a ``treedec.tree.policies`` module: this tree's or an old one's)."""
     calibrated = dict(calibration="auto", draft_path="tiny-code-eagle")
     if kind == "chain":
-        return ChainPolicy(int(arg))
+        return P.ChainPolicy(int(arg))
     if kind == "static":
-        return StaticPolicy(shape="eagle_mc_sim_7b_63")
+        return P.StaticPolicy(shape="eagle_mc_sim_7b_63")
     if kind == "dynamic":
         T, d, k = map(int, arg.split("/"))
-        return DynamicPolicy(total_tokens=T, depth=d, top_k=k, **calibrated)
+        return P.DynamicPolicy(total_tokens=T, depth=d, top_k=k, **calibrated)
     if kind == "auto":
-        return DynamicPolicy(total_tokens="auto", depth=7, top_k=4, **calibrated)
+        return P.DynamicPolicy(total_tokens="auto", depth=7, top_k=4, **calibrated)
     if kind == "lookup":
-        return LookupPolicy(ChainPolicy(int(arg)))
+        return P.LookupPolicy(P.ChainPolicy(int(arg)))
     raise SystemExit(f"unknown method {kind!r}: vanilla, chain:D, static, dynamic:T/D/K, auto or lookup:D")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("methods", nargs="+")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--passes", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    tok = load_tokenizer("tiny-code")
-    target = load_model("tiny-code", dtype=torch.bfloat16)
-    heads: dict[str, DraftHead] = {}
-    runs = {}
-    for spec in a.methods:
+def revision_package(rev: str) -> str:
+    """Copy ``treedec/`` as of git revision ``rev`` into a temporary directory as package ``treedec_<rev>`` (its own
+    imports renamed), put it on ``sys.path`` and return its name. Nothing in the working tree is touched."""
+    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    name = f"treedec_{sha}"
+    tmp = Path(tempfile.mkdtemp(prefix="treedec-ab-"))
+    archive = subprocess.run(["git", "archive", sha, "treedec"], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+    (tmp / "treedec").rename(tmp / name)
+    for f in (tmp / name).rglob("*.py"):
+        f.write_text(re.sub(r"\btreedec(?=\.|\s+import\b)", name, f.read_text()))
+    sys.path.insert(0, str(tmp))
+    return name
+
+
+def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "") -> dict:
+    """``name + tag`` -> a function decoding a batch of prompts with that method, on package ``pkg``'s code."""
+    mod = lambda m: importlib.import_module(f"{pkg}.{m}")  # noqa: E731
+    models, vanilla = mod("models"), mod("decoding.vanilla")
+    DraftHead, CompactingDecoder = mod("models.draft").DraftHead, mod("training.predict").CompactingDecoder
+    target = models.load_model("tiny-code", dtype=torch.bfloat16)
+    heads, runs = {}, {}
+    for spec in methods:
         name, _, dtype = spec.partition("@")
         kind, _, arg = name.partition(":")
         if kind == "vanilla":
-            runs[spec] = lambda rows: vanilla.generate(target, rows, a.tokens)
+            runs[spec + tag] = lambda rows: vanilla.generate(target, rows, tokens)
             continue
         dtype = dtype or "auto"
         if dtype not in heads:
             heads[dtype] = DraftHead.load("tiny-code-eagle", target=target, dtype=dtype)
-        dec = CompactingDecoder(target, heads[dtype], policy(kind, arg))
-        runs[spec] = lambda rows, dec=dec: dec.generate(rows, a.tokens)
-    if "vanilla" not in runs:
-        raise SystemExit("include vanilla: every ratio is to it")
-    prompts = [tok.encode(p.text) for p in load_prompt_set("third_party", a.prompts, 128, tok, seed=0)]
-    batches = [prompts[i:i + a.batch] for i in range(0, len(prompts), a.batch)]
+        dec = CompactingDecoder(target, heads[dtype], policy(kind, arg, mod("tree.policies")))
+        runs[spec + tag] = lambda rows, dec=dec: dec.generate(rows, tokens)
+    return runs
+
+
+def interleave(runs: dict, batches: list, passes: int) -> tuple[dict, dict]:
+    """Each method on every batch, turns rotating -> (tokens/s per pass, [tokens, row-steps]) per method."""
     names = list(runs)
     for n in names:  # warm-up: kernels, plans, the auto budget's first steps
         runs[n](batches[0])
     rate = {n: [] for n in names}
-    steps = {n: [0, 0] for n in names}  # tokens, (row, pass) pairs
-    for p in range(a.passes):
+    steps = {n: [0, 0] for n in names}
+    for p in range(passes):
         secs, toks = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
         for i, rows in enumerate(batches):
             j = (p + i) % len(names)
@@ -90,11 +107,42 @@ def main() -> None:
                 steps[n][1] += res.stats.row_steps
         for n in names:
             rate[n].append(toks[n] / secs[n])
+    return rate, steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("methods", nargs="+")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--against", metavar="REV", help="also run every method on the code at this git revision")
+    a = ap.parse_args()
+    if "vanilla" not in a.methods:
+        raise SystemExit("include vanilla: every ratio is to it")
+    torch.set_num_threads(a.threads)
+    tag = f" [{a.against}]" if a.against else ""
+    runs = build_runs("treedec", a.methods, a.tokens)
+    if a.against:
+        runs.update(build_runs(revision_package(a.against), a.methods, a.tokens, tag))
+    from treedec.data.prompts import load_prompt_set
+    from treedec.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("tiny-code")
+    prompts = [tok.encode(p.text) for p in load_prompt_set("third_party", a.prompts, 128, tok, seed=0)]
+    rate, steps = interleave(runs, [prompts[i:i + a.batch] for i in range(0, len(prompts), a.batch)], a.passes)
     print(f"batch {a.batch}, {len(prompts)} prompts x {a.tokens} tokens, {a.passes} passes, {a.threads} threads")
-    for n in names:
-        ratios = [r / v for r, v in zip(rate[n], rate["vanilla"])]
+    for n in runs:
+        ratios = [r / v for r, v in zip(rate[n], rate["vanilla" + (tag if n.endswith(tag) and tag else "")])]
         print(f"{n:24s} {statistics.median(rate[n]):8.1f} tok/s  x{statistics.median(ratios):.3f}  "
               f"tau {steps[n][0] / max(steps[n][1], 1):.2f}  per pass {' '.join(f'{r:.2f}' for r in ratios)}")
+    if a.against:
+        for m in a.methods:
+            r = [x / y for x, y in zip(rate[m], rate[m + tag])]
+            print(f"this tree / {a.against}  {m:16s} {statistics.median(r):.3f}  per pass "
+                  f"{' '.join(f'{x:.3f}' for x in r)}")
 
 
 if __name__ == "__main__":
