@@ -135,7 +135,7 @@ def main() -> None:
     rate, steps = interleave(runs, [prompts[i:i + a.batch] for i in range(0, len(prompts), a.batch)], a.passes)
     print(f"batch {a.batch}, {len(prompts)} prompts x {a.tokens} tokens, {a.passes} passes, {a.threads} threads")
     for n in runs:
-        ratios = [r / v for r, v in zip(rate[n], rate["vanilla" + (tag if n.endswith(tag) and tag else "")])]
+        ratios = [r / v for r, v in zip(rate[n], rate["vanilla" + (tag if tag and n.endswith(tag) else "")])]
         print(f"{n:24s} {statistics.median(rate[n]):8.1f} tok/s  x{statistics.median(ratios):.3f}  "
               f"tau {steps[n][0] / max(steps[n][1], 1):.2f}  per pass {' '.join(f'{r:.2f}' for r in ratios)}")
     if a.against:

@@ -173,10 +173,10 @@ def add_chain_counts(counts: list[list[int]], n: Sequence[int], depth: int) -> N
     for k in n:
         if k <= 0:
             continue
-        for d in range(1, k):
-            counts[0][min(d, W - 1)] += 1
+        for d in range(1, k):  # k <= depth + 1 < W + 1: every depth has its own bin
+            counts[0][d] += 1
         for d in range(1, min(k, depth) + 1):
-            counts[1][min(d, W - 1)] += 1
+            counts[1][d] += 1
         counts[2][0] += k - 1
         counts[3][0] += min(k, depth)
 

@@ -66,8 +66,8 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[to
     """
     freqs = position_ids[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-    half = inv_freq.shape[-1]
-    return emb.cos(), torch.cat((-emb[..., :half].sin(), emb[..., half:].sin()), dim=-1)
+    sin, half = emb.sin(), inv_freq.shape[-1]
+    return emb.cos(), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 ROPE_TABLE_BYTES = 64 << 20  # a longer context's cos/sin table is not kept: computed per forward instead
