@@ -253,6 +253,7 @@ class BenchOptionsSchema:
     compile: bool = False  # also run vanilla and each tree method with compile=True (NAME_compile)
     dynamic_sweep: Optional[List[int]] = None  # also dynamic_T<n> (bench.trees.dynamic at total_tokens=n) per n
     batch_sizes: Optional[List[int]] = None  # e.g. [1, 4, 16]: also decode in batches of each size (bench/batched.py)
+    batch_mode: str = "continuous"  # continuous: a queue of prompts through b slots | static: full batches of b
     trees: Dict[str, Any] = MISSING  # method name -> tree policy config (checked by _target_)
     peers: List[str] = MISSING  # conf/bench.yaml
     prompt_lookup_num_tokens: int = 10
@@ -431,6 +432,8 @@ _RULES: dict[str, list[tuple[str, Any, str]]] = {
         ("bench.repeats", _ge(1), ">= 1 (timed passes; the median is reported)"),
         ("bench.warmup", _ge(0), ">= 0"), ("bench.num_threads", _ge(1), ">= 1 (or null: torch's current count)"),
         ("bench.tie_ulps", _ge(0), ">= 0"), ("bench.prompt_lookup_num_tokens", _ge(1), ">= 1"),
+        ("bench.batch_mode", lambda v: v in ("continuous", "static"),
+         "continuous (a queue of prompts through b slots) or static (full batches of b)"),
     ],
 }
 OPTIMIZABLE = ("tau", "tokens_per_s", "new_tokens", "steps", "prompt_tokens")  # numeric metrics.json keys of generate

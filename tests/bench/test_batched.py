@@ -48,3 +48,26 @@ def test_bad_batch_size_fails_with_a_clear_error(stack, tmp_path):  # noqa: F811
     with pytest.raises((ConfigError, ValueError), match="batch"):
         harness.run(compose_bench(stack, tmp_path, "bench.batch_sizes=[0]", "bench.methods=[vanilla]", "bench.peers=[]",
                                   "bench.repeats=1"))
+
+
+def test_static_and_continuous_batches_decode_the_same_tokens(stack, tmp_path):  # noqa: F811
+    """Continuous batching refills slots from the queue; static batching runs full batches in turn: every prompt's
+    tokens are the same either way (vanilla is the reference in both)."""
+    runs = {}
+    for mode in ("continuous", "static"):
+        cfg = compose_bench(stack, tmp_path / mode, "bench.batch_sizes=[2]", "bench.methods=[vanilla,chain]",
+                            "bench.peers=[]", "bench.repeats=1", f"bench.batch_mode={mode}")
+        runs[mode] = harness.run(cfg)["batched"]
+        assert runs[mode]["mode"] == mode and not runs[mode]["failures"]
+        assert runs[mode]["by_size"]["2"]["chain"]["identical_to_vanilla"]
+    assert (runs["continuous"]["by_size"]["2"]["vanilla"]["new_tokens"]
+            == runs["static"]["by_size"]["2"]["vanilla"]["new_tokens"])
+    assert "continuous batching" in (tmp_path / "continuous" / "results.md").read_text()
+
+
+def test_unknown_batch_mode_names_the_choices(stack, tmp_path):  # noqa: F811
+    from treedec.config_schema import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match="continuous"):
+        harness.run(compose_bench(stack, tmp_path, "bench.batch_sizes=[2]", "bench.methods=[vanilla]",
+                                  "bench.peers=[]", "bench.repeats=1", "bench.batch_mode=paged"))

@@ -155,3 +155,44 @@ def test_keep_rows_rejects_rows_it_does_not_hold(rows):
     with pytest.raises(ValueError, match="distinct rows"):
         c.keep_rows(rows)
     assert c.batch == 5
+
+
+@pytest.mark.parametrize("slots", [[1], [3, 0], [2, 4, 1]])
+def test_put_rows_loads_new_rows_into_their_slots_and_leaves_the_others(slots):
+    c = filled_cache(B=5, S=30)
+    c.rollback([7, 3, 12, 9, 5])
+    c.keep_rows([0, 1, 2, 3, 4])  # (no-op cut: put_rows works on a cache that was cut before, too)
+    before = [(c.k[:, r, :, :L].clone(), c.v[:, r, :, :L].clone(), L) for r, L in enumerate(c.host_lengths)]
+    new = filled_cache(B=len(slots), S=10, seed=1)
+    new.rollback([4 + i for i in range(len(slots))])
+    with count_ops() as ops:
+        c.put_rows(slots, new)
+    assert ops.host_reads == 0
+    assert_mirror(c)
+    for r in range(5):
+        if r in slots:
+            i, L = slots.index(r), 4 + slots.index(r)
+            assert c.host_lengths[r] == L
+            assert torch.equal(c.k[:, r, :, :L], new.k[:, i, :, :L]) and torch.equal(c.v[:, r, :, :L], new.v[:, i, :, :L])
+        else:
+            k, v, L = before[r]
+            assert c.host_lengths[r] == L and torch.equal(c.k[:, r, :, :L], k) and torch.equal(c.v[:, r, :, :L], v)
+    new_kv = torch.randn(5, 2, 1, 4)  # the refilled cache goes on working: a ragged write lands after each length
+    keys, _ = c.write(0, new_kv, new_kv)
+    for j, L in enumerate(c.host_lengths):
+        assert torch.equal(keys[j, :, L], new_kv[j, :, 0])
+
+
+def test_put_rows_rejects_bad_slots_and_shapes():
+    c = filled_cache(B=3)
+    with pytest.raises(ValueError, match="distinct slots"):
+        c.put_rows([0, 0], filled_cache(B=2))
+    with pytest.raises(ValueError, match="distinct slots"):
+        c.put_rows([3], filled_cache(B=1))
+    with pytest.raises(ValueError, match="head dim"):
+        c.put_rows([0], KVCache(2, 1, 2, 8, 6))
+    big = filled_cache(B=1, S=40)
+    big.rollback(30)
+    with pytest.raises(ValueError, match="does not fit"):
+        c.put_rows([1], big)
+    assert c.host_lengths == [0, 0, 0]

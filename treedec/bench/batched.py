@@ -1,12 +1,21 @@
 """Throughput at several batch sizes (``bench.batch_sizes=[1,4,16]``): does a tree still pay when rows share a pass?
 
-For each batch size b the prompts are cut into batches of b rows (taken in turn, wrapping around
-when there are fewer prompts than rows, so every batch is full; prompts have different lengths, so
-each batch is ragged). Every greedy treedec method (vanilla, each tree of ``bench.methods``) and the
-batched ``hf_greedy`` peer (transformers ``generate`` with left padding and an attention mask)
-decode every batch with the same ``max_new_tokens``; rows stop at EOS on their own. Speculative
-methods run in :class:`~treedec.training.predict.CompactingDecoder`, so finished rows leave the
-batch and the auto budget sees the rows still decoding. The tree policies are the batch-1 run's own
+For each batch size b the prompts (taken in turn, wrapping around when there are fewer than b) are
+decoded b rows at a time; prompts have different lengths, so every batch is ragged. Every greedy
+treedec method (vanilla, each tree of ``bench.methods``) and the batched ``hf_greedy`` peer
+(transformers ``generate`` with left padding and an attention mask) decode every prompt with the
+same ``max_new_tokens``; rows stop at EOS on their own. ``bench.batch_mode``:
+
+* ``continuous`` (default, as serving engines run): treedec methods, vanilla included, serve the
+  whole queue through b slots (:meth:`~treedec.decoding.loop.Decoder.serve`): a finished row's slot
+  takes the next prompt at once, and once the queue is dry finished rows leave the batch. A tree
+  method's rows finish at different steps (their acceptance differs), so a static batch would idle
+  its slots in a tail of ever fewer rows; vanilla's rows finish together unless EOS stops them.
+  ``hf_greedy`` has no slots: it decodes the prompts in static batches of b.
+* ``static``: every method decodes the same full batches of b prompts, one after another; finished
+  rows leave the batch (compaction), no slot is refilled.
+
+The auto budget sees the rows still decoding. The tree policies are the batch-1 run's own
 objects: the auto budget's step-time model, fitted over row counts, carries over.
 
 After one untimed warm-up of every method on the first batch, ``bench.repeats`` passes go over
@@ -46,7 +55,7 @@ class BatchRun:
 class BatchMethod:
     name: str
     family: str  # "treedec" | "peer"
-    fn: Callable[[list[list[int]]], BatchRun]
+    fn: Callable[[list[list[int]], int], BatchRun]  # (prompts, slots) -> the run
     policy: object = None
 
 
@@ -66,16 +75,16 @@ def _from_stats(res) -> BatchRun:
 
 def build(cfg: DictConfig, target, draft, eos_ids: list[int], policies: dict) -> tuple[list[BatchMethod], dict]:
     """The batched methods (vanilla, the tree methods that have a policy, hf_greedy); returns (methods, skipped)."""
-    from treedec.decoding import vanilla
+    from treedec.decoding.vanilla import VanillaDecoder
     from treedec.training.predict import CompactingDecoder
 
     bench, n = cfg.bench, int(cfg.bench.max_new_tokens)
-    out = [BatchMethod("vanilla", "treedec", lambda rows: _from_stats(
-        vanilla.generate(target, rows, n, eos_ids=eos_ids)))]
+    plain = VanillaDecoder(target, eos_ids=eos_ids)
+    out = [BatchMethod("vanilla", "treedec", lambda rows, k: _from_stats(plain.serve(rows, n, k, compact=True)))]
     for name in method_names(bench):
         if name in policies:
             dec = CompactingDecoder(target, draft, policies[name], eos_ids=eos_ids)
-            out.append(BatchMethod(name, "treedec", lambda rows, dec=dec: _from_stats(dec.generate(rows, n)),
+            out.append(BatchMethod(name, "treedec", lambda rows, k, dec=dec: _from_stats(dec.serve(rows, n, k)),
                                    policies[name]))
     skipped = {}
     if "hf_greedy" in (bench.get("peers") or []):
@@ -88,8 +97,9 @@ def build(cfg: DictConfig, target, draft, eos_ids: list[int], policies: dict) ->
             skipped["hf_greedy"] = f"batched hf_greedy could not load the model: {type(exc).__name__}: {exc}"
             log.warning("skipping batched hf_greedy: %s", skipped["hf_greedy"])
         else:
-            def hf(rows):
-                toks, _ = peers.hf_generate_batch(model, rows, n, eos_ids)
+            def hf(rows, k):  # static batches of k rows
+                toks = [t for i in range(0, len(rows), k) for t in peers.hf_generate_batch(model, rows[i:i + k], n,
+                                                                                           eos_ids)[0]]
                 n_tok = sum(len(t) for t in toks)
                 return BatchRun(toks, n_tok, n_tok)  # plain decoding: one token per row and pass
 
@@ -97,20 +107,23 @@ def build(cfg: DictConfig, target, draft, eos_ids: list[int], policies: dict) ->
     return out, skipped
 
 
-def _timed(m: BatchMethod, rows, device) -> tuple[BatchRun, float]:
+def _timed(m: BatchMethod, rows, slots: int, device) -> tuple[BatchRun, float]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    res = m.fn(rows)
+    res = m.fn(rows, slots)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return res, time.perf_counter() - t0
 
 
-def measure(methods: list[BatchMethod], groups: list[list[list[int]]], repeats: int, device) -> dict[str, dict]:
-    """Timed passes over all batches (methods in turn, order rotating) -> per-method summary at this batch size."""
+def measure(methods: list[BatchMethod], groups: list[list[list[int]]], repeats: int, device,
+            slots: int | None = None) -> dict[str, dict]:
+    """Timed passes over all jobs (``groups``: each a list of prompts, decoded ``slots`` rows at a time; default
+    the batch size; methods in turn, order rotating) -> per-method summary at this batch size."""
+    slots = slots or len(groups[0])
     for m in methods:  # warm-up: allocator, kernels, the auto budget's first steps at this row count
-        m.fn(groups[0])
+        m.fn(groups[0][:slots], slots)
     times = {m.name: [] for m in methods}
     toks = {m.name: [] for m in methods}
     first: dict[str, list[BatchRun]] = {m.name: [] for m in methods}
@@ -121,7 +134,7 @@ def measure(methods: list[BatchMethod], groups: list[list[list[int]]], repeats: 
         for i, rows in enumerate(groups):
             j = (r + i) % len(methods)
             for m in methods[j:] + methods[:j]:
-                res, dt = _timed(m, rows, device)
+                res, dt = _timed(m, rows, slots, device)
                 t[m.name] += dt
                 k[m.name] += sum(len(x) for x in res.tokens)
                 if r == 0:
@@ -156,13 +169,18 @@ def measure(methods: list[BatchMethod], groups: list[list[list[int]]], repeats: 
 def run(cfg: DictConfig, target, draft, eos_ids: list[int], prompts: list[Prompt], policies: dict) -> dict:
     """``metrics["batched"]``: ``{"sizes": [...], "by_size": {"4": {method: {...}}}, "failures": [...]}``."""
     sizes = [int(b) for b in cfg.bench.batch_sizes]
+    mode = str(cfg.bench.get("batch_mode", "continuous"))
+    if mode not in ("continuous", "static"):
+        raise ValueError(f"bench.batch_mode={mode!r}: use continuous (a queue through b slots) or static (full batches)")
     methods, skipped = build(cfg, target, draft, eos_ids, policies)
     by_size, failures = {}, []
     for b in sizes:
         groups = batches(prompts, b)
-        log.info("batch %d: %d batch(es) of ragged prompts (%d-%d tokens)", b, len(groups),
+        if mode == "continuous":  # every prompt once (wrapping around only to fill the slots)
+            groups = [[prompts[i % len(prompts)].ids for i in range(max(len(prompts), b))]]
+        log.info("batch %d (%s): %d prompts of %d-%d tokens", b, mode, sum(map(len, groups)),
                  min(len(r) for g in groups for r in g), max(len(r) for g in groups for r in g))
-        table = measure(methods, groups, int(cfg.bench.repeats), target.device)
+        table = measure(methods, groups, int(cfg.bench.repeats), target.device, slots=b)
         by_size[str(b)] = table
         log.info("batch %d: %s", b, ", ".join(f"{n} {e['tokens_per_s']:.1f} tok/s ({e['speedup']:.2f}x)"
                                                for n, e in table.items()))
@@ -173,7 +191,7 @@ def run(cfg: DictConfig, target, draft, eos_ids: list[int], prompts: list[Prompt
                     failures.append(msg)
                 else:
                     log.warning("%s (%s: a near-tie may round either way)", msg, target.dtype)
-    return {"sizes": sizes, "by_size": by_size, "skipped": skipped, "failures": failures}
+    return {"sizes": sizes, "mode": mode, "by_size": by_size, "skipped": skipped, "failures": failures}
 
 
 def markdown(batched: dict) -> list[str]:
@@ -181,8 +199,11 @@ def markdown(batched: dict) -> list[str]:
     sizes = [str(b) for b in batched["sizes"]]
     names = list(dict.fromkeys(n for s in sizes for n in batched["by_size"][s]))
     head = " | ".join(f"b={s} tok/s | τ | ×" for s in sizes)
-    lines = ["", "Throughput by batch size (total new tokens / wall time, ragged prompts; × = vs vanilla at the "
-                 "same batch size; τ = tokens per row per decoding pass):", "",
+    how = {"continuous": "continuous batching: the prompts queue for b slots, a finished row's slot takes the next "
+                          "one (hf_greedy: static batches of b)",
+           "static": "static batches of b prompts"}.get(batched.get("mode", "static"), "")
+    lines = ["", f"Throughput by batch size ({how}; total new tokens / wall time, ragged prompts; × = vs vanilla at "
+                 "the same batch size; τ = tokens per row per decoding pass):", "",
              f"| method | {head} |", "|---|" + "---:|---:|---:|" * len(sizes)]
     for n in names:
         cells = []

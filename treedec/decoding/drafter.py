@@ -160,6 +160,22 @@ class Drafter:
                          for p in self._pending]
         self.root_tokens, self._feat, self._logits = pick(self.root_tokens), pick(self._feat), pick(self._logits)
 
+    def put_rows(self, slots: Sequence[int], other: "Drafter") -> None:
+        """Load ``other``'s rows (new prompts, prefilled) into batch slots ``slots``: draft cache, root token, feature
+        and logits. Both catch up first, so no pending pair is left to split between batches."""
+        self.flush()
+        other.flush()
+        self.cache.put_rows(slots, other.cache)
+        idx = torch.tensor([int(s) for s in slots], device=self.device)
+
+        def put(mine: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
+            out = mine.clone()  # (the old tensor may be another object's, e.g. the last step's bonus tokens)
+            out[idx] = theirs.to(out.dtype)
+            return out
+
+        self.root_tokens = put(self.root_tokens, other.root_tokens)
+        self._feat, self._logits = put(self._feat, other._feat), put(self._logits, other._logits)
+
     def root_topk(self, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs [B, k], target token ids [B, k]) of the root's k most likely children."""
         return self.topk(self.root_logits, k, temperature)

@@ -73,6 +73,18 @@ def _mix(x: int) -> int:
     return (x ^ (x >> 31)) & _MASK63
 
 
+def row_seeds(generator: torch.Generator | None, batch: int) -> list[int]:
+    """Each row's stream seed: a :class:`RowSeededGenerator`'s own, else a hash of (one base draw, row)."""
+    seeds = getattr(generator, "row_seeds", None)  # a RowSeededGenerator names each row's seed itself
+    if seeds is None:
+        dev = generator.device if generator is not None else "cpu"
+        base = int(torch.randint(_MASK63, (), generator=generator, device=dev))
+        return [base + 0x9E3779B97F4A7C15 * (b + 1) for b in range(batch)]
+    if len(seeds) != batch:
+        raise ValueError(f"the generator names {len(seeds)} row seeds for a batch of {batch} prompts")
+    return list(seeds)
+
+
 class RowStreams:
     """One random stream per batch row, on ``device``.
 
@@ -85,13 +97,7 @@ class RowStreams:
 
     def __init__(self, generator: torch.Generator | None, batch: int, device):
         self.device = torch.device(device)
-        seeds = getattr(generator, "row_seeds", None)  # a RowSeededGenerator names each row's seed itself
-        if seeds is None:
-            dev = generator.device if generator is not None else "cpu"
-            base = int(torch.randint(_MASK63, (), generator=generator, device=dev))
-            seeds = [base + 0x9E3779B97F4A7C15 * (b + 1) for b in range(batch)]
-        elif len(seeds) != batch:
-            raise ValueError(f"the generator names {len(seeds)} row seeds for a batch of {batch} prompts")
+        seeds = row_seeds(generator, batch)
         self.generators = [torch.Generator(self.device).manual_seed(_mix(s)) for s in seeds]
 
     @property

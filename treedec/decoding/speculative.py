@@ -45,13 +45,12 @@ class SpeculativeDecoder(Decoder):
         self.compile, self._verify, self._room = compile, None, 0
 
     # --------------------------------------------------------------------------------- the loop
-    def _prefill(self, rows: list[list[int]], max_new_tokens: int, generator) -> list[int]:
+    def _prefill(self, rows: list[list[int]], max_new_tokens: int, generator, longest: int = 0) -> list[int]:
         tgt, pol, dev = self.target, self.policy, self.target.device
-        ids, lens = pad_prompts(rows, dev)
-        B, Lmax = ids.shape
+        B = len(rows)
         # A row's cache may run max_depth past its budget on its last step (the path is committed whole);
         # after that it is frozen, so its tree is still written (and ignored) at the same slots.
-        room = Lmax + max_new_tokens + pol.max_depth + 2
+        room = max(longest, *map(len, rows)) + max_new_tokens + pol.max_depth + 2
         if self.compile:  # cache lengths in buckets that only grow, so the compiled verify compiles rarely
             room = self._room = max(static_room(room, tgt.config.context_length + pol.max_depth + 2), self._room)
             if self._verify is None:
@@ -62,19 +61,52 @@ class SpeculativeDecoder(Decoder):
         self.drafter = Drafter(self.draft, B, room + pol.max_inputs + pol.max_depth + 1 + Drafter.MAX_PENDING)
         self._counts = torch.zeros(4, max(pol.max_depth, pol.max_rank) + 2, dtype=torch.long, device=dev)
         self._chain_counts = [[0] * self._counts.shape[1] for _ in range(4)]
-        lens_host = [len(r) for r in rows]
-        # Prefill the target; its next token is the first root. Then prefill the draft on (f_t, x_{t+1}).
-        pre = tgt(ids, self.cache, logits=(lens - 1)[:, None], layer_inputs=self.draft.feature_layers_needed)
-        self.cache.rollback(lens_host)
-        self._streams = None if self.sampling.greedy else RowStreams(generator, B, dev)  # the target's draws, per row
-        root = next_token(pre.logits[:, 0], self.sampling, self._streams)
-        nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, (lens - 1)[:, None], root[:, None])
-        self.drafter.catch_up(nxt, self.draft.features(pre), lens, lens_host, root)
+        root, self._streams = self._fill(rows, self.cache, self.drafter, generator)
         self._active_t, self._active, self._rows = None, None, None
         self._index = 0
         first = root.tolist()
         pol.begin(rows, first)
         return first
+
+    def _fill(self, rows: list[list[int]], cache, drafter: Drafter, generator) -> tuple[torch.Tensor, RowStreams | None]:
+        """Prefill the target on ``rows`` (its next token is each row's first root), then record the draft's
+        pairs (f_t, x_{t+1}) -> (roots, the rows' random streams)."""
+        tgt, dev = self.target, self.target.device
+        ids, lens = pad_prompts(rows, dev)
+        pre = tgt(ids, cache, logits=(lens - 1)[:, None], layer_inputs=self.draft.feature_layers_needed)
+        cache.rollback([len(r) for r in rows])
+        streams = None if self.sampling.greedy else RowStreams(generator, len(rows), dev)  # the target's draws, per row
+        root = next_token(pre.logits[:, 0], self.sampling, streams)
+        nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, (lens - 1)[:, None], root[:, None])
+        drafter.catch_up(nxt, self.draft.features(pre), lens, [len(r) for r in rows], root)
+        return root, streams
+
+    def _admit(self, slots: list[int], rows: list[list[int]], generator) -> list[int]:
+        """New prompts take finished rows' slots: prefilled in caches of their own (target and draft), then
+        moved in (``put_rows``); the other rows' state is untouched."""
+        longest = max(map(len, rows))
+        cache = self.target.new_cache(len(rows), longest)
+        drafter = Drafter(self.draft, len(rows), longest + Drafter.MAX_PENDING)
+        root, streams = self._fill(rows, cache, drafter, generator)
+        self.cache.put_rows(slots, cache)
+        self.drafter.put_rows(slots, drafter)
+        if streams is not None:
+            for j, g in zip(slots, streams.generators):
+                self._streams.generators[j] = g
+        first = root.tolist()
+        self.policy.admit(slots, rows, first)
+        self._active = None  # the device copy of the active rows is re-made
+        return first
+
+    def _keep_rows(self, order: list[int]) -> None:
+        idx = torch.tensor(order, device=self.target.device)
+        self.cache.keep_rows(order)
+        self.drafter.cache.keep_rows(order)
+        self.drafter.keep_rows(idx, order)  # the root and any catch-up still pending
+        self.policy.keep_rows(order)  # and what the policy keeps per row (prompt lookup's context)
+        if self._streams is not None:
+            self._streams.generators = [self._streams.generators[i] for i in order]
+        self._active = None
 
     def _root_only(self) -> Tree:
         """A one-node tree: the root alone, i.e. a plain decoding step."""

@@ -6,8 +6,9 @@ distribution the speculative verifier uses, so "lossless" has one definition. Th
 prompt checks, EOS / budget rules, stats and hooks are :class:`treedec.decoding.loop.Decoder`'s.
 
 Rows may have prompts of different lengths: the batch is right-padded, prefilled once, and
-each row's cache length is then set to its own prompt length. Finished rows keep decoding
-(their tokens are dropped) so the batch stays rectangular.
+each row's cache length is then set to its own prompt length. Finished rows ride along frozen
+(their tokens are dropped, their caches not advanced) so the batch stays rectangular, unless
+``serve(..., compact=True)`` cuts them out.
 """
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ class VanillaDecoder(Decoder):
         self._given = cache is not None  # a user's cache must fit; our own is re-made as needed
         self._fwd = None
 
-    def _prefill(self, rows: list[list[int]], max_new_tokens: int, generator) -> list[int]:
+    def _prefill(self, rows: list[list[int]], max_new_tokens: int, generator, longest: int = 0) -> list[int]:
         tgt = self.target
-        B, need = len(rows), max(len(r) for r in rows) + max_new_tokens
+        B, need = len(rows), max(longest, *map(len, rows)) + max_new_tokens
         if self.compile and not self._given:
             need = static_room(need, tgt.config.context_length)  # few cache shapes: few graphs
         if self.cache is None or self.cache.batch != B or self.cache.max_len < need:
@@ -59,14 +60,8 @@ class VanillaDecoder(Decoder):
                 raise ValueError(f"the cache given holds batch {self.cache.batch} x {self.cache.max_len} slots; "
                                  f"this call needs batch {B} x {need}")
             self.cache = tgt.new_cache(B, need)
-        cache = self.cache
-        cache.reset()
-        ids, lens = pad_prompts(rows, tgt.device)
-        lens_host = [len(r) for r in rows]
-        logits = tgt(ids, cache, logits=(lens - 1)[:, None]).logits[:, 0]
-        cache.rollback(lens_host)
-        self._streams = None if self.sampling.greedy else RowStreams(generator, B, tgt.device)  # one per row
-        self._tok = next_token(logits, self.sampling, self._streams)
+        self.cache.reset()
+        self._tok, self._streams = self._fill(rows, self.cache, generator)
         self._index = 0
         if self.compile and self._fwd is None:
             from treedec.models.compile import compile_forward
@@ -74,13 +69,39 @@ class VanillaDecoder(Decoder):
             self._fwd = compile_forward(tgt)
         return self._tok.tolist()
 
+    def _fill(self, rows: list[list[int]], cache: KVCache, generator) -> tuple[torch.Tensor, RowStreams | None]:
+        """Prefill ``rows`` into an empty ``cache`` -> (each row's first token, the rows' random streams)."""
+        ids, lens = pad_prompts(rows, self.target.device)
+        logits = self.target(ids, cache, logits=(lens - 1)[:, None]).logits[:, 0]
+        cache.rollback([len(r) for r in rows])
+        streams = None if self.sampling.greedy else RowStreams(generator, len(rows), self.target.device)  # one per row
+        return next_token(logits, self.sampling, streams), streams
+
+    def _admit(self, slots: list[int], rows: list[list[int]], generator) -> list[int]:
+        """New prompts take finished rows' slots: prefilled in a cache of their own, then moved in."""
+        cache = self.target.new_cache(len(rows), max(map(len, rows)))
+        tok, streams = self._fill(rows, cache, generator)
+        self.cache.put_rows(slots, cache)
+        self._tok = self._tok.clone()
+        self._tok[torch.tensor(slots, device=tok.device)] = tok
+        if streams is not None:
+            for j, g in zip(slots, streams.generators):
+                self._streams.generators[j] = g
+        return tok.tolist()
+
+    def _keep_rows(self, order: list[int]) -> None:
+        self.cache.keep_rows(order)
+        self._tok = self._tok[torch.tensor(order, device=self._tok.device)]
+        if self._streams is not None:
+            self._streams.generators = [self._streams.generators[i] for i in order]
+
     def _step(self, active: list[bool], generator, timer: Timer) -> tuple[StepInfo, int]:
         cache = self.cache
         if self._fwd is not None:
             logits = self._fwd(self._tok[:, None], cache, cache.lengths[:, None], None, "last").logits[:, -1]
         else:
             logits = self.target(self._tok[:, None], cache, logits="last").logits[:, -1]
-        cache.advance(1)
+        cache.advance(1 if all(active) else [int(a) for a in active])  # a finished row's cache stays frozen
         timer.lap("verify")
         self._tok, toks = pick(logits, self.sampling, self._streams, active)
         timer.lap("accept")

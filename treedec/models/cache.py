@@ -190,6 +190,34 @@ class KVCache:
         self._row_ids = None
         self._synced()
 
+    def put_rows(self, slots: Sequence[int], other: "KVCache") -> None:
+        """Load ``other``'s rows into batch slots ``slots`` (row i goes to slot ``slots[i]``), replacing what they held.
+
+        How a new request joins a running batch (continuous batching): it is prefilled in a cache of its
+        own, then its keys, values and length move into a finished row's slot; the other rows are untouched.
+        One indexed copy per buffer, up to the longest length moved; no device read.
+        """
+        slots = [int(s) for s in slots]
+        if len(slots) != other.batch or len(set(slots)) != len(slots) or any(not 0 <= s < self.batch for s in slots):
+            raise ValueError(f"put_rows needs {other.batch} distinct slots in [0, {self.batch}), got {slots}")
+        if (other.k.shape[0], other.k.shape[2], other.k.shape[4]) != (self.k.shape[0], self.k.shape[2], self.k.shape[4]):
+            raise ValueError(f"put_rows: a cache of (layers, kv heads, head dim) {tuple(other.k.shape[i] for i in (0, 2, 4))} "
+                             f"cannot fill one of {tuple(self.k.shape[i] for i in (0, 2, 4))}")
+        theirs, host = other._host(), list(self._host())
+        used = max(theirs)
+        if used > self.max_len:
+            raise ValueError(f"put_rows: a row of {used} tokens does not fit a cache of {self.max_len} slots")
+        if used:
+            dst = torch.tensor(slots, device=self.lengths.device)
+            for buf, src in ((self.k, other.k), (self.v, other.v)):
+                buf[:, dst, :, :used] = src[:, :, :, :used].to(buf.dtype)
+        for s, n in zip(slots, theirs):
+            host[s] = n
+        with torch.inference_mode(False):
+            self.lengths = torch.tensor(host, dtype=torch.long).to(self.lengths.device)
+        self.host_lengths = host
+        self._synced()
+
     def reset(self) -> None:
         self.lengths.zero_()
         self.host_lengths = [0] * self.batch

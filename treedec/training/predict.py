@@ -29,7 +29,7 @@ from typing import Protocol, Sequence
 import lightning as L
 import torch
 
-from treedec.decoding.loop import DecodeStats, StepInfo
+from treedec.decoding.loop import DecodeStats
 from treedec.decoding.sampling import RowSeededGenerator, SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.models.draft import DraftHead
@@ -64,49 +64,18 @@ class Prompt:
 
 class CompactingDecoder(SpeculativeDecoder):
     """Speculative decoding that drops a row from the batch once it is done, so the draft and verify
-    passes run over the live rows only (no refill: a freed slot stays empty until ``generate`` returns).
+    passes run over the live rows only (``serve(..., compact=True)``; ``serve(..., slots=k)`` also refills
+    a finished row's slot with the next prompt).
 
-    Between steps the per-row state (both KV caches, the drafter's root token / feature / logits and
-    the row's random stream) is cut down to the live rows whenever the live set changes (a live row
-    from past the new width fills a finished row's slot, so the rows' order in the batch changes);
-    each step's tokens are mapped back to the original rows. Its ``StepInfo`` carries no tree, path or logits
-    (their rows would be the live ones). Every row still decodes exactly as in a full batch (the rows
-    of a batched pass do not interact; greedy fp32 is compared token for token in the tests).
+    When the live set changes, the per-row state (both KV caches, the drafter's root token / feature /
+    logits and the row's random stream) is cut down to the live rows (a live row from past the new width
+    fills a finished row's slot, so the rows' order in the batch changes); each step's tokens are mapped
+    back to the prompts. A ``hook``'s ``StepInfo`` carries no tree, path or logits (their rows would be the
+    live ones). Every row still decodes exactly as in a full batch (the rows of a batched pass do not
+    interact; greedy fp32 is compared token for token in the tests).
     """
 
-    def _prefill(self, rows, max_new_tokens, generator):
-        self._live = list(range(len(rows)))
-        return super()._prefill(rows, max_new_tokens, generator)
-
-    def _compact(self, live: list[int]) -> None:
-        """Cut the batch to the rows in ``live``: a live row past the new batch width moves into a finished
-        row's slot (one row copied per finished row, not every row behind it), the others stay put."""
-        alive = set(live)
-        slots = [j for j, b in enumerate(self._live) if b in alive]
-        n = len(slots)
-        holes = [j for j in range(n) if self._live[j] not in alive]
-        order = list(range(n))  # order[j]: the slot whose row moves to slot j
-        for hole, mover in zip(holes, [j for j in slots if j >= n]):
-            order[hole] = mover
-        idx = torch.tensor(order, device=self.target.device)
-        d = self.drafter
-        self.cache.keep_rows(order)
-        d.cache.keep_rows(order)
-        d.keep_rows(idx, order)  # the root and any catch-up still pending
-        self.policy.keep_rows(order)  # and what the policy keeps per row (prompt lookup's context)
-        if self._streams is not None:
-            self._streams.generators = [self._streams.generators[i] for i in order]
-        self._active, self._live = None, [self._live[j] for j in order]
-
-    def _step(self, active: list[bool], generator, timer) -> tuple[StepInfo, int]:
-        live = [b for b, a in enumerate(active) if a]
-        if len(live) != len(self._live):  # rows only ever leave: a new count is a new live set
-            self._compact(live)
-        info, size = super()._step([True] * len(live), generator, timer)
-        tokens, n_accept = [[] for _ in active], [0] * len(active)
-        for i, b in enumerate(self._live):
-            tokens[b], n_accept[b] = info.tokens[i], info.n_accept[i]
-        return StepInfo(info.index, list(active), tokens, n_accept), size
+    compact = True
 
 
 def row_seed(seed: int, key: object, turn: int) -> int:

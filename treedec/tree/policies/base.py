@@ -79,6 +79,9 @@ class TreePolicy:
         """A generation starts: each row's prompt and first token (host lists, in batch order). Policies that read
         the context (prompt lookup) keep it; the others ignore it."""
 
+    def admit(self, slots, prompts, first) -> None:
+        """New prompts took batch slots ``slots`` (continuous batching): like :meth:`begin`, for those rows alone."""
+
     def keep_rows(self, order) -> None:
         """The batch was cut to rows ``order`` (their old slots, in the new order): per-row state follows."""
 

@@ -115,6 +115,11 @@ class LookupPolicy(TreePolicy):
         self._skipped, self._inner_size = False, 1
         self.inner.begin(prompts, first)
 
+    def admit(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], first: Sequence[int]) -> None:
+        for j, p, t in zip(slots, prompts, first):
+            self.rows[j], self.active[j], self.outran[j] = NgramIndex([*p, t], self.sizes), True, False
+        self.inner.admit(slots, prompts, first)
+
     def keep_rows(self, order: Sequence[int]) -> None:
         self.rows, self.active = [self.rows[i] for i in order], [self.active[i] for i in order]
         self.outran = [self.outran[i] for i in order]
