@@ -2,6 +2,7 @@
 
     python scripts/ab.py --batch 4 vanilla chain:5@fp32 chain:5@bf16 dynamic:16/5/2@fp32 dynamic:16/5/2@bf16
     python scripts/ab.py --against 1f8ec11 vanilla chain:7 auto     # this tree's code against an earlier commit's
+    python scripts/ab.py --batch 4 --serve 16 vanilla chain:5 auto    # continuous batching: 16-prompt queues, 4 slots
 
 A method is ``vanilla``, ``chain:D``, ``static`` (EAGLE's 26-node shape), ``dynamic:T/D/K`` (calibrated),
 ``auto`` (``tree.total_tokens=auto``, pool 7 / 4) or ``lookup:D`` (prompt lookup beside a D-deep chain), with
@@ -65,8 +66,9 @@ def revision_package(rev: str) -> str:
     return name
 
 
-def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "") -> dict:
-    """``name + tag`` -> a function decoding a batch of prompts with that method, on package ``pkg``'s code."""
+def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: int | None = None) -> dict:
+    """``name + tag`` -> a function decoding a batch of prompts with that method, on package ``pkg``'s code
+    (``slots``: the batch is a queue served through that many rows, ``Decoder.serve``)."""
     mod = lambda m: importlib.import_module(f"{pkg}.{m}")  # noqa: E731
     models, vanilla = mod("models"), mod("decoding.vanilla")
     DraftHead, CompactingDecoder = mod("models.draft").DraftHead, mod("training.predict").CompactingDecoder
@@ -76,13 +78,16 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "") -> dict
         name, _, dtype = spec.partition("@")
         kind, _, arg = name.partition(":")
         if kind == "vanilla":
-            runs[spec + tag] = lambda rows: vanilla.generate(target, rows, tokens)
+            plain = vanilla.VanillaDecoder(target)
+            runs[spec + tag] = (lambda rows: plain.serve(rows, tokens, slots, compact=True)) if slots else (
+                lambda rows: vanilla.generate(target, rows, tokens))
             continue
         dtype = dtype or "auto"
         if dtype not in heads:
             heads[dtype] = DraftHead.load("tiny-code-eagle", target=target, dtype=dtype)
         dec = CompactingDecoder(target, heads[dtype], policy(kind, arg, mod("tree.policies")))
-        runs[spec + tag] = lambda rows, dec=dec: dec.generate(rows, tokens)
+        runs[spec + tag] = (lambda rows, dec=dec: dec.serve(rows, tokens, slots)) if slots else (
+            lambda rows, dec=dec: dec.generate(rows, tokens))  # (an older REV may have no serve)
     return runs
 
 
@@ -119,21 +124,26 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--against", metavar="REV", help="also run every method on the code at this git revision")
+    ap.add_argument("--serve", type=int, metavar="Q", help="continuous batching: queues of Q prompts, each served "
+                    "through --batch slots (Decoder.serve; vanilla too); default: static batches of --batch")
     a = ap.parse_args()
     if "vanilla" not in a.methods:
         raise SystemExit("include vanilla: every ratio is to it")
     torch.set_num_threads(a.threads)
     tag = f" [{a.against}]" if a.against else ""
-    runs = build_runs("treedec", a.methods, a.tokens)
+    slots = a.batch if a.serve else None
+    runs = build_runs("treedec", a.methods, a.tokens, slots=slots)
     if a.against:
-        runs.update(build_runs(revision_package(a.against), a.methods, a.tokens, tag))
+        runs.update(build_runs(revision_package(a.against), a.methods, a.tokens, tag, slots))
     from treedec.data.prompts import load_prompt_set
     from treedec.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer("tiny-code")
     prompts = [tok.encode(p.text) for p in load_prompt_set("third_party", a.prompts, 128, tok, seed=0)]
-    rate, steps = interleave(runs, [prompts[i:i + a.batch] for i in range(0, len(prompts), a.batch)], a.passes)
-    print(f"batch {a.batch}, {len(prompts)} prompts x {a.tokens} tokens, {a.passes} passes, {a.threads} threads")
+    size = a.serve or a.batch
+    rate, steps = interleave(runs, [prompts[i:i + size] for i in range(0, len(prompts), size)], a.passes)
+    how = f"queues of {a.serve} through {a.batch} slots" if a.serve else f"static batches of {a.batch}"
+    print(f"{how}, {len(prompts)} prompts x {a.tokens} tokens, {a.passes} passes, {a.threads} threads")
     for n in runs:
         ratios = [r / v for r, v in zip(rate[n], rate["vanilla" + (tag if tag and n.endswith(tag) else "")])]
         print(f"{n:24s} {statistics.median(rate[n]):8.1f} tok/s  x{statistics.median(ratios):.3f}  "

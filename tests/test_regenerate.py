@@ -139,6 +139,14 @@ def test_parts_union_equals_one_process(stack, text_input, reference, tmp_path):
     assert shards(out) == shards(reference[0])
 
 
+def test_records_served_through_fewer_slots_equal_one_batch_at_a_time(stack, text_input, reference, tmp_path):
+    """slots=1: each batch's records queue for one row (continuous batching); the records are the same."""
+    out = tmp_path / "slots"
+    m = regenerate(stack, text_input, out, "slots=1")
+    assert m["complete"] and shards(out) == shards(reference[0])
+    assert json.loads((out / "manifest.json").read_text())["slots"] == 1
+
+
 def test_resume_refuses_other_settings_and_a_running_worker(stack, text_input, reference, tmp_path):
     from treedec.training.trainer import JobError, RunDirLock
 

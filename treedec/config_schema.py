@@ -300,6 +300,7 @@ class RegenerateSchema:  # conf/regenerate.yaml (python -m treedec.regenerate, d
     max_new_tokens: int = 128
     chat_template: Optional[str] = "auto"
     batch_size: int = 8
+    slots: Optional[int] = None  # rows decoding at once (continuous batching); null: batch_size
     shard_size: int = 256
     on_error: str = "fail"
     part: int = 0
@@ -570,7 +571,7 @@ def _check_regenerate(cfg) -> None:
 
 
 _RULES["regenerate"] = [(k, _ge(1), ">= 1") for k in ("prompt_tokens", "max_new_tokens", "batch_size", "shard_size",
-                                                       "parts", "num_threads")]
+                                                       "parts", "num_threads", "slots")]
 _CHECKS["regenerate"] = _check_regenerate
 
 

@@ -281,7 +281,8 @@ def run(cfg: DictConfig) -> dict:
 
     settings = OmegaConf.to_container(cfg, resolve=True)
     check_manifest(out_dir, {"input": str(Path(cfg.input).resolve()), "input_sha1": file_fingerprint(cfg.input),
-                             "records": len(records), "shards": n_shards, **{k: settings.get(k) for k in DECODING_KEYS}})
+                             "records": len(records), "shards": n_shards, **{k: settings.get(k) for k in DECODING_KEYS},
+                             **({"slots": cfg.slots} if cfg.get("slots") is not None else {})})  # (older runs: none)
 
     import torch
 
@@ -292,7 +293,8 @@ def run(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.num_threads))
     target, tok, draft = load_stack(cfg)
     module = SpeculativeGenerationModule(target, draft, policy, sampling, int(cfg.max_new_tokens),
-                                         eos_ids=tok.eos_ids or None, seed=int(cfg.seed), compile=bool(cfg.compile))
+                                         eos_ids=tok.eos_ids or None, seed=int(cfg.seed), compile=bool(cfg.compile),
+                                         slots=cfg.get("slots"))
     renderer = ChatRenderer(tok, cfg.chat_template) if records[0].kind == "chat" else None
     P = int(cfg.prompt_tokens)
 

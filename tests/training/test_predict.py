@@ -142,3 +142,21 @@ def test_compacting_decoder_with_the_auto_budget_stays_lossless(tiny_target, tin
     got = dec.generate(prompts, 16)
     assert got.tokens == want.tokens
     assert dec.cache.batch == dec.drafter.batch < len(prompts)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_batch_served_through_fewer_slots_decodes_the_same(tiny_target, tiny_head, temperature):
+    """slots=2: the batch's prompts queue for two rows (continuous batching); each record's tokens (and, sampled,
+    its draws, seeded by its key) are those of the whole batch decoded at once."""
+    sampling = SamplingParams(temperature=temperature)
+    prompts = ragged_prompts(30, (4, 9, 2, 6, 3, 7))
+    outs = []
+    for slots in (None, 2):
+        module = SpeculativeGenerationModule(tiny_target, tiny_head, DynamicPolicy(10, 3, 4), sampling, MAX_NEW,
+                                             eos_ids=EOS, seed=5, slots=slots)
+        (got,), out = predict(module, [[Prompt(i, p) for i, p in enumerate(prompts)]])
+        outs.append((got, out[0]["stats"]))
+    assert outs[0][0] == outs[1][0]
+    assert outs[0][1].prefills == 1 and outs[1][1].prefills > 2 and outs[1][1].steps > outs[0][1].steps
+    with pytest.raises(ValueError, match="slots must be"):
+        SpeculativeGenerationModule(tiny_target, tiny_head, DynamicPolicy(10, 3, 4), slots=0)

@@ -6,8 +6,8 @@ treedec method (vanilla, each tree of ``bench.methods``) and the batched ``hf_gr
 (transformers ``generate`` with left padding and an attention mask) decode every prompt with the
 same ``max_new_tokens``; rows stop at EOS on their own. ``bench.batch_mode``:
 
-* ``continuous`` (default, as serving engines run): treedec methods, vanilla included, serve the
-  whole queue through b slots (:meth:`~treedec.decoding.loop.Decoder.serve`): a finished row's slot
+* ``continuous`` (default, as serving engines run): treedec methods, vanilla included, serve queues
+  of 4·b prompts (:data:`QUEUE_ROUNDS`) through b slots (:meth:`~treedec.decoding.loop.Decoder.serve`): a finished row's slot
   takes the next prompt at once, and once the queue is dry finished rows leave the batch. A tree
   method's rows finish at different steps (their acceptance differs), so a static batch would idle
   its slots in a tail of ever fewer rows; vanilla's rows finish together unless EOS stops them.
@@ -40,6 +40,9 @@ from omegaconf import DictConfig
 from treedec.bench.methods import Prompt, method_names
 
 log = logging.getLogger("treedec.bench")
+# Continuous batching: prompts per queue, in rounds of b. The methods take turns per queue, so shorter queues
+# interleave them more finely on a machine whose pace drifts; each queue still ends in one tail of finishing rows.
+QUEUE_ROUNDS = 4
 
 
 @dataclass
@@ -176,8 +179,10 @@ def run(cfg: DictConfig, target, draft, eos_ids: list[int], prompts: list[Prompt
     by_size, failures = {}, []
     for b in sizes:
         groups = batches(prompts, b)
-        if mode == "continuous":  # every prompt once (wrapping around only to fill the slots)
-            groups = [[prompts[i % len(prompts)].ids for i in range(max(len(prompts), b))]]
+        if mode == "continuous":  # every prompt once (wrapping around only to fill the slots), in queues of
+            rows = [prompts[i % len(prompts)].ids for i in range(max(len(prompts), b))]  # QUEUE_ROUNDS * b
+            q = QUEUE_ROUNDS * b
+            groups = [rows[i: i + q] for i in range(0, len(rows), q)]
         log.info("batch %d (%s): %d prompts of %d-%d tokens", b, mode, sum(map(len, groups)),
                  min(len(r) for g in groups for r in g), max(len(r) for g in groups for r in g))
         table = measure(methods, groups, int(cfg.bench.repeats), target.device, slots=b)

@@ -84,6 +84,7 @@ class SpeculativeDecoder(Decoder):
     def _admit(self, slots: list[int], rows: list[list[int]], generator) -> list[int]:
         """New prompts take finished rows' slots: prefilled in caches of their own (target and draft), then
         moved in (``put_rows``); the other rows' state is untouched."""
+        self.policy.interrupt()  # the prefill is no step: the auto budget's clock must not charge it to the last one
         longest = max(map(len, rows))
         cache = self.target.new_cache(len(rows), longest)
         drafter = Drafter(self.draft, len(rows), longest + Drafter.MAX_PENDING)

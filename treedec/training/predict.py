@@ -12,7 +12,9 @@ turn, each prompt holding the replies generated before): the module decodes the 
 one ragged :meth:`SpeculativeDecoder.generate` per round over the requests that still want one, so
 a conversation with fewer turns leaves the batch after its last one. Within a round a row that
 finishes early (EOS or its budget) leaves the batch too (:class:`CompactingDecoder`): the draft and
-verify passes run over the live rows only. Freed slots are not refilled until the next batch.
+verify passes run over the live rows only. With ``slots`` the round's prompts queue for that many
+rows, and a freed slot takes the next prompt at once (continuous batching); without it, freed slots
+are not refilled until the next batch.
 
 Randomness is per request: row b of a round draws from a stream seeded by (``seed``, request key,
 round; a request's round is its own prompt count, as requests only ever leave) (:class:`~treedec.decoding.sampling.RowSeededGenerator`), so a sampled record decodes the
@@ -22,6 +24,7 @@ the batches are (the float sums of a batched pass depend on the batch's shape).
 from __future__ import annotations
 
 import hashlib
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -89,14 +92,20 @@ class SpeculativeGenerationModule(L.LightningModule):
 
     def __init__(self, target: Transformer, draft: DraftHead, policy: TreePolicy,
                  sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
-                 eos_ids: Sequence[int] | None = None, seed: int = 0, compile: bool = False, compact: bool = True):
+                 eos_ids: Sequence[int] | None = None, seed: int = 0, compile: bool = False, compact: bool = True,
+                 slots: int | None = None):
         """``compact``: finished rows leave the batch (:class:`CompactingDecoder`; off with ``compile``, whose
-        graphs are per batch shape); False: they ride along frozen, as in ``SpeculativeDecoder``."""
+        graphs are per batch shape); False: they ride along frozen, as in ``SpeculativeDecoder``. ``slots``: at
+        most this many rows decode at once, the round's other prompts queueing for a finished row's slot
+        (continuous batching, :meth:`~treedec.decoding.loop.Decoder.serve`); None: the whole batch at once."""
         super().__init__()
         self.target, self.draft = target, draft
         self.policy, self.sampling, self.max_new_tokens = policy, sampling, int(max_new_tokens)
         self.eos_ids, self.seed, self.compile = eos_ids, int(seed), bool(compile)
         self.compact = bool(compact) and not self.compile
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, numbers.Integral) or slots < 1):
+            raise ValueError(f"slots must be a whole number >= 1 or None, got {slots!r}")
+        self.slots = None if slots is None else int(slots)
         self._decoder: SpeculativeDecoder | None = None
 
     @property
@@ -125,7 +134,7 @@ class SpeculativeGenerationModule(L.LightningModule):
                 return stats
             gen = RowSeededGenerator([row_seed(self.seed, r.key, turn) for r, _ in live], self.target.device,
                                      seed=row_seed(self.seed, tuple(r.key for r, _ in live), turn))
-            res = self.decoder.generate([self.fit_prompt(p) for _, p in live], self.max_new_tokens, generator=gen)
+            res = self.decoder.serve([self.fit_prompt(p) for _, p in live], self.max_new_tokens, self.slots, gen)
             for (r, _), toks in zip(live, res.tokens):
                 r.take(toks)
             stats, turn = stats.merge(res.stats), turn + 1

@@ -79,6 +79,10 @@ class TreePolicy:
         """A generation starts: each row's prompt and first token (host lists, in batch order). Policies that read
         the context (prompt lookup) keep it; the others ignore it."""
 
+    def interrupt(self) -> None:
+        """The loop does work between two steps that is no step (a new prompt's prefill): a policy that times its
+        steps stops the clock, so that work is not charged to the step before it."""
+
     def admit(self, slots, prompts, first) -> None:
         """New prompts took batch slots ``slots`` (continuous batching): like :meth:`begin`, for those rows alone."""
 

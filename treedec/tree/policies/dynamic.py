@@ -234,6 +234,10 @@ class DynamicPolicy(TreePolicy):
     def wants_top_run(self) -> bool:
         return self.budget is not None
 
+    def interrupt(self) -> None:
+        if self.budget is not None:
+            self.budget.pause()
+
     def observe(self, info) -> None:
         """Feed the auto budget the accepted drafts per live row, so it corrects its calibrated estimates, and what
         each chain arm would have accepted (the rows' top-1 runs), so the chains are judged on every step."""

@@ -115,6 +115,9 @@ class LookupPolicy(TreePolicy):
         self._skipped, self._inner_size = False, 1
         self.inner.begin(prompts, first)
 
+    def interrupt(self) -> None:
+        self.inner.interrupt()
+
     def admit(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], first: Sequence[int]) -> None:
         for j, p, t in zip(slots, prompts, first):
             self.rows[j], self.active[j], self.outran[j] = NgramIndex([*p, t], self.sizes), True, False
