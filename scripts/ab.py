@@ -2,7 +2,7 @@
 
     python scripts/ab.py --batch 4 vanilla chain:5@fp32 chain:5@bf16 dynamic:16/5/2@fp32 dynamic:16/5/2@bf16
     python scripts/ab.py --against 1f8ec11 vanilla chain:7 auto     # this tree's code against an earlier commit's
-    python scripts/ab.py --batch 4 --serve 16 vanilla chain:5 auto    # continuous batching: 16-prompt queues, 4 slots
+    python scripts/ab.py --batch 4 --serve 16 --static-too vanilla chain:5 auto   # continuous vs static batches
 
 A method is ``vanilla``, ``chain:D``, ``static`` (EAGLE's 26-node shape), ``dynamic:T/D/K`` (calibrated),
 ``auto`` (``tree.total_tokens=auto``, pool 7 / 4) or ``lookup:D`` (prompt lookup beside a D-deep chain), with
@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -91,6 +92,15 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
     return runs
 
 
+def in_batches(fn, size: int):
+    """A run over a queue of prompts as static batches of ``size``, one after another (results merged)."""
+    def run(rows):
+        parts = [fn(rows[i:i + size]) for i in range(0, len(rows), size)]
+        stats = SimpleNamespace(row_steps=sum(p.stats.row_steps for p in parts))
+        return SimpleNamespace(tokens=[t for p in parts for t in p.tokens], stats=stats)
+    return run
+
+
 def interleave(runs: dict, batches: list, passes: int) -> tuple[dict, dict]:
     """Each method on every batch, turns rotating -> (tokens/s per pass, [tokens, row-steps]) per method."""
     names = list(runs)
@@ -126,6 +136,8 @@ def main() -> None:
     ap.add_argument("--against", metavar="REV", help="also run every method on the code at this git revision")
     ap.add_argument("--serve", type=int, metavar="Q", help="continuous batching: queues of Q prompts, each served "
                     "through --batch slots (Decoder.serve; vanilla too); default: static batches of --batch")
+    ap.add_argument("--static-too", action="store_true", help="with --serve: also every method in static batches "
+                    "of --batch (tagged [static], ratios to vanilla [static]), interleaved with the served runs")
     a = ap.parse_args()
     if "vanilla" not in a.methods:
         raise SystemExit("include vanilla: every ratio is to it")
@@ -135,6 +147,9 @@ def main() -> None:
     runs = build_runs("treedec", a.methods, a.tokens, slots=slots)
     if a.against:
         runs.update(build_runs(revision_package(a.against), a.methods, a.tokens, tag, slots))
+    elif a.serve and a.static_too:
+        tag = " [static]"
+        runs.update({n: in_batches(f, a.batch) for n, f in build_runs("treedec", a.methods, a.tokens, tag).items()})
     from treedec.data.prompts import load_prompt_set
     from treedec.models.tokenizer import load_tokenizer
 
@@ -148,10 +163,11 @@ def main() -> None:
         ratios = [r / v for r, v in zip(rate[n], rate["vanilla" + (tag if tag and n.endswith(tag) else "")])]
         print(f"{n:24s} {statistics.median(rate[n]):8.1f} tok/s  x{statistics.median(ratios):.3f}  "
               f"tau {steps[n][0] / max(steps[n][1], 1):.2f}  per pass {' '.join(f'{r:.2f}' for r in ratios)}")
-    if a.against:
+    if tag:
         for m in a.methods:
             r = [x / y for x, y in zip(rate[m], rate[m + tag])]
-            print(f"this tree / {a.against}  {m:16s} {statistics.median(r):.3f}  per pass "
+            print(f"{'served / static' if a.static_too else f'this tree / {a.against}'}  {m:16s} "
+                  f"{statistics.median(r):.3f}  per pass "
                   f"{' '.join(f'{x:.3f}' for x in r)}")
 
 

@@ -253,7 +253,7 @@ class BenchOptionsSchema:
     compile: bool = False  # also run vanilla and each tree method with compile=True (NAME_compile)
     dynamic_sweep: Optional[List[int]] = None  # also dynamic_T<n> (bench.trees.dynamic at total_tokens=n) per n
     batch_sizes: Optional[List[int]] = None  # e.g. [1, 4, 16]: also decode in batches of each size (bench/batched.py)
-    batch_mode: str = "continuous"  # continuous: a queue of prompts through b slots | static: full batches of b
+    batch_mode: str = "static"  # static: full batches of b | continuous: queues of 4*b prompts through b slots
     trees: Dict[str, Any] = MISSING  # method name -> tree policy config (checked by _target_)
     peers: List[str] = MISSING  # conf/bench.yaml
     prompt_lookup_num_tokens: int = 10

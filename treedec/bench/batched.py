@@ -6,14 +6,15 @@ treedec method (vanilla, each tree of ``bench.methods``) and the batched ``hf_gr
 (transformers ``generate`` with left padding and an attention mask) decode every prompt with the
 same ``max_new_tokens``; rows stop at EOS on their own. ``bench.batch_mode``:
 
-* ``continuous`` (default, as serving engines run): treedec methods, vanilla included, serve queues
-  of 4·b prompts (:data:`QUEUE_ROUNDS`) through b slots (:meth:`~treedec.decoding.loop.Decoder.serve`): a finished row's slot
-  takes the next prompt at once, and once the queue is dry finished rows leave the batch. A tree
-  method's rows finish at different steps (their acceptance differs), so a static batch would idle
-  its slots in a tail of ever fewer rows; vanilla's rows finish together unless EOS stops them.
-  ``hf_greedy`` has no slots: it decodes the prompts in static batches of b.
-* ``static``: every method decodes the same full batches of b prompts, one after another; finished
-  rows leave the batch (compaction), no slot is refilled.
+* ``static`` (default): every method decodes the same full batches of b prompts, one after another;
+  finished rows leave the batch (compaction), no slot is refilled.
+* ``continuous`` (as serving engines run): treedec methods, vanilla included, serve queues of 4·b
+  prompts (:data:`QUEUE_ROUNDS`) through b slots (:meth:`~treedec.decoding.loop.Decoder.serve`): a
+  finished row's slot takes the next prompt at once, and once the queue is dry finished rows leave
+  the batch. ``hf_greedy`` has no slots: it decodes the prompts in static batches of b. (A tree
+  method's rows finish at different steps, so a static batch idles slots in a tail of ever fewer
+  rows; on the bundled model at batch 4 the newcomers' one-row prefills cost about what the shorter
+  tail saves, docs/benchmarks.md.)
 
 The auto budget sees the rows still decoding. The tree policies are the batch-1 run's own
 objects: the auto budget's step-time model, fitted over row counts, carries over.
@@ -172,7 +173,7 @@ def measure(methods: list[BatchMethod], groups: list[list[list[int]]], repeats: 
 def run(cfg: DictConfig, target, draft, eos_ids: list[int], prompts: list[Prompt], policies: dict) -> dict:
     """``metrics["batched"]``: ``{"sizes": [...], "by_size": {"4": {method: {...}}}, "failures": [...]}``."""
     sizes = [int(b) for b in cfg.bench.batch_sizes]
-    mode = str(cfg.bench.get("batch_mode", "continuous"))
+    mode = str(cfg.bench.get("batch_mode", "static"))
     if mode not in ("continuous", "static"):
         raise ValueError(f"bench.batch_mode={mode!r}: use continuous (a queue through b slots) or static (full batches)")
     methods, skipped = build(cfg, target, draft, eos_ids, policies)
