@@ -173,7 +173,8 @@ def test_put_rows_loads_new_rows_into_their_slots_and_leaves_the_others(slots):
         if r in slots:
             i, L = slots.index(r), 4 + slots.index(r)
             assert c.host_lengths[r] == L
-            assert torch.equal(c.k[:, r, :, :L], new.k[:, i, :, :L]) and torch.equal(c.v[:, r, :, :L], new.v[:, i, :, :L])
+            assert torch.equal(c.k[:, r, :, :L], new.k[:, i, :, :L])
+            assert torch.equal(c.v[:, r, :, :L], new.v[:, i, :, :L])
         else:
             k, v, L = before[r]
             assert c.host_lengths[r] == L and torch.equal(c.k[:, r, :, :L], k) and torch.equal(c.v[:, r, :, :L], v)

@@ -175,7 +175,7 @@ def run(cfg: DictConfig, target, draft, eos_ids: list[int], prompts: list[Prompt
     sizes = [int(b) for b in cfg.bench.batch_sizes]
     mode = str(cfg.bench.get("batch_mode", "static"))
     if mode not in ("continuous", "static"):
-        raise ValueError(f"bench.batch_mode={mode!r}: use continuous (a queue through b slots) or static (full batches)")
+        raise ValueError(f"bench.batch_mode={mode!r}: use static (full batches) or continuous (queues through b slots)")
     methods, skipped = build(cfg, target, draft, eos_ids, policies)
     by_size, failures = {}, []
     for b in sizes:

@@ -68,7 +68,8 @@ class SpeculativeDecoder(Decoder):
         pol.begin(rows, first)
         return first
 
-    def _fill(self, rows: list[list[int]], cache, drafter: Drafter, generator) -> tuple[torch.Tensor, RowStreams | None]:
+    def _fill(self, rows: list[list[int]], cache, drafter: Drafter,
+              generator) -> tuple[torch.Tensor, RowStreams | None]:
         """Prefill the target on ``rows`` (its next token is each row's first root), then record the draft's
         pairs (f_t, x_{t+1}) -> (roots, the rows' random streams)."""
         tgt, dev = self.target, self.target.device

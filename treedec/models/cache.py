@@ -200,9 +200,10 @@ class KVCache:
         slots = [int(s) for s in slots]
         if len(slots) != other.batch or len(set(slots)) != len(slots) or any(not 0 <= s < self.batch for s in slots):
             raise ValueError(f"put_rows needs {other.batch} distinct slots in [0, {self.batch}), got {slots}")
-        if (other.k.shape[0], other.k.shape[2], other.k.shape[4]) != (self.k.shape[0], self.k.shape[2], self.k.shape[4]):
-            raise ValueError(f"put_rows: a cache of (layers, kv heads, head dim) {tuple(other.k.shape[i] for i in (0, 2, 4))} "
-                             f"cannot fill one of {tuple(self.k.shape[i] for i in (0, 2, 4))}")
+        theirs_shape, mine = tuple(other.k.shape[i] for i in (0, 2, 4)), tuple(self.k.shape[i] for i in (0, 2, 4))
+        if theirs_shape != mine:
+            raise ValueError(f"put_rows: a cache of (layers, kv heads, head dim) {theirs_shape} cannot fill one of "
+                             f"{mine}")
         theirs, host = other._host(), list(self._host())
         used = max(theirs)
         if used > self.max_len:
