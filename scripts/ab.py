@@ -67,9 +67,11 @@ def revision_package(rev: str) -> str:
     return name
 
 
-def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: int | None = None) -> dict:
-    """``name + tag`` -> a function decoding a batch of prompts with that method, on package ``pkg``'s code
-    (``slots``: the batch is a queue served through that many rows, ``Decoder.serve``)."""
+def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: int | None = None,
+               serve: bool = False) -> dict:
+    """``name + tag`` -> a function decoding a batch of prompts with that method, on package ``pkg``'s code.
+    ``serve``: through ``Decoder.serve`` (vanilla's finished rows leave the batch too), the batch a queue for
+    ``slots`` rows (None: all at once); else ``generate`` (what an older REV has)."""
     mod = lambda m: importlib.import_module(f"{pkg}.{m}")  # noqa: E731
     models, vanilla = mod("models"), mod("decoding.vanilla")
     DraftHead, CompactingDecoder = mod("models.draft").DraftHead, mod("training.predict").CompactingDecoder
@@ -80,15 +82,15 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
         kind, _, arg = name.partition(":")
         if kind == "vanilla":
             plain = vanilla.VanillaDecoder(target)
-            runs[spec + tag] = (lambda rows: plain.serve(rows, tokens, slots, compact=True)) if slots else (
+            runs[spec + tag] = (lambda rows: plain.serve(rows, tokens, slots, compact=True)) if serve else (
                 lambda rows: vanilla.generate(target, rows, tokens))
             continue
         dtype = dtype or "auto"
         if dtype not in heads:
             heads[dtype] = DraftHead.load("tiny-code-eagle", target=target, dtype=dtype)
         dec = CompactingDecoder(target, heads[dtype], policy(kind, arg, mod("tree.policies")))
-        runs[spec + tag] = (lambda rows, dec=dec: dec.serve(rows, tokens, slots)) if slots else (
-            lambda rows, dec=dec: dec.generate(rows, tokens))  # (an older REV may have no serve)
+        runs[spec + tag] = (lambda rows, dec=dec: dec.serve(rows, tokens, slots)) if serve else (
+            lambda rows, dec=dec: dec.generate(rows, tokens))
     return runs
 
 
@@ -143,13 +145,17 @@ def main() -> None:
         raise SystemExit("include vanilla: every ratio is to it")
     torch.set_num_threads(a.threads)
     tag = f" [{a.against}]" if a.against else ""
+    if a.static_too and (a.against or not a.serve):
+        raise SystemExit("--static-too compares --serve runs with static batches of this tree's code: "
+                         "pass --serve Q, and no --against")
     slots = a.batch if a.serve else None
-    runs = build_runs("treedec", a.methods, a.tokens, slots=slots)
+    runs = build_runs("treedec", a.methods, a.tokens, slots=slots, serve=bool(a.serve))
     if a.against:
         runs.update(build_runs(revision_package(a.against), a.methods, a.tokens, tag, slots))
     elif a.serve and a.static_too:
         tag = " [static]"
-        runs.update({n: in_batches(f, a.batch) for n, f in build_runs("treedec", a.methods, a.tokens, tag).items()})
+        static = build_runs("treedec", a.methods, a.tokens, tag, serve=True)  # each batch all at once, compacted
+        runs.update({n: in_batches(f, a.batch) for n, f in static.items()})
     from treedec.data.prompts import load_prompt_set
     from treedec.models.tokenizer import load_tokenizer
 

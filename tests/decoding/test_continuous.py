@@ -2,6 +2,8 @@
 exactly as decoding it alone would, whatever the slots, policy, EOS pattern or sampling."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -46,6 +48,11 @@ def test_served_prompts_decode_as_each_alone_greedy_fp32(tiny_target, tiny_head,
         assert dec.cache.batch == dec.drafter.batch <= slots
         assert got.stats.new_tokens == sum(map(len, want))
         assert got.stats.row_steps >= got.stats.steps  # a pass covers one row or more
+        if name in ("static", "chain", "dynamic"):  # a row's tree is its own: the newcomers' draft state carried over
+            alone = [CompactingDecoder(tiny_target, tiny_head, POLICIES[name](), eos_ids=eos).generate([p], 18).stats
+                     for p in prompts]
+            assert got.stats.row_steps == sum(a.row_steps for a in alone)
+            assert got.stats.accepted == sum((a.accepted for a in alone), Counter())
     assert len({len(t) for t in want}) > 1  # EOS made the rows ragged
 
 
@@ -57,7 +64,7 @@ def test_vanilla_serves_a_queue_as_it_generates_one_batch(tiny_target, compact):
     want = dec.generate(prompts, 16).tokens
     got = dec.serve(prompts, 16, slots=2, compact=compact)
     assert got.tokens == want and got.stats.prefills >= 3
-    assert dec.cache.batch == (2 if not compact else dec.cache.batch) <= 2
+    assert dec.cache.batch == (1 if compact else 2)  # compacted: the last prompt decoding alone at the end
 
 
 def test_frozen_rows_ride_along_when_not_compacting(tiny_target, tiny_head):
@@ -103,6 +110,16 @@ def test_prompts_done_at_their_first_token_free_their_slot_at_once(tiny_target, 
     got = CompactingDecoder(tiny_target, tiny_head, POLICIES["chain"](), eos_ids=[]).serve(prompts, 1, slots=2)
     want = VanillaDecoder(tiny_target, eos_ids=[]).generate(prompts, 1).tokens
     assert got.tokens == want and got.stats.steps == 0 and got.stats.prefills == 3
+
+
+def test_a_callers_cache_is_never_cut(tiny_target):
+    cache = tiny_target.new_cache(2, 64)
+    dec = VanillaDecoder(tiny_target, cache=cache)
+    with pytest.raises(ValueError, match="compact=False"):
+        dec.serve(prompts_for(1, 3), 8, slots=2, compact=True)
+    assert cache.batch == 2
+    assert dec.serve(prompts_for(1, 3), 8, slots=2).tokens == VanillaDecoder(tiny_target).generate(
+        prompts_for(1, 3), 8).tokens
 
 
 @pytest.mark.parametrize("slots", [0, -1, 1.5, True, "2"])

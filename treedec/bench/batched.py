@@ -127,7 +127,7 @@ def measure(methods: list[BatchMethod], groups: list[list[list[int]]], repeats: 
     the batch size; methods in turn, order rotating) -> per-method summary at this batch size."""
     slots = slots or len(groups[0])
     for m in methods:  # warm-up: allocator, kernels, the auto budget's first steps at this row count
-        m.fn(groups[0][:slots], slots)
+        m.fn(groups[0], slots)
     times = {m.name: [] for m in methods}
     toks = {m.name: [] for m in methods}
     first: dict[str, list[BatchRun]] = {m.name: [] for m in methods}

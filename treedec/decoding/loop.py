@@ -362,6 +362,9 @@ class Decoder:
         """Cut the batch to slots ``order`` (slot j gets old slot ``order[j]``): per-row state follows."""
         raise NotImplementedError(f"{type(self).__name__} cannot drop rows (serve with compact=False)")
 
+    def _check_serve(self, compact: bool) -> None:
+        """Refuse, before any work, a ``serve`` this decoder cannot run."""
+
     def generate(self, prompts, max_new_tokens: int, generator: torch.Generator | None = None,
                  stream: Callable[[int, list[int]], None] | None = None,
                  hook: Callable[[StepInfo], None] | None = None, timing: bool = False) -> GenerateResult:
@@ -380,7 +383,9 @@ class Decoder:
         A prompt's tokens do not depend on ``slots`` (rows of a batched pass do not interact; greedy fp32
         and seeded sampling are tested token for token): a sampled row draws from its own stream, named
         by the generator's row seeds (:class:`~treedec.decoding.sampling.RowSeededGenerator`, one per
-        prompt) or derived from one base draw and the prompt's index. ``compact`` (default: the class's
+        prompt) or derived from one base draw and the prompt's index. (Sampled: with a tree of fixed
+        shape per row; the auto budget's T depends on the batch, sampled drafts share the generator, and
+        in bf16 another batch shape may round a near-tie the other way.) ``compact`` (default: the class's
         ``compact``): a slot nothing refills leaves the batch. ``hook`` sees every pass; when slots are
         refilled or cut, its ``StepInfo`` is in prompt order and carries no tree, path or logits (their
         rows are slots).
@@ -392,6 +397,7 @@ class Decoder:
             raise ValueError(f"slots must be a whole number >= 1 (batch rows decoding at once), got {slots!r}")
         width = len(rows) if slots is None else min(int(slots), len(rows))
         compact = self.compact if compact is None else bool(compact)
+        self._check_serve(compact)
         mapped = compact or width < len(rows)  # slots and prompts part ways: StepInfo goes to prompt order
         stats = DecodeStats(batch=width)
         out = Emitter(len(rows), max_new_tokens, self.eos, stream)

@@ -89,6 +89,11 @@ class VanillaDecoder(Decoder):
                 self._streams.generators[j] = g
         return tok.tolist()
 
+    def _check_serve(self, compact: bool) -> None:
+        if compact and self._given:
+            raise ValueError("serve(compact=True) would cut the cache you passed in to fewer rows; pass "
+                             "compact=False, or no cache")
+
     def _keep_rows(self, order: list[int]) -> None:
         self.cache.keep_rows(order)
         self._tok = self._tok[torch.tensor(order, device=self._tok.device)]

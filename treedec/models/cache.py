@@ -214,8 +214,7 @@ class KVCache:
                 buf[:, dst, :, :used] = src[:, :, :, :used].to(buf.dtype)
         for s, n in zip(slots, theirs):
             host[s] = n
-        with torch.inference_mode(False):
-            self.lengths = torch.tensor(host, dtype=torch.long).to(self.lengths.device)
+        self.lengths.copy_(torch.tensor(host, dtype=torch.long))  # in place: a compiled graph keeps its input
         self.host_lengths = host
         self._synced()
 
