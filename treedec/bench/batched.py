@@ -179,11 +179,12 @@ def run(cfg: DictConfig, target, draft, eos_ids: list[int], prompts: list[Prompt
     methods, skipped = build(cfg, target, draft, eos_ids, policies)
     by_size, failures = {}, []
     for b in sizes:
-        groups = batches(prompts, b)
         if mode == "continuous":  # every prompt once (wrapping around only to fill the slots), in queues of
             rows = [prompts[i % len(prompts)].ids for i in range(max(len(prompts), b))]  # QUEUE_ROUNDS * b
             q = QUEUE_ROUNDS * b
             groups = [rows[i: i + q] for i in range(0, len(rows), q)]
+        else:
+            groups = batches(prompts, b)
         log.info("batch %d (%s): %d prompts of %d-%d tokens", b, mode, sum(map(len, groups)),
                  min(len(r) for g in groups for r in g), max(len(r) for g in groups for r in g))
         table = measure(methods, groups, int(cfg.bench.repeats), target.device, slots=b)

@@ -105,6 +105,13 @@ def normalize_eos(eos_ids, default: Sequence[int]) -> set[int]:
     return {int(t) for t in ids}
 
 
+def check_slots(slots) -> int | None:
+    """``serve``'s ``slots``: None (every prompt at once) or a whole number >= 1."""
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, numbers.Integral) or slots < 1):
+        raise ValueError(f"slots must be a whole number >= 1 (batch rows decoding at once) or None, got {slots!r}")
+    return None if slots is None else int(slots)
+
+
 def static_room(need: int, cap: int) -> int:
     """Cache length for a compiled decoder: a power-of-two bucket (at least 256, at most ``cap``).
 
@@ -393,9 +400,8 @@ class Decoder:
         rows = normalize_prompts(prompts)
         max_new_tokens = check_budget(max_new_tokens)
         check_context(self.target, rows, max_new_tokens)
-        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, numbers.Integral) or slots < 1):
-            raise ValueError(f"slots must be a whole number >= 1 (batch rows decoding at once), got {slots!r}")
-        width = len(rows) if slots is None else min(int(slots), len(rows))
+        slots = check_slots(slots)
+        width = len(rows) if slots is None else min(slots, len(rows))
         compact = self.compact if compact is None else bool(compact)
         self._check_serve(compact)
         mapped = compact or width < len(rows)  # slots and prompts part ways: StepInfo goes to prompt order

@@ -111,6 +111,15 @@ class RowStreams:
     def row(self, b: int, *shape: int) -> torch.Tensor:
         return torch.rand(shape, generator=self.generators[b], device=self.device)
 
+    def keep_rows(self, order: Sequence[int]) -> None:
+        """The batch was cut to rows ``order`` (old rows, in their new order): each stream follows its row."""
+        self.generators = [self.generators[i] for i in order]
+
+    def put_rows(self, slots: Sequence[int], other: "RowStreams") -> None:
+        """New rows (``other``'s, prefilled) took batch slots ``slots``: their streams go with them."""
+        for j, g in zip(slots, other.generators):
+            self.generators[j] = g
+
 
 class RowSeededGenerator(torch.Generator):
     """A generator that also names each batch row's seed: row b draws from a stream seeded by

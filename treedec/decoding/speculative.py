@@ -93,8 +93,7 @@ class SpeculativeDecoder(Decoder):
         self.cache.put_rows(slots, cache)
         self.drafter.put_rows(slots, drafter)
         if streams is not None:
-            for j, g in zip(slots, streams.generators):
-                self._streams.generators[j] = g
+            self._streams.put_rows(slots, streams)
         first = root.tolist()
         self.policy.admit(slots, rows, first)
         self._active = None  # the device copy of the active rows is re-made
@@ -107,7 +106,7 @@ class SpeculativeDecoder(Decoder):
         self.drafter.keep_rows(idx, order)  # the root and any catch-up still pending
         self.policy.keep_rows(order)  # and what the policy keeps per row (prompt lookup's context)
         if self._streams is not None:
-            self._streams.generators = [self._streams.generators[i] for i in order]
+            self._streams.keep_rows(order)
         self._active = None
 
     def _root_only(self) -> Tree:

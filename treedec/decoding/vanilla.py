@@ -85,8 +85,7 @@ class VanillaDecoder(Decoder):
         self._tok = self._tok.clone()
         self._tok[torch.tensor(slots, device=tok.device)] = tok
         if streams is not None:
-            for j, g in zip(slots, streams.generators):
-                self._streams.generators[j] = g
+            self._streams.put_rows(slots, streams)
         return tok.tolist()
 
     def _check_serve(self, compact: bool) -> None:
@@ -98,7 +97,7 @@ class VanillaDecoder(Decoder):
         self.cache.keep_rows(order)
         self._tok = self._tok[torch.tensor(order, device=self._tok.device)]
         if self._streams is not None:
-            self._streams.generators = [self._streams.generators[i] for i in order]
+            self._streams.keep_rows(order)
 
     def _step(self, active: list[bool], generator, timer: Timer) -> tuple[StepInfo, int]:
         cache = self.cache

@@ -24,7 +24,6 @@ the batches are (the float sums of a batched pass depend on the batch's shape).
 from __future__ import annotations
 
 import hashlib
-import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -32,7 +31,7 @@ from typing import Protocol, Sequence
 import lightning as L
 import torch
 
-from treedec.decoding.loop import DecodeStats
+from treedec.decoding.loop import DecodeStats, check_slots
 from treedec.decoding.sampling import RowSeededGenerator, SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.models.draft import DraftHead
@@ -103,9 +102,7 @@ class SpeculativeGenerationModule(L.LightningModule):
         self.policy, self.sampling, self.max_new_tokens = policy, sampling, int(max_new_tokens)
         self.eos_ids, self.seed, self.compile = eos_ids, int(seed), bool(compile)
         self.compact = bool(compact) and not self.compile
-        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, numbers.Integral) or slots < 1):
-            raise ValueError(f"slots must be a whole number >= 1 or None, got {slots!r}")
-        self.slots = None if slots is None else int(slots)
+        self.slots = check_slots(slots)  # (fails here, at construction, not at the first batch)
         self._decoder: SpeculativeDecoder | None = None
 
     @property
