@@ -5,7 +5,9 @@
     python scripts/ab.py --batch 4 --serve 16 --static-too vanilla chain:5 auto   # continuous vs static batches
 
 A method is ``vanilla``, ``chain:D``, ``static`` (EAGLE's 26-node shape), ``dynamic:T/D/K`` (calibrated),
-``auto`` (``tree.total_tokens=auto``, pool 7 / 4) or ``lookup:D`` (prompt lookup beside a D-deep chain), with
+``auto`` (``tree.total_tokens=auto``, pool 7 / 4), ``arm:T/D`` (auto's policy with its budget held on the one arm of
+T nodes and depth D: what that arm makes when played on every step, e.g. ``arm:8/7`` its 7-deep chain) or
+``lookup:D`` (prompt lookup beside a D-deep chain), with
 ``@fp32`` / ``@bf16`` / ``@auto`` for the draft head's dtype (default auto). Bundled model, bf16 target,
 third-party prompts, ragged batches, finished rows leave the batch. Within a pass the methods take turns on
 each batch, the order rotating; each pass's ratio is to that pass's vanilla, so a machine that speeds up or
@@ -46,9 +48,16 @@ def policy(kind: str, arg: str, P):
         return P.DynamicPolicy(total_tokens=T, depth=d, top_k=k, **calibrated)
     if kind == "auto":
         return P.DynamicPolicy(total_tokens="auto", depth=7, top_k=4, **calibrated)
+    if kind == "arm":
+        pol = policy("auto", "", P)
+        arm = tuple(map(int, arg.split("/")))
+        if arm not in pol.budget.arms:
+            raise SystemExit(f"arm:{arg} is not one of auto's arms: {' '.join(f'{t}/{d}' for t, d in pol.budget.arms)}")
+        pol.budget.choose = lambda rows: arm  # measurement only: the budget still times and scores, but never moves
+        return pol
     if kind == "lookup":
         return P.LookupPolicy(P.ChainPolicy(int(arg)))
-    raise SystemExit(f"unknown method {kind!r}: vanilla, chain:D, static, dynamic:T/D/K, auto or lookup:D")
+    raise SystemExit(f"unknown method {kind!r}: vanilla, chain:D, static, dynamic:T/D/K, auto, arm:T/D or lookup:D")
 
 
 def revision_package(rev: str) -> str:
