@@ -8,7 +8,8 @@ A method is ``vanilla``, ``chain:D``, ``static`` (EAGLE's 26-node shape), ``dyna
 ``auto`` (``tree.total_tokens=auto``, pool 7 / 4), ``arm:T/D`` (auto's policy with its budget held on the one arm of
 T nodes and depth D: what that arm makes when played on every step, e.g. ``arm:8/7`` its 7-deep chain) or
 ``lookup:D`` (prompt lookup beside a D-deep chain), with
-``@fp32`` / ``@bf16`` / ``@auto`` for the draft head's dtype (default auto). Bundled model, bf16 target,
+``@fp32`` / ``@bf16`` / ``@auto`` for the draft head's dtype (default auto), or ``@int8`` for the auto dtype's head
+with int8 weights (``draft.quantize=int8``). Bundled model, bf16 target,
 third-party prompts, ragged batches, finished rows leave the batch. Within a pass the methods take turns on
 each batch, the order rotating; each pass's ratio is to that pass's vanilla, so a machine that speeds up or
 slows down between passes moves every method alike (``bench.batch_sizes`` does the same for a whole report).
@@ -96,7 +97,9 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
             continue
         dtype = dtype or "auto"
         if dtype not in heads:
-            heads[dtype] = DraftHead.load("tiny-code-eagle", target=target, dtype=dtype)
+            q = dtype == "int8"
+            heads[dtype] = DraftHead.load("tiny-code-eagle", target=target, dtype="auto" if q else dtype,
+                                          **({"quantize": "int8"} if q else {}))
         dec = CompactingDecoder(target, heads[dtype], policy(kind, arg, mod("tree.policies")))
         runs[spec + tag] = (lambda rows, dec=dec: dec.serve(rows, tokens, slots)) if serve else (
             lambda rows, dec=dec: dec.generate(rows, tokens))

@@ -52,6 +52,7 @@ class DraftSchema:  # conf/draft: the draft head to load
     _target_: str = MISSING  # treedec.models.draft.DraftHead.load
     path: str = MISSING  # "tiny-code-eagle" or a draft head directory
     dtype: Optional[str] = "auto"  # auto: fp32 on a CPU (its small matmuls are faster), else the target's | float32 | bfloat16
+    quantize: Optional[str] = "auto"  # auto: int8 weights on a CPU where they measure faster | int8 | null (full precision)
 
 
 @dataclass
@@ -588,6 +589,10 @@ def validate(cfg: DictConfig, kind: str = "generate") -> None:
     for group in ("tree", "probe"):
         if group in node and group in SCHEMAS[kind].__dataclass_fields__:
             validate_tree(node[group], group)
+    quantize = OmegaConf.select(node, "draft.quantize")
+    if quantize is not None and quantize not in ("auto", "int8"):
+        raise ConfigError(f"invalid {kind} config: draft.quantize={quantize!r}; choose auto (int8 weights where "
+                          "they measure faster), int8 or null (the head's full-precision weights)")
     backend = OmegaConf.select(node, "model.attn_backend")
     if backend is not None and backend not in KERNEL_BACKENDS:
         raise ConfigError(f"invalid {kind} config: model.attn_backend={backend!r}; "

@@ -74,7 +74,7 @@ def run(cfg: DictConfig) -> Path:
 
     validate(cfg, "export_head")
     _check_out(Path(cfg.out).expanduser())  # before loading anything
-    head = load(cfg.draft, dtype=None)  # the file's own dtype: export writes what was trained
+    head = load(cfg.draft, dtype=None, quantize=None)  # the file's own dtype and weights: export writes what was trained
     out = export_head(head, cfg.out, cfg.format, resolve_dtype(cfg.dtype) if cfg.dtype else None)
     log.info("wrote the %s head %s as format=%s to %s (load it with draft.path=%s)",
              head.config.kind, cfg.draft.path, cfg.format, out, out)

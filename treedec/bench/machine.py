@@ -53,7 +53,7 @@ def machine_info(target, draft=None) -> dict:
         "git_commit": _git_commit(),
     }
     if draft is not None:
-        info["draft_dtype"] = str(draft.fc.weight.dtype).removeprefix("torch.")
+        info["draft_dtype"] = str(draft.dtype).removeprefix("torch.")
     if dev.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(dev)
         info["cuda"] = torch.version.cuda

@@ -29,6 +29,7 @@ from treedec.models.draft_config import BUNDLED_DRAFTS, DRAFT_CONFIG, DRAFT_WEIG
 from treedec.models.llama import (DecoderLayer, ModelOutput, Transformer, one_row_matmuls, rope_cos_sin, rope_inv_freq,
                                   rope_lookup)
 from treedec.models.packed import PackedLinear, pack_linears, packed_bf16_is_faster, packed_weight, should_pack
+from treedec.models.quantized import QUANTIZE, Int8Linear, int8_is_faster, is_quantized, quantize_linears
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -158,17 +159,22 @@ class DraftHead(nn.Module):
                     f"but is bound to a different target (fingerprint {fp}) of the same shape: output stays exact, "
                     "but expect little acceleration (tau near 1); train a head for this target with `python -m treedec.train`",
                     stacklevel=2)
-        if self.fc.weight.device != target.device:
+        if self.device != target.device:
             self.to(device=target.device)
         self._target = (target,)  # a tuple keeps the target out of this module's parameters
-        self._lm_weight = self._lm_packed = None  # an EAGLE-3 head has its own LM head; an EAGLE head shares the target's
+        self._lm_weight = self._lm_packed = self._lm_int8 = None  # an EAGLE-3 head has its own LM head; an EAGLE
+        #                                                             head shares the target's
         if dc.kind == "eagle":
             w = target.lm_head.weight.detach()
             if dc.draft_vocab_size:
                 w = w[self.vocab_ids]
-            if w.dtype != self.fc.weight.dtype or dc.draft_vocab_size:  # a copy in the head's dtype
-                self._lm_weight = w.to(self.fc.weight.dtype)
-            if isinstance(self.fc, PackedLinear):  # a packed bf16 head multiplies by packed LM rows too: the target's
+            if w.dtype != self.dtype or dc.draft_vocab_size:  # a copy in the head's dtype
+                self._lm_weight = w.to(self.dtype)
+            if isinstance(self.fc, Int8Linear):  # a quantized head drafts over int8 rows of the LM head too (the
+                #                                  largest of its matrices), for as many rows as its other linears
+                self._lm_int8 = [Int8Linear(w.to(self.dtype))]  # (a list: not a submodule of the head)
+            fc = self.fc.dense if isinstance(self.fc, Int8Linear) else self.fc
+            if isinstance(fc, PackedLinear):  # a packed bf16 head multiplies by packed LM rows too: the target's
                 #                                  own packed LM head when it shares it whole, else its rows packed
                 shared = self._lm_weight is None and isinstance(target.lm_head, PackedLinear)
                 self._lm_packed = target.lm_head if shared else packed_weight(
@@ -187,7 +193,7 @@ class DraftHead(nn.Module):
                 ids.unique().numel() != ids.numel():
             raise ValueError(f"a draft vocabulary needs distinct token ids in [0, {self.config.vocab_size})")
         self.config.draft_vocab_size = ids.numel()
-        self.register_buffer("vocab_ids", ids.to(self.fc.weight.device))
+        self.register_buffer("vocab_ids", ids.to(self.device))
         if self._target:
             self.bind(self.target)
         return self
@@ -212,13 +218,21 @@ class DraftHead(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         """Keep the RoPE frequencies in fp32 whatever dtype the head moves to (as the target does)."""
         out = super()._apply(fn, recurse)
-        self.inv_freq = rope_inv_freq(self.config.layer_config()).to(self.fc.weight.device)
+        self.inv_freq = rope_inv_freq(self.config.layer_config()).to(self.device)
         return out
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The head's compute dtype (an int8 head's: its scales', the dtype its activations keep)."""
+        return self.fc.scale.dtype if isinstance(self.fc, Int8Linear) else self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.inv_freq.device
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
-        w = self.fc.weight
-        return KVCache(1, batch, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
+        return KVCache(1, batch, c.num_key_value_heads, max_len, c.head_dim, self.dtype, self.device)
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, cache: KVCache,
                 position_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -230,7 +244,7 @@ class DraftHead(nn.Module):
         Logits cost a vocabulary-wide matmul, so they are asked for apart: :meth:`logits`.
         """
         t = self.target
-        dt = self.fc.weight.dtype
+        dt = self.dtype
         x = torch.cat((_as(t.model.embed_tokens(tokens), dt), _as(features, dt)), dim=-1)
         mask, cos, sin = self._mask_rope(tokens.shape[1], cache, position_ids, mask)
         backend = "eager" if t.attn_backend == "eager" else "sdpa"  # one small layer: a dense mask is cheapest
@@ -249,10 +263,12 @@ class DraftHead(nn.Module):
             mask = prefix_tree_mask(chain, cache.lengths, max(host) + T, host_lens=host)[:, None]
         # the target's context, where an imported head's config says less: its drafts must not lose RoPE there
         n = max(self.config.max_position_embeddings, self.target.config.max_position_embeddings)
-        return (mask, *rope_lookup(self, position_ids, n, self.fc.weight.dtype))
+        return (mask, *rope_lookup(self, position_ids, n, self.dtype))
 
     def logits(self, feat: torch.Tensor) -> torch.Tensor:
         """Draft logits for predicted features: over the draft vocabulary (all of the target's by default)."""
+        if self._lm_int8 is not None and feat.numel() // feat.shape[-1] <= Int8Linear.max_rows:
+            return self._lm_int8[0](_as(feat, self.dtype))
         if self._lm_packed is not None:
             return self._lm_packed(_as(feat, torch.bfloat16))
         w = self.target.lm_head.weight if self._lm_weight is None else self._lm_weight
@@ -261,19 +277,29 @@ class DraftHead(nn.Module):
     def forward_train(self, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal pass from position 0 without a cache (training): same maths as :meth:`forward` on a chain."""
         t = self.target
-        x = self.fc(torch.cat((t.model.embed_tokens(tokens), features.to(self.fc.weight.dtype)), dim=-1))
+        x = self.fc(torch.cat((t.model.embed_tokens(tokens), features.to(self.dtype)), dim=-1))
         B, T = tokens.shape
         cos, sin = rope_cos_sin(torch.arange(T, device=x.device)[None].expand(B, T), self.inv_freq)
         feat = self.layer.forward_causal(x, cos, sin)
         return feat, t.lm_head(feat.to(t.lm_head.weight.dtype))
 
     # ------------------------------------------------------------------ checkpoints
+    def _linear_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(in, out) of the head's linears and, for a head sharing its target's LM head, of its LM rows."""
+        shapes = [(m.in_features, m.out_features) for m in self.modules() if isinstance(m, nn.Linear)]
+        if self.config.kind == "eagle":
+            shapes.append((self.config.hidden_size, self.config.draft_vocab_size or self.config.vocab_size))
+        return tuple(shapes)
+
     def save(self, path: str | Path) -> None:
         """Write draft_config.json + draft.safetensors; a bound head records its target's fingerprint."""
         from safetensors.torch import save_file
 
         from treedec.models.checkpoint import follow_umask
 
+        if is_quantized(self):
+            raise ValueError("this draft head's weights are int8 (draft.quantize=int8): a file of them would not load; "
+                             "save the head loaded without quantize")
         if self._target:
             self.config.target_fingerprint = target_fingerprint(self.target)
         path = Path(path)
@@ -283,13 +309,22 @@ class DraftHead(nn.Module):
         follow_umask(path / DRAFT_WEIGHTS)
 
     @classmethod
-    def load(cls, path: str | Path, target: Transformer | None = None, dtype=None, device=None) -> "DraftHead":
+    def load(cls, path: str | Path, target: Transformer | None = None, dtype=None, device=None,
+             quantize: str | None = None) -> "DraftHead":
         """Load a bundled head ("tiny-code-eagle", "tiny-code-eagle3") or a directory (draft_config.json + draft.safetensors); never unpickles.
 
         ``dtype``: None keeps the file's; "auto" is :func:`inference_dtype` for the target; else a dtype or its name.
+        ``quantize``: "int8" rounds the head's weights to int8 for its passes of few rows (:mod:`treedec.models.quantized`;
+        the output does not change, the drafts only where the head's top tokens nearly tie); "auto": int8 on a CPU
+        where that measures faster than the head's dtype (:func:`~treedec.models.quantized.int8_is_faster`); None keeps
+        them.
         """
         from safetensors import SafetensorError
         from safetensors.torch import load_file
+
+        if quantize is not None and quantize not in QUANTIZE:
+            raise ValueError(f"draft.quantize={quantize!r} is not supported; use null (full precision), "
+                             f"{' or '.join(QUANTIZE)}")
 
         dtype = inference_dtype(target, device) if str(dtype) == "auto" else dtype
         if isinstance(dtype, str):
@@ -300,7 +335,7 @@ class DraftHead(nn.Module):
         if not (path / DRAFT_CONFIG).is_file() and (path / "config.json").is_file():  # EAGLE / EAGLE-3 / speculators
             from treedec.models.head_formats import load_published
 
-            return load_published(path, cls, target, dtype=dtype, device=device)
+            return load_published(path, cls, target, dtype=dtype, device=device, quantize=quantize)
         if not (path / DRAFT_CONFIG).is_file():
             raise FileNotFoundError(f"no draft head at {path}: expected {DRAFT_CONFIG} and {DRAFT_WEIGHTS} (train one with `python -m treedec.train`)")
         try:
@@ -319,13 +354,17 @@ class DraftHead(nn.Module):
         if missing or unexpected:
             raise ValueError(f"draft weights in {path} do not match its config: missing {missing}, unexpected {unexpected}")
         head = head.to(device=device or "cpu", dtype=dtype or state["fc.weight"].dtype)
-        return head.prepare(target)
+        return head.prepare(target, quantize)
 
-    def prepare(self, target: Transformer | None = None) -> "DraftHead":
+    def prepare(self, target: Transformer | None = None, quantize: str | None = None) -> "DraftHead":
         """The inference form of a loaded head: q/k/v and gate/up fused into one matmul each (file names
-        unchanged), a bf16 head's weights on a CPU packed once for oneDNN (as the target's are), bound to
-        ``target`` when given."""
+        unchanged), a bf16 head's weights on a CPU packed once for oneDNN (as the target's are), its linears int8
+        for few rows with ``quantize="int8"``, bound to ``target`` when given."""
         self.layer.fuse()
+        if quantize == "auto":
+            quantize = "int8" if self.device.type == "cpu" and int8_is_faster(self._linear_shapes(), self.dtype) else None
         if should_pack(self):
             pack_linears(self)
+        if quantize == "int8":
+            quantize_linears(self, skip=("_lm_",))  # (never the target's LM head, which a bound head may hold)
         return self.bind(target) if target is not None else self

@@ -104,12 +104,12 @@ class Eagle3Head(DraftHead, kind="eagle3"):
         return torch.cat([out.layer_inputs[i] for i in self.config.feature_layers], dim=-1)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
-        return self.fc(features.to(self.fc.weight.dtype))
+        return self.fc(features.to(self.dtype))
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, cache: KVCache,
                 position_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] (one ahead of) head-space features [B, T, H] -> the midlayer's outputs [B, T, H]."""
-        t, dt = self.target, self.fc.weight.dtype
+        t, dt = self.target, self.dtype
         mask, cos, sin = self._mask_rope(tokens.shape[1], cache, position_ids, mask)
         backend = "eager" if t.attn_backend == "eager" else "sdpa"
         emb = t.model.embed_tokens(tokens).to(dt)
@@ -117,7 +117,7 @@ class Eagle3Head(DraftHead, kind="eagle3"):
             return self.layer(emb, features.to(dt), cos, sin, cache, mask, backend)
 
     def logits(self, feat: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(feat.to(self.fc.weight.dtype)))
+        return self.lm_head(self.norm(feat.to(self.dtype)))
 
     def forward_train(self, tokens: torch.Tensor, features: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:
         """Training-time test: draft logits [B, T, K] of each of ``steps`` unrolled steps, no cache.
@@ -128,7 +128,7 @@ class Eagle3Head(DraftHead, kind="eagle3"):
         """
         t = self.target
         B, T = tokens.shape
-        emb = t.model.embed_tokens(tokens).to(self.fc.weight.dtype)
+        emb = t.model.embed_tokens(tokens).to(self.dtype)
         cos, sin = rope_cos_sin(torch.arange(T, device=tokens.device)[None].expand(B, T), self.inv_freq)
         attn = self.layer.self_attn
         h, keys, values, out = self.project(features), [], [], []

@@ -201,7 +201,7 @@ def _check_fits(path: Path, cfg: LlamaConfig, target: Transformer | None, embed:
 
 
 def load_published(path: str | Path, build: Callable[[DraftConfig], nn.Module], target: Transformer | None = None,
-                   dtype=None, device=None) -> nn.Module:
+                   dtype=None, device=None, quantize: str | None = None) -> nn.Module:
     """A published head as a treedec head (``build(cfg)``: ``DraftHead``, which picks the class of the kind; passed
     in so this module stays below the head classes), fused, bound to ``target`` when given."""
     cfg, state, layout = convert(path, target)
@@ -213,7 +213,7 @@ def load_published(path: str | Path, build: Callable[[DraftConfig], nn.Module], 
     if missing or unexpected:
         raise ValueError(f"{path} ({layout} layout) does not hold a whole head: missing {sorted(missing)}, "
                          f"unexpected {sorted(unexpected)}")
-    return head.to(device=device or "cpu", dtype=dtype or state["fc.weight"].dtype).eval().prepare(target)
+    return head.to(device=device or "cpu", dtype=dtype or state["fc.weight"].dtype).eval().prepare(target, quantize)
 
 
 
