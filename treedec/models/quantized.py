@@ -33,7 +33,8 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dense: nn.Module | None = None):
         super().__init__()
         w = weight.detach().float()
-        scale = w.abs().amax(1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        # the scale rounded to the activations' dtype first (the kernel multiplies by it there), then the weight to it
+        scale = (w.abs().amax(1) / 127).to(weight.dtype).float().clamp(min=torch.finfo(weight.dtype).tiny)
         self.out_features, self.in_features = w.shape
         self.register_buffer("qweight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous())
         self.register_buffer("scale", scale.to(weight.dtype))
