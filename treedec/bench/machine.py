@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from treedec.models.quantized import is_quantized
+
 
 # --------------------------------------------------------------------------- machine
 def _cpu_model() -> str:
@@ -43,7 +45,8 @@ def _git_commit() -> str | None:
 
 
 def machine_info(target, draft=None) -> dict:
-    """Where a benchmark ran; ``draft_dtype`` is the head's dtype as loaded (``draft.dtype=auto`` measures it)."""
+    """Where a benchmark ran; ``draft_dtype`` is the head's dtype as loaded (``draft.dtype=auto`` measures it) and
+    ``draft_int8`` whether its weights are int8 (``draft.quantize=auto`` measures that)."""
     dev = target.device
     info = {
         "cpu": _cpu_model(), "cpu_flags": _cpu_flags(), "cpu_count": os.cpu_count(),
@@ -54,6 +57,7 @@ def machine_info(target, draft=None) -> dict:
     }
     if draft is not None:
         info["draft_dtype"] = str(draft.dtype).removeprefix("torch.")
+        info["draft_int8"] = is_quantized(draft)
     if dev.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(dev)
         info["cuda"] = torch.version.cuda
