@@ -56,9 +56,10 @@ class Int8Linear(nn.Module):
             return self.dense(x)
         if x.device.type != "cpu":  # the int8 kernel is the CPU's; elsewhere the dequantized weight (same values)
             return F.linear(x, self.dequantized(x.dtype), self.bias)
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features), self.qweight, self.scale.to(x.dtype))
+        same = lambda t: t if t.dtype == x.dtype else t.to(x.dtype)  # noqa: E731 (no cast op where none is needed)
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features), self.qweight, same(self.scale))
         y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        return y if self.bias is None else y + same(self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
