@@ -90,3 +90,20 @@ def test_a_quantized_head_is_not_saved_and_bad_values_are_named(tmp_path):
     assert isinstance(DraftHead.load(tmp_path / "full", target=target, quantize="int8").fc, Int8Linear)
     auto = DraftHead.load(tmp_path / "full", target=target, quantize="auto")
     assert is_quantized(auto) == int8_is_faster(auto._linear_shapes(), auto.dtype)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_an_int8_eagle3_head_quantizes_its_own_lm_head_and_stays_lossless(seed):
+    from tests.decoding.test_eagle3_lossless import eagle3_pair
+
+    target, head = eagle3_pair(seed)
+    q = DraftHead(head.config).eval()
+    q.load_state_dict(head.state_dict())
+    q = q.prepare(target, quantize="int8")
+    assert isinstance(q.lm_head, Int8Linear) and isinstance(q.fc, Int8Linear) and q._lm_int8 is None
+    assert all(type(m) is not Int8Linear for m in target.modules())  # the target is never touched
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (4, 19, 33)]
+    refs = [greedy_reference(target, p, 50) for p in prompts]
+    assert SpeculativeDecoder(target, q, DynamicPolicy(total_tokens=12, depth=4, top_k=3)).generate(
+        prompts, 50).tokens == refs

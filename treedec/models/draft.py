@@ -230,6 +230,13 @@ class DraftHead(nn.Module):
     def device(self) -> torch.device:
         return self.inv_freq.device
 
+    def _linear_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(in, out) of the head's linears and, for a head sharing its target's LM head, of its LM rows."""
+        shapes = [(m.in_features, m.out_features) for m in self.modules() if isinstance(m, nn.Linear)]
+        if self.config.kind == "eagle":
+            shapes.append((self.config.hidden_size, self.config.draft_vocab_size or self.config.vocab_size))
+        return tuple(shapes)
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
         return KVCache(1, batch, c.num_key_value_heads, max_len, c.head_dim, self.dtype, self.device)
@@ -284,13 +291,6 @@ class DraftHead(nn.Module):
         return feat, t.lm_head(feat.to(t.lm_head.weight.dtype))
 
     # ------------------------------------------------------------------ checkpoints
-    def _linear_shapes(self) -> tuple[tuple[int, int], ...]:
-        """(in, out) of the head's linears and, for a head sharing its target's LM head, of its LM rows."""
-        shapes = [(m.in_features, m.out_features) for m in self.modules() if isinstance(m, nn.Linear)]
-        if self.config.kind == "eagle":
-            shapes.append((self.config.hidden_size, self.config.draft_vocab_size or self.config.vocab_size))
-        return tuple(shapes)
-
     def save(self, path: str | Path) -> None:
         """Write draft_config.json + draft.safetensors; a bound head records its target's fingerprint."""
         from safetensors.torch import save_file
