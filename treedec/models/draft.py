@@ -274,7 +274,7 @@ class DraftHead(nn.Module):
 
     def logits(self, feat: torch.Tensor) -> torch.Tensor:
         """Draft logits for predicted features: over the draft vocabulary (all of the target's by default)."""
-        if self._lm_int8 is not None and feat.numel() // feat.shape[-1] <= Int8Linear.max_rows:
+        if self._lm_int8 is not None and feat.numel() // feat.shape[-1] <= self._lm_int8[0].max_rows:
             return self._lm_int8[0](_as(feat, self.dtype))
         if self._lm_packed is not None:
             return self._lm_packed(_as(feat, torch.bfloat16))
