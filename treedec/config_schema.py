@@ -589,8 +589,10 @@ def validate(cfg: DictConfig, kind: str = "generate") -> None:
     for group in ("tree", "probe"):
         if group in node and group in SCHEMAS[kind].__dataclass_fields__:
             validate_tree(node[group], group)
+    from treedec.models.quantized import QUANTIZE
+
     quantize = OmegaConf.select(node, "draft.quantize")
-    if quantize is not None and quantize not in ("auto", "int8"):
+    if quantize is not None and quantize not in QUANTIZE:
         raise ConfigError(f"invalid {kind} config: draft.quantize={quantize!r}; choose auto (int8 weights where "
                           "they measure faster), int8 or null (the head's full-precision weights)")
     backend = OmegaConf.select(node, "model.attn_backend")

@@ -106,21 +106,27 @@ def packed_bf16_is_faster(shapes: tuple[tuple[int, int], ...], rows: int = 4) ->
     g = torch.Generator().manual_seed(0)
     fp32 = [(torch.randn(o, i, generator=g), torch.randn(rows, i, generator=g)) for i, o in shapes]
     bf16 = [(packed_weight(w.to(torch.bfloat16)), x.to(torch.bfloat16)) for w, x in fp32]
+    return second_is_faster(lambda: [F.linear(x, w) for w, x in fp32], lambda: [p(x) for p, x in bf16])
+
+
+def second_is_faster(first, second, calls: int = 4, rounds: int = 5) -> bool:
+    """Whether ``second()`` runs faster than ``first()`` here: best of ``rounds`` interleaved rounds of ``calls``
+    calls each, after one round each to warm up (the load-time kernel choices: a shared CPU's pace drifts, so
+    the two are timed in turn)."""
     with torch.inference_mode():
 
         def clock(run) -> float:
             t = time.perf_counter()
-            for _ in range(4):
+            for _ in range(calls):
                 run()
             return time.perf_counter() - t
 
-        run32 = lambda: [F.linear(x, w) for w, x in fp32]  # noqa: E731
-        run16 = lambda: [p(x) for p, x in bf16]  # noqa: E731
-        best = [clock(run32), clock(run16)]  # (the first rounds warm up)
-        for _ in range(5):
-            best = [min(best[0], clock(run32)), min(best[1], clock(run16))]
+        best = [clock(first), clock(second)]  # (the first rounds warm up)
+        for _ in range(rounds):
+            best = [min(best[0], clock(first)), min(best[1], clock(second))]
     return best[1] < best[0]
 
 
 __all__ = ["AVAILABLE", "PACK_LIMIT_BYTES", "PackedLinear", "pack_linears", "packed_bf16_is_faster", "packed_weight",
+           "second_is_faster",
            "should_pack"]

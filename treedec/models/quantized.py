@@ -10,13 +10,12 @@ docs/benchmarks.md). Scales are per output row (symmetric, absmax / 127); activa
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from treedec.models.packed import packed_weight
+from treedec.models.packed import packed_weight, second_is_faster
 
 QUANTIZE = ("auto", "int8")  # what ``DraftHead.load(quantize=...)`` accepts (None: full precision)
 AVAILABLE = hasattr(torch.ops.aten, "_weight_int8pack_mm")
@@ -91,20 +90,9 @@ def int8_is_faster(shapes: tuple[tuple[int, int], ...], dtype: torch.dtype, rows
     ws = [torch.randn(o, i, generator=g).to(dtype) for i, o in shapes]
     full = [packed_weight(w) or (lambda x, w=w: F.linear(x, w)) for w in ws]
     int8 = [Int8Linear(w) for w in ws]
-    xs = {r: [torch.randn(r, i, generator=g).to(dtype) for i, _ in shapes] for r in rows}
-    with torch.inference_mode():
-
-        def clock(mods) -> float:
-            t = time.perf_counter()
-            for r in rows:
-                for m, x in zip(mods, xs[r]):
-                    m(x)
-            return time.perf_counter() - t
-
-        best = [clock(full), clock(int8)]  # (the first rounds warm up)
-        for _ in range(5):
-            best = [min(best[0], clock(full)), min(best[1], clock(int8))]
-    return best[1] < best[0]
+    xs = [x for r in rows for x in (torch.randn(r, i, generator=g).to(dtype) for i, _ in shapes)]
+    run = lambda mods: lambda: [m(x) for m, x in zip(mods * len(rows), xs)]  # noqa: E731
+    return second_is_faster(run(full), run(int8), calls=1)
 
 
 def is_quantized(module: nn.Module) -> bool:
