@@ -9,7 +9,8 @@ A method is ``vanilla``, ``chain:D``, ``static`` (EAGLE's 26-node shape), ``dyna
 T nodes and depth D: what that arm makes when played on every step, e.g. ``arm:8/7`` its 7-deep chain) or
 ``lookup:D`` (prompt lookup beside a D-deep chain), with
 ``@fp32`` / ``@bf16`` / ``@auto`` for the draft head's dtype (default auto), or ``@int8`` for the auto dtype's head
-with int8 weights (``draft.quantize=int8``). Bundled model, bf16 target,
+with int8 weights (``draft.quantize=int8``), then ``+NAME`` for the draft head ``--head NAME=DIR`` instead of
+the bundled ``tiny-code-eagle`` (e.g. ``chain:7@int8+new --head new=outputs/train/x/export``). Bundled model, bf16 target,
 third-party prompts, ragged batches, finished rows leave the batch. Within a pass the methods take turns on
 each batch, the order rotating; each pass's ratio is to that pass's vanilla, so a machine that speeds up or
 slows down between passes moves every method alike (``bench.batch_sizes`` does the same for a whole report).
@@ -37,9 +38,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def policy(kind: str, arg: str, P):
+def policy(kind: str, arg: str, P, head: str = "tiny-code-eagle"):
     """The tree policy of a method, from ``P`` (a ``treedec.tree.policies`` module: this tree's or an old one's)."""
-    calibrated = dict(calibration="auto", draft_path="tiny-code-eagle")
+    calibrated = dict(calibration="auto", draft_path=head)
     if kind == "chain":
         return P.ChainPolicy(int(arg))
     if kind == "static":
@@ -50,7 +51,7 @@ def policy(kind: str, arg: str, P):
     if kind == "auto":
         return P.DynamicPolicy(total_tokens="auto", depth=7, top_k=4, **calibrated)
     if kind == "arm":
-        pol = policy("auto", "", P)
+        pol = policy("auto", "", P, head)
         arm = tuple(map(int, arg.split("/")))
         if arm not in pol.budget.arms:
             raise SystemExit(f"arm:{arg} is not one of auto's arms: {' '.join(f'{t}/{d}' for t, d in pol.budget.arms)}")
@@ -78,29 +79,34 @@ def revision_package(rev: str) -> str:
 
 
 def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: int | None = None,
-               serve: bool = False) -> dict:
+               serve: bool = False, head_dirs: dict | None = None) -> dict:
     """``name + tag`` -> a function decoding a batch of prompts with that method, on package ``pkg``'s code.
     ``serve``: through ``Decoder.serve`` (vanilla's finished rows leave the batch too), the batch a queue for
-    ``slots`` rows (None: all at once); else ``generate`` (what an older REV has)."""
+    ``slots`` rows (None: all at once); else ``generate`` (what an older REV has). ``head_dirs``: NAME -> the
+    head directory a method's ``+NAME`` loads."""
     mod = lambda m: importlib.import_module(f"{pkg}.{m}")  # noqa: E731
     models, vanilla = mod("models"), mod("decoding.vanilla")
     DraftHead, CompactingDecoder = mod("models.draft").DraftHead, mod("training.predict").CompactingDecoder
     target = models.load_model("tiny-code", dtype=torch.bfloat16)
     heads, runs = {}, {}
     for spec in methods:
-        name, _, dtype = spec.partition("@")
+        spec_head, _, head_name = spec.partition("+")
+        name, _, dtype = spec_head.partition("@")
         kind, _, arg = name.partition(":")
+        head = (head_dirs or {}).get(head_name, "tiny-code-eagle") if head_name else "tiny-code-eagle"
+        if head_name and head_name not in (head_dirs or {}):
+            raise SystemExit(f"{spec}: no --head {head_name}=DIR given")
         if kind == "vanilla":
             plain = vanilla.VanillaDecoder(target)
             runs[spec + tag] = (lambda rows: plain.serve(rows, tokens, slots, compact=True)) if serve else (
                 lambda rows: vanilla.generate(target, rows, tokens))
             continue
         dtype = dtype or "auto"
-        if dtype not in heads:
+        if (dtype, head) not in heads:
             q = dtype == "int8"
-            heads[dtype] = DraftHead.load("tiny-code-eagle", target=target, dtype="auto" if q else dtype,
-                                          **({"quantize": "int8"} if q else {}))
-        dec = CompactingDecoder(target, heads[dtype], policy(kind, arg, mod("tree.policies")))
+            heads[dtype, head] = DraftHead.load(head, target=target, dtype="auto" if q else dtype,
+                                                **({"quantize": "int8"} if q else {}))
+        dec = CompactingDecoder(target, heads[dtype, head], policy(kind, arg, mod("tree.policies"), head))
         runs[spec + tag] = (lambda rows, dec=dec: dec.serve(rows, tokens, slots)) if serve else (
             lambda rows, dec=dec: dec.generate(rows, tokens))
     return runs
@@ -152,7 +158,10 @@ def main() -> None:
                     "through --batch slots (Decoder.serve; vanilla too); default: static batches of --batch")
     ap.add_argument("--static-too", action="store_true", help="with --serve: also every method in static batches "
                     "of --batch (tagged [static], ratios to vanilla [static]), interleaved with the served runs")
+    ap.add_argument("--head", action="append", default=[], metavar="NAME=DIR",
+                    help="a draft head directory that methods suffixed +NAME load (repeatable)")
     a = ap.parse_args()
+    head_dirs = dict(h.split("=", 1) for h in a.head)
     if "vanilla" not in a.methods:
         raise SystemExit("include vanilla: every ratio is to it")
     torch.set_num_threads(a.threads)
@@ -161,12 +170,12 @@ def main() -> None:
         raise SystemExit("--static-too compares --serve runs with static batches of this tree's code: "
                          "pass --serve Q, and no --against")
     slots = a.batch if a.serve else None
-    runs = build_runs("treedec", a.methods, a.tokens, slots=slots, serve=bool(a.serve))
+    runs = build_runs("treedec", a.methods, a.tokens, slots=slots, serve=bool(a.serve), head_dirs=head_dirs)
     if a.against:
-        runs.update(build_runs(revision_package(a.against), a.methods, a.tokens, tag, slots))
+        runs.update(build_runs(revision_package(a.against), a.methods, a.tokens, tag, slots, head_dirs=head_dirs))
     elif a.serve and a.static_too:
         tag = " [static]"
-        static = build_runs("treedec", a.methods, a.tokens, tag, serve=True)  # each batch all at once, compacted
+        static = build_runs("treedec", a.methods, a.tokens, tag, serve=True, head_dirs=head_dirs)  # each batch all at once, compacted
         runs.update({n: in_batches(f, a.batch) for n, f in static.items()})
     from treedec.data.prompts import load_prompt_set
     from treedec.models.tokenizer import load_tokenizer
