@@ -10,10 +10,11 @@ T nodes and depth D: what that arm makes when played on every step, e.g. ``arm:8
 ``lookup:D`` (prompt lookup beside a D-deep chain), with
 ``@fp32`` / ``@bf16`` / ``@auto`` for the draft head's dtype (default auto), or ``@int8`` for the auto dtype's head
 with int8 weights (``draft.quantize=int8``), then ``+NAME`` for the draft head ``--head NAME=DIR`` instead of
-the bundled ``tiny-code-eagle`` (e.g. ``chain:7@int8+new --head new=outputs/train/x/export``). Bundled model, bf16 target,
-third-party prompts, ragged batches, finished rows leave the batch. Within a pass the methods take turns on
-each batch, the order rotating; each pass's ratio is to that pass's vanilla, so a machine that speeds up or
-slows down between passes moves every method alike (``bench.batch_sizes`` does the same for a whole report).
+the bundled ``tiny-code-eagle`` (e.g. ``chain:7@int8+new --head new=outputs/train/x/export``; τ compares heads on
+any machine, busy or not). Bundled model, bf16 target, third-party prompts, ragged batches, finished rows leave
+the batch. Within a pass the methods take turns on each batch, the order rotating; each pass's ratio is to that pass's
+vanilla, so a machine that speeds up or slows down between passes moves every method alike (``bench.batch_sizes``
+does the same for a whole report).
 
 ``--against REV`` also runs every method on the package as it was at git revision REV, in the same process
 (a copy under another package name, in a temporary directory), each ratio to that code's own vanilla, and
@@ -175,7 +176,8 @@ def main() -> None:
         runs.update(build_runs(revision_package(a.against), a.methods, a.tokens, tag, slots, head_dirs=head_dirs))
     elif a.serve and a.static_too:
         tag = " [static]"
-        static = build_runs("treedec", a.methods, a.tokens, tag, serve=True, head_dirs=head_dirs)  # each batch all at once, compacted
+        # each batch all at once, compacted
+        static = build_runs("treedec", a.methods, a.tokens, tag, serve=True, head_dirs=head_dirs)
         runs.update({n: in_batches(f, a.batch) for n, f in static.items()})
     from treedec.data.prompts import load_prompt_set
     from treedec.models.tokenizer import load_tokenizer
