@@ -5,9 +5,10 @@
     python scripts/ab.py --batch 4 --serve 16 --static-too vanilla chain:5 auto   # continuous vs static batches
 
 A method is ``vanilla``, ``chain:D``, ``static`` (EAGLE's 26-node shape), ``dynamic:T/D/K`` (calibrated),
-``auto`` (``tree.total_tokens=auto``, pool 7 / 4; ``auto:D/K`` a pool of depth D and top-k K), ``arm:T/D``
-(auto's policy with its budget held on the one arm of T nodes and depth D: what that arm makes when played on
-every step, e.g. ``arm:8/7`` its 7-deep chain) or ``lookup:D`` (prompt lookup beside a D-deep chain), with
+``auto`` (``tree.total_tokens=auto``, pool 7 / 4; ``auto:D/K[/M]`` a pool of depth D, top-k K and shallowest
+arm M), ``arm:T/D`` (auto's policy with its budget held on the one arm of T nodes and depth D: what that arm
+makes when played on every step, e.g. ``arm:8/7`` its 7-deep chain) or ``lookup:D`` (prompt lookup beside a
+D-deep chain), with
 ``@fp32`` / ``@bf16`` / ``@auto`` for the draft head's dtype (default auto), or ``@int8`` for the auto dtype's head
 with int8 weights (``draft.quantize=int8``), then ``+NAME`` for the draft head ``--head NAME=DIR`` instead of
 the bundled ``tiny-code-eagle`` (e.g. ``chain:7@int8+new --head new=outputs/train/x/export``; τ compares heads on
@@ -50,8 +51,9 @@ def policy(kind: str, arg: str, P, head: str = "tiny-code-eagle"):
         T, d, k = map(int, arg.split("/"))
         return P.DynamicPolicy(total_tokens=T, depth=d, top_k=k, **calibrated)
     if kind == "auto":
-        d, k = map(int, arg.split("/")) if arg else (7, 4)
-        return P.DynamicPolicy(total_tokens="auto", depth=d, top_k=k, **calibrated)
+        d, k, *low = map(int, arg.split("/")) if arg else (7, 4)
+        return P.DynamicPolicy(total_tokens="auto", depth=d, top_k=k, **calibrated,
+                               **({"min_depth": low[0]} if low else {}))
     if kind == "arm":
         pol = policy("auto", "", P, head)
         arm = tuple(map(int, arg.split("/")))
