@@ -1,0 +1,25 @@
+"""scripts/ab.py: each method spec builds the policy it names (else an A/B compares other arms than it says)."""
+import pytest
+
+import treedec.tree.policies as P
+from scripts.ab import policy
+
+
+def test_auto_pools_default_and_overridden():
+    default, deep, wide = policy("auto", "", P), policy("auto", "8/4", P), policy("auto", "8/4/5", P)
+    depths = lambda pol: sorted({d for T, d in pol.budget.arms if T >= 16})  # noqa: E731  (trees, not the small chains)
+    assert (default.max_depth, default.top_k) == (7, 4) and depths(default) == [5, 6, 7]  # min_depth: depth - 2
+    assert (deep.max_depth, deep.top_k) == (8, 4) and depths(deep) == [6, 7, 8] and (6, 5) not in deep.budget.arms
+    assert depths(wide) == [5, 6, 7, 8] and {(9, 8), (6, 5)} <= set(wide.budget.arms)
+
+
+def test_fixed_methods_and_arm_and_unknown():
+    assert policy("chain", "7", P).max_depth == 7
+    pol = policy("dynamic", "16/6/2", P)
+    assert (pol.total_tokens, pol.max_depth, pol.top_k) == (16, 6, 2)
+    held = policy("arm", "8/7", P)
+    assert held.budget.choose(1) == (8, 7) and held.budget.choose(16) == (8, 7)
+    with pytest.raises(SystemExit, match="not one of auto's arms"):
+        policy("arm", "9/9", P)
+    with pytest.raises(SystemExit, match=r"auto\[:D/K\]"):
+        policy("bushy", "", P)
