@@ -125,8 +125,34 @@ def test_eagle3_training_time_test_loss_decreases(target_dir):
     for i in ("", "_1", "_2"):  # every unrolled step learns
         assert last[f"ce{i}"] < first[f"ce{i}"] - 0.2 and last[f"top1_acc{i}"] > first[f"top1_acc{i}"]
     assert "feat_loss" not in last and all(p.grad is None for p in module.target.parameters())
-    with pytest.raises(ValueError, match="unrolls EAGLE-3 heads only"):
-        DraftModule(str(target_dir), target_dtype="float32", unroll=3)
+    with pytest.raises(ValueError, match="unroll at least 1"):
+        DraftModule(str(target_dir), target_dtype="float32", unroll=0)
+
+
+def test_eagle_training_time_test_weights_the_steps_and_every_step_learns(target_dir):  # noqa: F811
+    """An EAGLE-1/2 head with unroll=3: loss = sum 0.8^i (feat + w_ce ce) of each step; each step's CE falls."""
+    from treedec.training.draft import DraftModule
+
+    torch.manual_seed(0)
+    module = DraftModule(str(target_dir), target_dtype="float32", feature_noise=0.0, unroll=3, w_ce=1.0)
+    one = DraftModule(str(target_dir), target_dtype="float32", feature_noise=0.0)
+    one.head.load_state_dict(module.head.state_dict())
+    ids = torch.randint(0, TINY_ARCH["vocab_size"], (4, 33))
+    step0 = one.losses(ids, 0.0)  # unroll 1: the one-step loss, equal to step 0 of the unrolled one
+    opt = torch.optim.AdamW(module.head.parameters(), lr=3e-3)
+    hist = []
+    for _ in range(40):
+        out = module.losses(ids, 0.0)
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+        hist.append({k: float(v) for k, v in out.items()})
+    first, last = hist[0], hist[-1]
+    assert first["ce"] == pytest.approx(float(step0["ce"]), rel=1e-5) and "ce_1" not in step0
+    want = sum(0.8 ** i * (first[f"feat_loss{s}"] + first[f"ce{s}"]) for i, s in enumerate(("", "_1", "_2")))
+    assert first["loss"] == pytest.approx(want, rel=1e-5)
+    for i in ("", "_1", "_2"):
+        assert last[f"ce{i}"] < first[f"ce{i}"] - 0.2
 
 
 @pytest.mark.slow

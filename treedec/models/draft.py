@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from treedec.attention import prefix_tree_mask
 from treedec.models.cache import KVCache
@@ -75,6 +76,19 @@ def inference_dtype(target: Transformer | None, device=None) -> torch.dtype | No
     H, qkv = c.hidden_size, (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
     shapes = ((2 * H, H), (H, qkv), (H, 2 * c.intermediate_size), (c.intermediate_size, H), (H, min(c.vocab_size, 2048)))
     return torch.bfloat16 if packed_bf16_is_faster(shapes) else torch.float32
+
+
+def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
+    """Visibility [T, (step+1)·T] of training-time-test step ``step`` over the keys of steps 0..step.
+
+    Query t of step i stands for a depth-i draft node whose chain of ancestors is the step-j
+    node at t-i+j (j = 1..i-1) under a root whose true-feature entries are positions <= t-i:
+    exactly what the drafter's tree mask lets a depth-i node see at decode time.
+    """
+    t = torch.arange(T, device=device)
+    blocks = [t[None, :] <= t[:, None] - step]  # step 0: the true-feature prefix
+    blocks += [t[None, :] == t[:, None] - step + j for j in range(1, step + 1)]  # one ancestor per step
+    return torch.cat(blocks, dim=1)
 
 
 class DraftHead(nn.Module):
@@ -289,6 +303,37 @@ class DraftHead(nn.Module):
         cos, sin = rope_cos_sin(torch.arange(T, device=x.device)[None].expand(B, T), self.inv_freq)
         feat = self.layer.forward_causal(x, cos, sin)
         return feat, t.lm_head(feat.to(t.lm_head.weight.dtype))
+
+    def forward_unrolled(self, tokens: torch.Tensor, features: torch.Tensor,
+                         steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Training-time test for an EAGLE-1/2 head: (features, logits) of each of ``steps`` unrolled steps.
+
+        Step 0 is :meth:`forward_train`. At decode time a depth-i draft reads its parent's *predicted*
+        feature, never the target's; step i > 0 reads at position t the step-(i-1) prediction at t-1 and
+        attends through :func:`ttt_mask` (what the drafter's tree mask shows a depth-i node), so the head
+        learns to continue from its own features (HASS / EAGLE-3's training-time test). Positions t < i of
+        step i have no parent: ignore them.
+        """
+        t, attn, layer = self.target, self.layer.self_attn, self.layer
+        B, T = tokens.shape
+        emb = t.model.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(torch.arange(T, device=tokens.device)[None].expand(B, T), self.inv_freq)
+        feat, keys, values, out = features.to(self.dtype), [], [], []
+        for i in range(steps):
+            if i:
+                feat = F.pad(feat[:, :-1], (0, 0, 1, 0))
+            x = self.fc(torch.cat((emb, feat), dim=-1))
+            q, k, v = attn._qkv(layer.input_layernorm(x), cos, sin)
+            keys.append(k)
+            values.append(v)
+            kk, vv = torch.cat(keys, 2), torch.cat(values, 2)
+            if attn.nkv != attn.nh:
+                kk, vv = kk.repeat_interleave(attn.nh // attn.nkv, 1), vv.repeat_interleave(attn.nh // attn.nkv, 1)
+            a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=ttt_mask(T, i, tokens.device))
+            x = x + attn.o_proj(a.transpose(1, 2).reshape(B, T, attn.nh * attn.hd))
+            feat = x + layer.mlp(layer.post_attention_layernorm(x))
+            out.append((feat, t.lm_head(feat.to(t.lm_head.weight.dtype))))
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | Path) -> None:

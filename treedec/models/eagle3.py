@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from treedec.models.cache import KVCache
 from treedec.models.config import LlamaConfig
-from treedec.models.draft import DraftConfig, DraftHead
+from treedec.models.draft import DraftConfig, DraftHead, ttt_mask
 from treedec.models.llama import MLP, Attention, ModelOutput, RMSNorm, one_row_matmuls, rope_cos_sin
 
 
@@ -46,19 +46,6 @@ class Eagle3Layer(nn.Module):
         self.self_attn.fuse()
         self.mlp.fuse()
         return self
-
-
-def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
-    """Visibility [T, (step+1)·T] of training-time-test step ``step`` over the keys of steps 0..step.
-
-    Query t of step i stands for a depth-i draft node whose chain of ancestors is the step-j
-    node at t-i+j (j = 1..i-1) under a root whose true-feature entries are positions <= t-i:
-    exactly what the drafter's tree mask lets a depth-i node see at decode time.
-    """
-    t = torch.arange(T, device=device)
-    blocks = [t[None, :] <= t[:, None] - step]  # step 0: the true-feature prefix
-    blocks += [t[None, :] == t[:, None] - step + j for j in range(1, step + 1)]  # one ancestor per step
-    return torch.cat(blocks, dim=1)
 
 
 class Eagle3Head(DraftHead, kind="eagle3"):

@@ -93,9 +93,8 @@ class DraftModule(WallTimeScheduled):
             self.head = DraftHead(cfg).bind(target)
         if self.head.config.kind == "eagle3" and not init_from:
             self.head.init_from_target()  # start the output layer from the target's (set_draft_vocab redoes it)
-        elif self.head.config.kind != "eagle3" and unroll not in (None, 1):
-            raise ValueError(f"optim.unroll={unroll}: the training-time test unrolls EAGLE-3 heads only "
-                             "(draft_arch=eagle3); EAGLE-1/2 heads train one step (unroll null or 1)")
+        if unroll is not None and int(unroll) < 1:
+            raise ValueError(f"optim.unroll={unroll}: unroll at least 1 draft step per batch (null: the default)")
         self._noise_gen: torch.Generator | None = None  # the feature noise's own RNG, saved in checkpoints
         self._noise_state: torch.Tensor | None = None
 
@@ -159,23 +158,30 @@ class DraftModule(WallTimeScheduled):
         return inp + (self._uniform(inp) * 2 - 1) * noise if noise else inp
 
     def eagle_losses(self, ids: torch.Tensor, keep: torch.Tensor | None, noise: float) -> dict:
-        """EAGLE-1/2: SmoothL1 on the next feature + CE against the target's next-token distribution."""
+        """EAGLE-1/2: SmoothL1 on the next feature + CE against the target's next-token distribution. With
+        ``unroll`` > 1, the training-time test: sum_i 0.8^i of both terms at unrolled step i, which reads its own
+        step i-1 predictions (:meth:`DraftHead.forward_unrolled`); ``feat_loss``/``ce``/``top1_acc`` are step 0's,
+        ``*_i`` step i's. Step i trains positions j >= i (those with a parent)."""
         feats, logits = self.target_features(ids)
-        pred, draft_logits = self.head.forward_train(ids[:, 1:], self._noisy(feats, noise))
-        want_feat, want_p = feats[:, 1:], logits[:, 1:].softmax(-1)
-        logq = draft_logits.float().log_softmax(-1)
-        if keep is None:
-            feat_loss = F.smooth_l1_loss(pred.float(), want_feat)
-            ce = -(want_p * logq).sum(-1).mean()
-            acc = (draft_logits.argmax(-1) == logits[:, 1:].argmax(-1)).float().mean()
-        else:
-            w = keep[:, 1:].to(feats.dtype)  # position j trains iff token j+1 is kept (aligned like the targets)
-            n = w.sum().clamp_min(1.0)
-            feat_loss = (F.smooth_l1_loss(pred.float(), want_feat, reduction="none").mean(-1) * w).sum() / n
-            ce = (-(want_p * logq).sum(-1) * w).sum() / n
-            acc = ((draft_logits.argmax(-1) == logits[:, 1:].argmax(-1)).to(w.dtype) * w).sum() / n
-        loss = self.hparams.w_feat * feat_loss + self.hparams.w_ce * ce
-        return {"loss": loss, "feat_loss": feat_loss, "ce": ce, "top1_acc": acc}
+        steps = self.hparams.unroll or 1
+        inp = self._noisy(feats, noise)
+        outs = [self.head.forward_train(ids[:, 1:], inp)] if steps == 1 else \
+            self.head.forward_unrolled(ids[:, 1:], inp, steps)
+        want_feat, want_p, best = feats[:, 1:], logits[:, 1:].softmax(-1), logits[:, 1:].argmax(-1)
+        # position j trains iff token j+1 is kept (aligned like the targets)
+        w = keep[:, 1:].to(feats.dtype) if keep is not None else torch.ones_like(best, dtype=feats.dtype)
+        out, loss = {}, 0.0
+        for i, (pred, draft_logits) in enumerate(outs):
+            wi = w.clone()
+            wi[:, :i] = 0.0
+            n = wi.sum().clamp_min(1.0)
+            feat_loss = (F.smooth_l1_loss(pred.float(), want_feat, reduction="none").mean(-1) * wi).sum() / n
+            ce = (-(want_p * draft_logits.float().log_softmax(-1)).sum(-1) * wi).sum() / n
+            acc = ((draft_logits.argmax(-1) == best).to(wi.dtype) * wi).sum() / n
+            sfx = f"_{i}" if i else ""
+            out[f"feat_loss{sfx}"], out[f"ce{sfx}"], out[f"top1_acc{sfx}"] = feat_loss, ce, acc
+            loss = loss + 0.8 ** i * (self.hparams.w_feat * feat_loss + self.hparams.w_ce * ce)
+        return {"loss": loss, **out}
 
     def eagle3_losses(self, ids: torch.Tensor, keep: torch.Tensor | None, noise: float) -> dict:
         """EAGLE-3's training-time test: sum_i 0.8^i · soft CE of unrolled step i (``ce``, ``top1_acc``:

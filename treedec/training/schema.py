@@ -52,7 +52,7 @@ class DraftOptimSchema:
     w_feat: float = 1.0
     w_ce: float = 0.1
     time_budget_s: Any = "auto"
-    unroll: Optional[int] = None  # EAGLE-3 training-time test steps (None: 3 for eagle3)
+    unroll: Optional[int] = None  # training-time test steps (None: 3 for eagle3, 1 for eagle)
 
 
 @dataclass
@@ -300,7 +300,7 @@ def _check_train(cfg: DictConfig) -> None:
     if draft.get("kind", "eagle") not in ("eagle", "eagle3"):
         raise ConfigError(f"draft_arch.kind={draft.get('kind')!r} is not a head kind: draft_arch=eagle or "
                           f"draft_arch=eagle3")
-    _at_least(cfg, "optim.unroll", 1, " (null: 3 for eagle3)")
+    _at_least(cfg, "optim.unroll", 1, " (null: 3 for eagle3, 1 for eagle)")
     if "target" in draft:
         raise ConfigError("draft_arch.target is set from model.path; drop draft_arch.target")
     for key in ("eval.n_prompts", "eval.prompt_tokens", "eval.max_new_tokens"):
