@@ -103,6 +103,19 @@ def test_draft_loss_decreases(target_dir):
     assert all(p.grad is None for p in module.target.parameters())  # the target stays frozen
 
 
+def fit(module, ids: torch.Tensor, steps: int = 40) -> tuple[dict, dict]:
+    """AdamW steps of ``module``'s head on one batch: (the first step's loss terms, the last step's)."""
+    opt = torch.optim.AdamW(module.head.parameters(), lr=3e-3)
+    hist = []
+    for _ in range(steps):
+        out = module.losses(ids, 0.0)
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+        hist.append({k: float(v) for k, v in out.items()})
+    return hist[0], hist[-1]
+
+
 def test_eagle3_training_time_test_loss_decreases(target_dir):
     from treedec.training.draft import DraftModule
 
@@ -111,16 +124,7 @@ def test_eagle3_training_time_test_loss_decreases(target_dir):
                          feature_noise=0.0)
     module.set_draft_vocab(torch.randperm(TINY_ARCH["vocab_size"])[:64])
     assert torch.equal(module.head.lm_head.weight, module.target.lm_head.weight[module.head.vocab_ids])  # its start
-    opt = torch.optim.AdamW(module.head.parameters(), lr=3e-3)
-    ids = torch.randint(0, TINY_ARCH["vocab_size"], (4, 33))
-    hist = []
-    for _ in range(40):
-        out = module.losses(ids, 0.0)
-        opt.zero_grad()
-        out["loss"].backward()
-        opt.step()
-        hist.append({k: float(v) for k, v in out.items()})
-    first, last = hist[0], hist[-1]
+    first, last = fit(module, torch.randint(0, TINY_ARCH["vocab_size"], (4, 33)))
     assert first["loss"] == pytest.approx(first["ce"] + 0.8 * first["ce_1"] + 0.64 * first["ce_2"], rel=1e-5)
     for i in ("", "_1", "_2"):  # every unrolled step learns
         assert last[f"ce{i}"] < first[f"ce{i}"] - 0.2 and last[f"top1_acc{i}"] > first[f"top1_acc{i}"]
@@ -139,15 +143,7 @@ def test_eagle_training_time_test_weights_the_steps_and_every_step_learns(target
     one.head.load_state_dict(module.head.state_dict())
     ids = torch.randint(0, TINY_ARCH["vocab_size"], (4, 33))
     step0 = one.losses(ids, 0.0)  # unroll 1: the one-step loss, equal to step 0 of the unrolled one
-    opt = torch.optim.AdamW(module.head.parameters(), lr=3e-3)
-    hist = []
-    for _ in range(40):
-        out = module.losses(ids, 0.0)
-        opt.zero_grad()
-        out["loss"].backward()
-        opt.step()
-        hist.append({k: float(v) for k, v in out.items()})
-    first, last = hist[0], hist[-1]
+    first, last = fit(module, ids)
     assert first["ce"] == pytest.approx(float(step0["ce"]), rel=1e-5) and "ce_1" not in step0
     want = sum(0.8 ** i * (first[f"feat_loss{s}"] + first[f"ce{s}"]) for i, s in enumerate(("", "_1", "_2")))
     assert first["loss"] == pytest.approx(want, rel=1e-5)

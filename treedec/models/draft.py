@@ -91,6 +91,20 @@ def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
+def ttt_attend(attn, x: torch.Tensor, cos, sin, keys: list, values: list, step: int) -> torch.Tensor:
+    """Training-time-test step ``step``'s attention: queries of ``x`` over the keys of steps 0..step (this step's
+    appended to ``keys``/``values``), through :func:`ttt_mask`; o_proj applied."""
+    B, T, _ = x.shape
+    q, k, v = attn._qkv(x, cos, sin)
+    keys.append(k)
+    values.append(v)
+    kk, vv = torch.cat(keys, 2), torch.cat(values, 2)
+    if attn.nkv != attn.nh:
+        kk, vv = kk.repeat_interleave(attn.nh // attn.nkv, 1), vv.repeat_interleave(attn.nh // attn.nkv, 1)
+    a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=ttt_mask(T, step, x.device))
+    return attn.o_proj(a.transpose(1, 2).reshape(B, T, attn.nh * attn.hd))
+
+
 class DraftHead(nn.Module):
     """Trainable part of an EAGLE head; ``bind(target)`` attaches the shared embedding (and LM head).
 
@@ -323,14 +337,7 @@ class DraftHead(nn.Module):
             if i:
                 feat = F.pad(feat[:, :-1], (0, 0, 1, 0))
             x = self.fc(torch.cat((emb, feat), dim=-1))
-            q, k, v = attn._qkv(layer.input_layernorm(x), cos, sin)
-            keys.append(k)
-            values.append(v)
-            kk, vv = torch.cat(keys, 2), torch.cat(values, 2)
-            if attn.nkv != attn.nh:
-                kk, vv = kk.repeat_interleave(attn.nh // attn.nkv, 1), vv.repeat_interleave(attn.nh // attn.nkv, 1)
-            a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=ttt_mask(T, i, tokens.device))
-            x = x + attn.o_proj(a.transpose(1, 2).reshape(B, T, attn.nh * attn.hd))
+            x = x + ttt_attend(attn, layer.input_layernorm(x), cos, sin, keys, values, i)
             feat = x + layer.mlp(layer.post_attention_layernorm(x))
             out.append((feat, t.lm_head(feat.to(t.lm_head.weight.dtype))))
         return out

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from treedec.models.cache import KVCache
 from treedec.models.config import LlamaConfig
-from treedec.models.draft import DraftConfig, DraftHead, ttt_mask
+from treedec.models.draft import DraftConfig, DraftHead, ttt_attend, ttt_mask
 from treedec.models.llama import MLP, Attention, ModelOutput, RMSNorm, one_row_matmuls, rope_cos_sin
 
 
@@ -122,14 +122,7 @@ class Eagle3Head(DraftHead, kind="eagle3"):
         for i in range(steps):
             if i:
                 h = F.pad(h[:, :-1], (0, 0, 1, 0))
-            q, k, v = attn._qkv(self.layer.attn_input(emb, h), cos, sin)
-            keys.append(k)
-            values.append(v)
-            kk, vv = torch.cat(keys, 2), torch.cat(values, 2)
-            if attn.nkv != attn.nh:
-                kk, vv = kk.repeat_interleave(attn.nh // attn.nkv, 1), vv.repeat_interleave(attn.nh // attn.nkv, 1)
-            a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=ttt_mask(T, i, tokens.device))
-            h = self.layer.finish(h, attn.o_proj(a.transpose(1, 2).reshape(B, T, attn.nh * attn.hd)))
+            h = self.layer.finish(h, ttt_attend(attn, self.layer.attn_input(emb, h), cos, sin, keys, values, i))
             out.append(self.logits(h))
         return out
 
