@@ -63,8 +63,8 @@ def policy(kind: str, arg: str, P, head: str = "tiny-code-eagle"):
         return pol
     if kind == "lookup":
         return P.LookupPolicy(P.ChainPolicy(int(arg)))
-    raise SystemExit(f"unknown method {kind!r}: vanilla, chain:D, static, dynamic:T/D/K, auto[:D/K], arm:T/D "
-                     "or lookup:D")
+    raise SystemExit(f"unknown method {kind!r}: vanilla, chain:D, static, dynamic:T/D/K, auto[:D/K] (or auto:D/K/M), "
+                     "arm:T/D or lookup:D")
 
 
 def revision_package(rev: str) -> str:
