@@ -119,6 +119,7 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
         assert saved["methods"]["hf_assisted"]["assistant_layers"] == 1
     assert saved["machine"]["threads"] == 1 and saved["machine"]["torch"] == torch.__version__
     assert saved["machine"]["draft_dtype"] in ("float32", "bfloat16")  # as loaded: dtype=auto is measured
+    assert saved["machine"]["draft_wide_rows"] in (None, 8, 16, 32)  # and the batch from which its bf16 twin drafts
     assert saved["prompts"]["ids"] == ["add", "p1"] and saved["failures"] == []
     assert saved["config"]["bench"]["max_new_tokens"] == 12
     table = (tmp_path / "results.md").read_text()

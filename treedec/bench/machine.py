@@ -45,8 +45,9 @@ def _git_commit() -> str | None:
 
 
 def machine_info(target, draft=None) -> dict:
-    """Where a benchmark ran; ``draft_dtype`` is the head's dtype as loaded (``draft.dtype=auto`` measures it) and
-    ``draft_int8`` whether its weights are int8 (``draft.quantize=auto`` measures that)."""
+    """Where a benchmark ran; ``draft_dtype`` is the head's dtype as loaded (``draft.dtype=auto`` measures it),
+    ``draft_int8`` whether its weights are int8 (``draft.quantize=auto`` measures that) and ``draft_wide_rows`` the batch
+    from which its bf16 twin drafts (None: it has none; ``draft.dtype=auto`` measures that too)."""
     dev = target.device
     info = {
         "cpu": _cpu_model(), "cpu_flags": _cpu_flags(), "cpu_count": os.cpu_count(),
@@ -58,6 +59,7 @@ def machine_info(target, draft=None) -> dict:
     if draft is not None:
         info["draft_dtype"] = str(draft.dtype).removeprefix("torch.")
         info["draft_int8"] = is_quantized(draft)
+        info["draft_wide_rows"] = draft.wide_rows  # a bf16 twin drafts batches of this many rows and more
     if dev.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(dev)
         info["cuda"] = torch.version.cuda

@@ -91,7 +91,8 @@ def markdown(metrics: dict) -> str:
         "# treedec benchmark",
         "",
         f"- model: `{model.get('path')}` ({mach.get('dtype')}, {mach.get('device')}, attention `{mach.get('attn_backend')}`), "
-        f"draft `{cfg.get('draft', {}).get('path')}`" + (f" ({mach['draft_dtype']}{', int8 weights' if mach.get('draft_int8') else ''})"
+        f"draft `{cfg.get('draft', {}).get('path')}`" + (f" ({mach['draft_dtype']}{', int8 weights' if mach.get('draft_int8') else ''}"
+                                                     f"{f', bf16 from batch {w}' if (w := mach.get('draft_wide_rows')) else ''})"
                                                    if mach.get("draft_dtype") else ""),
         f"- prompts: {pr.get('n')} ({pr.get('source')}), max_new_tokens {bench.get('max_new_tokens')}, "
         f"median of {bench.get('repeats')} passes after {bench.get('warmup')} warm-up run(s), batch 1",

@@ -58,7 +58,10 @@ class SpeculativeDecoder(Decoder):
 
                 self._verify = compile_forward(tgt)
         self.cache = tgt.new_cache(B, room + pol.max_size)
-        self.drafter = Drafter(self.draft, B, room + pol.max_inputs + pol.max_depth + 1 + Drafter.MAX_PENDING)
+        # the head for this batch (an fp32 head's bf16 twin drafts wide batches faster on some CPUs); admitted
+        # prompts' drafters take the same one (their caches are copied into this one's)
+        self.drafter = Drafter(self.draft.for_batch(B), B,
+                               room + pol.max_inputs + pol.max_depth + 1 + Drafter.MAX_PENDING)
         self._counts = torch.zeros(4, max(pol.max_depth, pol.max_rank) + 2, dtype=torch.long, device=dev)
         self._chain_counts = [[0] * self._counts.shape[1] for _ in range(4)]
         root, self._streams = self._fill(rows, self.cache, self.drafter, generator)
@@ -88,7 +91,7 @@ class SpeculativeDecoder(Decoder):
         self.policy.interrupt()  # the prefill is no step: the auto budget's clock must not charge it to the last one
         longest = max(map(len, rows))
         cache = self.target.new_cache(len(rows), longest)
-        drafter = Drafter(self.draft, len(rows), longest + Drafter.MAX_PENDING)
+        drafter = Drafter(self.drafter.head, len(rows), longest + Drafter.MAX_PENDING)
         root, streams = self._fill(rows, cache, drafter, generator)
         self.cache.put_rows(slots, cache)
         self.drafter.put_rows(slots, drafter)

@@ -72,10 +72,31 @@ def inference_dtype(target: Transformer | None, device=None) -> torch.dtype | No
         return target.dtype if target is not None else None
     if target is None or target.dtype != torch.bfloat16:
         return torch.float32
+    return torch.bfloat16 if packed_bf16_is_faster(_head_shapes(target)) else torch.float32
+
+
+def _head_shapes(target: Transformer) -> tuple[tuple[int, int], ...]:
+    """(in, out) of a head's linears for ``target`` (the LM rows cut at 2048, a typical draft vocabulary)."""
     c = target.config
     H, qkv = c.hidden_size, (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-    shapes = ((2 * H, H), (H, qkv), (H, 2 * c.intermediate_size), (c.intermediate_size, H), (H, min(c.vocab_size, 2048)))
-    return torch.bfloat16 if packed_bf16_is_faster(shapes) else torch.float32
+    return (2 * H, H), (H, qkv), (H, 2 * c.intermediate_size), (c.intermediate_size, H), (H, min(c.vocab_size, 2048))
+
+
+WIDE_ROWS = (8, 16, 32)  # the batch sizes tried, smallest first, for a head's bf16 twin (see wide_batch_rows)
+
+
+def wide_batch_rows(target: Transformer) -> int | None:
+    """The smallest batch of :data:`WIDE_ROWS` from which a head for this bf16 ``target`` drafts faster in packed
+    bf16 than in fp32 on this CPU (None: at none of them; measured once per process and row count).
+
+    :func:`inference_dtype` picks the head's dtype at 4 rows, a chain's pass at batch 4. A batch's pass holds one
+    node per row, and oneDNN's fixed ~20 us a bf16 call is soon less than fp32's cost per row: on a Xeon with AMX,
+    fp32 is 2-5x cheaper at 1-8 rows and 2x dearer at 16 (a 256->1408 projection 71 against 31 us), and a 5-deep
+    chain at batch 16 ran 1.32x vanilla with an fp32 head, 1.49x with a bf16 one (docs/benchmarks.md).
+    """
+    if target.device.type != "cpu" or target.dtype != torch.bfloat16:
+        return None
+    return next((r for r in WIDE_ROWS if packed_bf16_is_faster(_head_shapes(target), r)), None)
 
 
 def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
@@ -137,6 +158,7 @@ class DraftHead(nn.Module):
             self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab_size))
         self._target: tuple[Transformer, ...] = ()
         self._lm_weight: torch.Tensor | None = None  # the LM head's rows of the draft vocabulary
+        self._wide: tuple = ()  # (its bf16 twin, the batch from which that drafts): see add_wide_twin
 
     def _build(self, cfg: DraftConfig) -> None:
         self.fc = nn.Linear((1 + len(cfg.feature_layers)) * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
@@ -190,6 +212,8 @@ class DraftHead(nn.Module):
         if self.device != target.device:
             self.to(device=target.device)
         self._target = (target,)  # a tuple keeps the target out of this module's parameters
+        if self._wide:
+            self._wide[0].bind(target)
         self._lm_weight = self._lm_packed = self._lm_int8 = None  # an EAGLE-3 head has its own LM head; an EAGLE
         #                                                             head shares the target's
         if dc.kind == "eagle":
@@ -225,6 +249,28 @@ class DraftHead(nn.Module):
         if self._target:
             self.bind(self.target)
         return self
+
+    def add_wide_twin(self, rows: int, dtype: torch.dtype = torch.bfloat16) -> "DraftHead":
+        """Keep a copy of this head in ``dtype`` (packed on a CPU) that drafts for batches of ``rows`` rows or more
+        (:meth:`for_batch`): a head's fastest dtype depends on how many rows its matmuls hold (:func:`wide_batch_rows`).
+        The copy is not part of this module (its state dict and files are unchanged); a quantized head has none."""
+        if is_quantized(self):
+            raise ValueError("an int8 head (draft.quantize=int8) keeps no wide-batch twin: its dense linears serve wide "
+                             "inputs already")
+        twin = DraftHead(DraftConfig(**asdict(self.config)))
+        twin.load_state_dict(self.state_dict())
+        twin = twin.to(device=self.device, dtype=dtype).prepare(self.target if self._target else None)
+        self._wide = (twin, int(rows))
+        return self
+
+    @property
+    def wide_rows(self) -> int | None:
+        """The batch from which :meth:`for_batch` drafts with the wide twin (None: the head has none)."""
+        return self._wide[1] if self._wide else None
+
+    def for_batch(self, rows: int) -> "DraftHead":
+        """The head that drafts for a batch of ``rows`` rows: its wide twin from the twin's batch size on, else itself."""
+        return self._wide[0] if self._wide and rows >= self._wide[1] else self
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices (what :meth:`logits` ranks) -> target token ids."""
@@ -378,7 +424,8 @@ class DraftHead(nn.Module):
             raise ValueError(f"draft.quantize={quantize!r} is not supported; use null (full precision), "
                              f"{' or '.join(QUANTIZE)}")
 
-        dtype = inference_dtype(target, device) if str(dtype) == "auto" else dtype
+        auto = str(dtype) == "auto"
+        dtype = inference_dtype(target, device) if auto else dtype
         if isinstance(dtype, str):
             from treedec.models.checkpoint import resolve_dtype
 
@@ -387,7 +434,7 @@ class DraftHead(nn.Module):
         if not (path / DRAFT_CONFIG).is_file() and (path / "config.json").is_file():  # EAGLE / EAGLE-3 / speculators
             from treedec.models.head_formats import load_published
 
-            return load_published(path, cls, target, dtype=dtype, device=device, quantize=quantize)
+            return _with_wide_twin(load_published(path, cls, target, dtype=dtype, device=device, quantize=quantize), auto)
         if not (path / DRAFT_CONFIG).is_file():
             raise FileNotFoundError(f"no draft head at {path}: expected {DRAFT_CONFIG} and {DRAFT_WEIGHTS} (train one with `python -m treedec.train`)")
         try:
@@ -406,7 +453,7 @@ class DraftHead(nn.Module):
         if missing or unexpected:
             raise ValueError(f"draft weights in {path} do not match its config: missing {missing}, unexpected {unexpected}")
         head = head.to(device=device or "cpu", dtype=dtype or state["fc.weight"].dtype)
-        return head.prepare(target, quantize)
+        return _with_wide_twin(head.prepare(target, quantize), auto)
 
     def prepare(self, target: Transformer | None = None, quantize: str | None = None) -> "DraftHead":
         """The inference form of a loaded head: q/k/v and gate/up fused into one matmul each (file names
@@ -420,3 +467,13 @@ class DraftHead(nn.Module):
         if quantize == "int8":
             quantize_linears(self, skip=("_lm_",))  # (never the target's LM head, which a bound head may hold)
         return self.bind(target) if target is not None else self
+
+
+def _with_wide_twin(head: DraftHead, auto: bool) -> DraftHead:
+    """``dtype="auto"``: an fp32 head bound to a bf16 CPU target gets a packed bf16 twin for the batches where that
+    measures faster (:func:`wide_batch_rows`); any other head is returned as it is."""
+    if auto and head._target and head.dtype == torch.float32 and not is_quantized(head):
+        rows = wide_batch_rows(head.target)
+        if rows is not None:
+            head.add_wide_twin(rows)
+    return head
