@@ -453,7 +453,8 @@ def test_a_chain_arm_scores_and_offers_every_estimate_every_steps_and_drafts_the
             scored.append(ctl._pending is not None)
             trees.append(tree.tokens)
             ctl.observe_accepted(2.0)
-    assert scored == [True] + [s % ctl.estimate_every == 0 for s in range(2, 13)]
+    # (in the phase opposite the exploring steps': an explored arm's steps must not all pay the scoring)
+    assert scored == [True] + [s % ctl.estimate_every == ctl.estimate_every // 2 for s in range(2, 13)]
     assert all(torch.equal(t, trees[0]) for t in trees)  # same drafter state: the same chain, scored or not
     assert ctl._seen_arm[6, 5][2] == pytest.approx(sum(0.95 ** i for i in range(12)))  # every step recorded
 
@@ -616,3 +617,25 @@ def test_a_chain_record_from_a_tree_that_cut_the_top1_chain_short_is_not_censore
     assert ctl._further(2, 7) > 3  # ~0.9 + 0.81 + ... : far more than the 0 the span alone credited
     assert ctl._seen_arm[2, 1][0] == pytest.approx(1.0)  # no deeper than the span: exact, min(run, d)
     assert ctl._seen_arm[4, 3][0] == pytest.approx((2 + ctl._further(2, 3) + 2 + 1) / 3)
+
+
+def test_a_step_is_timed_from_after_the_choice_so_scoring_is_never_charged_to_an_arm():
+    """Choosing scores every arm on some steps only (rescoring, exploring): that time is the budget's, so an
+    explored arm, whose steps all pay it, must not look slower than the held one for it."""
+    t = [0.0]
+    b = BudgetController([(2, 1), (4, 3)], explore_every=2, clock=lambda: t[0])
+    choose, costs = b.choose, {(2, 1): 0.006, (4, 3): 0.012}
+
+    def slow_choice(rows):
+        t[0] += 0.5  # a (grossly) slow scoring pass
+        return choose(rows)
+
+    b.choose = slow_choice
+    owner = object()
+    for _ in range(12):
+        arm = b.start(owner, 1)
+        b.offer(torch.tensor([0.5, 1.5]), b.arms)
+        t[0] += costs[arm]
+    assert set(b.history) == {(2, 1), (4, 3)}
+    for arm, cost in costs.items():
+        assert b.times.predict(1, *arm) == pytest.approx(cost)
