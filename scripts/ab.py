@@ -5,8 +5,8 @@
     python scripts/ab.py --batch 4 --serve 16 --static-too vanilla chain:5 auto   # continuous vs static batches
 
 A method is ``vanilla``, ``chain:D``, ``static`` (EAGLE's 26-node shape), ``dynamic:T/D/K`` (calibrated),
-``auto`` (``tree.total_tokens=auto``, pool 7 / 4; ``auto:D/K[/M]`` a pool of depth D, top-k K and shallowest
-arm M), ``arm:T/D`` (auto's policy with its budget held on the one arm of T nodes and depth D: what that arm
+``auto`` (``tree.total_tokens=auto``, pool 7 / 4; ``auto:D/K[/M[/C]]`` a pool of depth D, top-k K, shallowest
+arm M and deepest chain C), ``arm:T/D`` (auto's policy with its budget held on the one arm of T nodes and depth D: what that arm
 makes when played on every step, e.g. ``arm:8/7`` its 7-deep chain) or ``lookup:D`` (prompt lookup beside a
 D-deep chain), with
 ``@fp32`` / ``@bf16`` / ``@auto`` for the draft head's dtype (default auto), or ``@int8`` for the auto dtype's head
@@ -51,9 +51,9 @@ def policy(kind: str, arg: str, P, head: str = "tiny-code-eagle"):
         T, d, k = map(int, arg.split("/"))
         return P.DynamicPolicy(total_tokens=T, depth=d, top_k=k, **calibrated)
     if kind == "auto":
-        d, k, *low = map(int, arg.split("/")) if arg else (7, 4)
-        return P.DynamicPolicy(total_tokens="auto", depth=d, top_k=k, **calibrated,
-                               **({"min_depth": low[0]} if low else {}))
+        d, k, *more = map(int, arg.split("/")) if arg else (7, 4)
+        extra = dict(zip(("min_depth", "chain_depth"), more))
+        return P.DynamicPolicy(total_tokens="auto", depth=d, top_k=k, **calibrated, **extra)
     if kind == "arm":
         pol = policy("auto", "", P, head)
         arm = tuple(map(int, arg.split("/")))

@@ -89,6 +89,7 @@ class DynamicTreeSchema:
     min_depth: Optional[int] = None  # total_tokens=auto: the shallowest depth tried (null: depth - 2)
     explore_every: int = 8  # total_tokens=auto: try a neighbouring (T, depth) or the runner-up every this many steps
     pool_slack: float = 1.0  # total_tokens=auto: an arm drafts the narrowest top_k holding pool_slack*(T-1) nodes
+    chain_depth: Optional[int] = None  # total_tokens=auto: the deepest chain arm, at batches of 1-2 rows (null: depth)
     node_share: float = 1.0  # per-row budgets: share of the batch's B*(T-1) candidate slots kept (rest: padding)
 
 

@@ -639,3 +639,38 @@ def test_a_step_is_timed_from_after_the_choice_so_scoring_is_never_charged_to_an
     assert set(b.history) == {(2, 1), (4, 3)}
     for arm, cost in costs.items():
         assert b.times.predict(1, *arm) == pytest.approx(cost)
+
+
+def test_chains_deeper_than_the_pools_are_arms_of_narrow_batches_only():
+    """``chain_depth``: chain arms past the bushy pools' depth, scored, explored and played at batches of at most
+    narrow_rows rows; the probes never take them; a fixed tree refuses the option, and so does a shallower value."""
+    pol = DynamicPolicy("auto", depth=4, top_k=3, chain_depth=7)
+    ctl = pol.budget
+    deep = {(d + 1, d) for d in (5, 6, 7)}
+    assert deep <= set(ctl.arms) and ctl.narrow == deep
+    assert all(pol.arm_top_k[a] == 1 for a in deep) and pol.max_depth == 7 and pol.max_inputs >= 7
+    assert not deep & set(ctl.probes)
+    ctl.rate = lambda rows, T, d: float(d)  # the deeper, the better
+    assert ctl._rates(1) and max(ctl._rates(1), key=lambda a: a[1]) == (8, 7) == ctl.best(1)
+    assert max(a[1] for a in ctl._rates(16)) == 4 and ctl.best(16)[1] == 4
+    assert not ctl._worth_a_try(16, (8, 7), (5, 4))
+    with pytest.raises(TreeError, match="chain_depth"):
+        DynamicPolicy(16, depth=4, top_k=3, chain_depth=7)
+    with pytest.raises(TreeError, match="chain_depth"):
+        DynamicPolicy("auto", depth=4, top_k=3, chain_depth=3)
+    assert not DynamicPolicy("auto", depth=4, top_k=3).budget.narrow
+
+
+def test_chains_never_observed_are_estimated_from_the_top1_continuation_rates():
+    """A chain deeper than any played is censored in the top-1 runs; its E[accepted] is the sum over depths of the
+    product of the measured continuation rates, the deepest measured one standing for the depths past it."""
+    ctl = BudgetController([(2, 1), (3, 2), (4, 3), (9, 8)], family={(2, 1): 1, (3, 2): 1, (4, 3): 1, (9, 8): 1})
+    assert ctl._chain_estimate(8) is None  # no continuation measured yet
+    for _ in range(40):  # 3-deep chains: 9 rows in 10 go on at every depth
+        ctl._count_continuations([3] * 9 + [0], [3] * 10)
+    p = [ctl.continuation(j) for j in (1, 2, 3)]
+    assert p[0] == pytest.approx(0.9, abs=0.02)
+    want = sum(math.prod(p[min(i, 2)] for i in range(j)) for j in range(1, 9))
+    assert ctl._chain_estimate(8) == pytest.approx(want)
+    ctl.gain[(9, 8)] = 0.5  # a (calibrated) estimate far too low: the chain's own model replaces it
+    assert ctl.accepted((9, 8)) == pytest.approx(want)
