@@ -63,7 +63,7 @@ def policy(kind: str, arg: str, P, head: str = "tiny-code-eagle"):
         return pol
     if kind == "lookup":
         return P.LookupPolicy(P.ChainPolicy(int(arg)))
-    raise SystemExit(f"unknown method {kind!r}: vanilla, chain:D, static, dynamic:T/D/K, auto[:D/K] (or auto:D/K/M), "
+    raise SystemExit(f"unknown method {kind!r}: vanilla, chain:D, static, dynamic:T/D/K, auto[:D/K] (or auto:D/K/M, auto:D/K/M/C), "
                      "arm:T/D or lookup:D")
 
 

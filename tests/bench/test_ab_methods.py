@@ -11,6 +11,9 @@ def test_auto_pools_default_and_overridden():
     assert (default.max_depth, default.top_k) == (7, 4) and depths(default) == [5, 6, 7]  # min_depth: depth - 2
     assert (deep.max_depth, deep.top_k) == (8, 4) and depths(deep) == [6, 7, 8] and (6, 5) not in deep.budget.arms
     assert depths(wide) == [5, 6, 7, 8] and {(9, 8), (6, 5)} <= set(wide.budget.arms)
+    chains = policy("auto", "7/4/5/10", P)  # and chains to depth 10 (narrow batches only)
+    assert chains.max_depth == 10 and chains.budget.narrow == {(9, 8), (10, 9), (11, 10)}
+    assert depths(chains) == [5, 6, 7]
 
 
 def test_fixed_methods_and_arm_and_unknown():
@@ -21,5 +24,5 @@ def test_fixed_methods_and_arm_and_unknown():
     assert held.budget.choose(1) == (8, 7) and held.budget.choose(16) == (8, 7)
     with pytest.raises(SystemExit, match="not one of auto's arms"):
         policy("arm", "9/9", P)
-    with pytest.raises(SystemExit, match=r"auto\[:D/K\]"):
+    with pytest.raises(SystemExit, match=r"auto:D/K/M/C"):
         policy("bushy", "", P)
