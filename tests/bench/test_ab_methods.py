@@ -9,7 +9,8 @@ def test_auto_pools_default_and_overridden():
     default, deep, wide = policy("auto", "", P), policy("auto", "8/4", P), policy("auto", "8/4/5", P)
     depths = lambda pol: sorted({d for T, d in pol.budget.arms if T >= 16})  # noqa: E731  (trees, not the small chains)
     assert (default.max_depth, default.top_k) == (7, 4) and depths(default) == [5, 6, 7]  # min_depth: depth - 2
-    assert (deep.max_depth, deep.top_k) == (8, 4) and depths(deep) == [6, 7, 8] and (6, 5) not in deep.budget.arms
+    assert (deep.max_depth, deep.top_k) == (8, 4) and depths(deep) == [6, 7, 8] and (16, 5) not in deep.budget.arms
+    assert {(d + 1, d) for d in range(1, 9)} <= set(deep.budget.arms)  # min_depth bounds the bushy arms only
     assert depths(wide) == [5, 6, 7, 8] and {(9, 8), (6, 5)} <= set(wide.budget.arms)
     chains = policy("auto", "7/4/5/10", P)  # and chains to depth 10 (narrow batches only)
     assert chains.max_depth == 10 and chains.budget.narrow == {(9, 8), (10, 9), (11, 10)}

@@ -155,9 +155,10 @@ def test_auto_policy_stays_within_bounds_and_is_lossless(seed):
     prompt = list(range(3, 12 + seed))
     out = SpeculativeDecoder(target, draft, pol).generate(prompt, 100)
     assert out.tokens[0] == greedy_reference(target, prompt, 100)
-    # the buckets, and a chain at each depth tried (depth 3-5: T = 4, 5, 6)
-    assert {(T, d) for T, d in pol.budget.arms if T not in (1, 2, 4, 8, 16, 24, 32, 40)} == {(5, 4), (6, 5)}
-    assert {T for T, _ in pol.budget.history} <= {1, 2, 4, 5, 6, 8, 16, 24, 32, 40} and len(set(pol.budget.history)) > 1
+    # the buckets, and a chain at every depth (1-5: T = 2 ... 6; min_depth bounds the bushy arms only)
+    assert {(T, d) for T, d in pol.budget.arms if T not in (1, 2, 4, 8, 16, 24, 32, 40)} == {(3, 2), (5, 4), (6, 5)}
+    assert {(d + 1, d) for d in range(1, 6)} <= set(pol.budget.arms)
+    assert {T for T, _ in pol.budget.history} <= {1, 2, 3, 4, 5, 6, 8, 16, 24, 32, 40} and len(set(pol.budget.history)) > 1
     assert {d for T, d in pol.budget.history if T >= 8} <= {3, 4, 5}
     d = primed_drafter(seed)
     with torch.inference_mode():

@@ -246,8 +246,10 @@ def tree_config(bench: DictConfig, name: str):
     if name.startswith("dynamic_T") and name[len("dynamic_T"):].isdigit() and name not in bench.trees:
         if SWEEP_BASE not in bench.trees:
             raise ConfigError(f"bench.dynamic_sweep needs bench.trees.{SWEEP_BASE} (the tree the sweep varies T of)")
-        node = OmegaConf.merge(bench.trees[SWEEP_BASE], {"total_tokens": int(name[len("dynamic_T"):])})
-        return node
+        fixed = {"total_tokens": int(name[len("dynamic_T"):])}
+        if "chain_depth" in bench.trees[SWEEP_BASE]:
+            fixed["chain_depth"] = None  # (an auto budget's deeper chain arms: a fixed tree has no arms)
+        return OmegaConf.merge(bench.trees[SWEEP_BASE], fixed)
     if name not in bench.trees:
         raise ConfigError(f"bench.methods names {name!r}, which has no tree config under bench.trees "
                           f"(have: vanilla, {', '.join(bench.trees)}); add bench.trees.{name} with a _target_")
