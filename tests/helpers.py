@@ -60,6 +60,15 @@ def make_pair(seed: int = 0, vocab: int = 64, hidden: int = 64, layers: int = 2,
     return target, draft
 
 
+def eagle3_pair(seed: int, vocab: int = 64, k: int = 40, **kw):
+    """A random target of 4 layers and a random EAGLE-3 head over ``k`` random draft tokens (0: all)."""
+    target, _ = make_pair(seed, vocab=vocab, layers=4, **kw)
+    head = DraftHead(DraftConfig.for_target(target.config, kind="eagle3", draft_vocab_size=k))
+    if k:
+        head.restrict_vocab(torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:k])
+    return target, head.eval().bind(target)
+
+
 @torch.inference_mode()
 def full_logits(model: Transformer, ids, position_offset: int = 0) -> torch.Tensor:
     """Logits [B, T, V] of one plain forward over ``ids`` from an empty cache."""

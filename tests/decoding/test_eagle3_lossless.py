@@ -8,23 +8,13 @@ import torch
 
 from treedec.decoding.sampling import SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
-from treedec.models.draft import DraftConfig, DraftHead
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, LearnedPolicy, StaticPolicy
 from treedec.tree.policies.learned import save_learned
 from treedec.tree.sequoia import solve
 
-from tests.helpers import OraclePolicy, greedy_reference, make_pair
+from tests.helpers import OraclePolicy, eagle3_pair, greedy_reference
 from .stats import fits
 from .test_lossless_sampling import V, exact_joint, sample_first_three
-
-
-def eagle3_pair(seed: int, vocab: int = 64, k: int = 40, **kw):
-    """A random target of 4 layers and a random EAGLE-3 head over ``k`` random draft tokens (0: all)."""
-    target, _ = make_pair(seed, vocab=vocab, layers=4, **kw)
-    head = DraftHead(DraftConfig.for_target(target.config, kind="eagle3", draft_vocab_size=k))
-    if k:
-        head.restrict_vocab(torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:k])
-    return target, head.eval().bind(target)
 
 
 def learned(tmp_path):

@@ -21,9 +21,8 @@ from treedec.tree import Tree
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
 from treedec.tree.policies.base import TreePolicy
 
-from tests.helpers import OraclePolicy, make_pair
+from tests.helpers import OraclePolicy, eagle3_pair, make_pair
 from .stats import fits
-from .test_eagle3_lossless import eagle3_pair
 from .test_lossless_sampling import N, PROMPT, V, exact_joint
 
 LONG_RUN = 2 * Drafter.MAX_PENDING + 3  # (fixed here: an eager run patches MAX_PENDING)

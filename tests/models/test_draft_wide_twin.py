@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import make_pair
+from tests.helpers import eagle3_pair, make_pair
 from treedec.decoding.vanilla import VanillaDecoder
 from treedec.models import draft as draft_mod
 from treedec.models.draft import DraftHead
@@ -51,13 +51,16 @@ def test_a_quantized_head_refuses_a_twin(tmp_path):
         q.add_wide_twin(2)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("policy", [lambda: ChainPolicy(4), lambda: DynamicPolicy(10, 3, 3),
                                     lambda: DynamicPolicy("auto", depth=4, top_k=3, explore_every=2)])
-def test_wide_batches_draft_with_the_twin_and_stay_lossless(policy):
+def test_wide_batches_draft_with_the_twin_and_stay_lossless(policy, kind):
     """fp32 target: batches of 3+ rows draft with the bf16 twin, narrower ones with the head, every output exactly
-    vanilla's; prompts admitted into a served batch's slots draft with the batch's head."""
-    target, head = make_pair(seed=5, vocab=96)
+    vanilla's; prompts admitted into a served batch's slots draft with the batch's head. EAGLE-3 heads too (their
+    own LM head and draft vocabulary come along)."""
+    target, head = make_pair(seed=5, vocab=96) if kind == "eagle" else eagle3_pair(5, vocab=96, k=40)
     head.add_wide_twin(3)
+    assert type(head.for_batch(3)) is type(head)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(4, 96, (int(n),), generator=g).tolist() for n in torch.randint(2, 30, (7,), generator=g)]
     want = VanillaDecoder(target).generate(prompts, 40).tokens

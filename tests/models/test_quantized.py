@@ -94,7 +94,7 @@ def test_a_quantized_head_is_not_saved_and_bad_values_are_named(tmp_path):
 
 @pytest.mark.parametrize("seed", range(2))
 def test_an_int8_eagle3_head_quantizes_its_own_lm_head_and_stays_lossless(seed):
-    from tests.decoding.test_eagle3_lossless import eagle3_pair
+    from tests.helpers import eagle3_pair
 
     target, head = eagle3_pair(seed)
     q = DraftHead(head.config).eval()
