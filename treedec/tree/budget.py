@@ -233,6 +233,7 @@ class BudgetController:
         self._chains = [a for a in self.arms if self.family.get(a) == 1 and a[0] == a[1] + 1]  # pool width 1, T = d + 1
         self._top1: dict[int, tuple[float, float]] = {}  # depth -> decayed (continued, tried) of the top-1 chain
         self.continuation_known = 8.0  # (decayed) tries after which a depth's continuation rate estimates chains
+        self._chain_memo: tuple | None = None  # (deepest depth known, d -> _chain_estimate(d)) since the last counts
         self.family_prior = 4.0  # plays' worth of the batch-wide correction in each family's factor
         self._families: dict | None = {}  # family -> its factor (None: stale, see _family_factor)
         # A tree's own accepted record is confounded by the text it was played on: the budget turns to bushy trees
@@ -363,6 +364,7 @@ class BudgetController:
             tried = sum(1 for r, L in zip(runs, spans) if j <= L and r >= j - 1)
             h, t = self._top1.get(j, (0.0, 0.0))
             self._top1[j] = (decay * h + hit, decay * t + tried)
+        self._chain_memo = None
 
     def _chain_estimate(self, d: int) -> float | None:
         """E[accepted drafts] of a d-deep chain from the top-1 continuation rates, sum over j <= d of P(run >= j); depths
@@ -372,15 +374,17 @@ class BudgetController:
         for a 7-deep chain on the bundled pair), and only chains no deeper than the step's tree are observed: the
         chains deeper than any played looked poor and were never tried (at batch 1 the budget held the 7-deep chain
         of its pool, 1.84x vanilla, where a 9-deep one ran 1.98x)."""
-        known = [j for j, (_, t) in self._top1.items() if t >= self.continuation_known]
-        if 1 not in known:
+        if self._chain_memo is None:  # (asked for every chain arm at each scoring: computed once per step's counts)
+            deepest = 0
+            while self._top1.get(deepest + 1, (0.0, 0.0))[1] >= self.continuation_known:
+                deepest += 1
+            self._chain_memo = (deepest, {})
+        deepest, memo = self._chain_memo
+        if not deepest:
             return None
-        deepest = max(j for j in range(1, max(known) + 1) if all(i in known for i in range(1, j + 1)))
-        out, p = 0.0, 1.0
-        for j in range(1, d + 1):
-            p *= self.continuation(min(j, deepest))
-            out += p
-        return out
+        if d not in memo:
+            memo[d] = self._run_sum(0, d, lambda j: self.continuation(min(j, deepest)))
+        return memo[d]
 
     def continuation(self, j: int) -> float:
         """P(the top-1 chain's draft at depth j is accepted | those before it were), from the counts (0.5 prior)."""
@@ -389,9 +393,15 @@ class BudgetController:
 
     def _further(self, L: int, d: int) -> float:
         """Expected accepted top-1 drafts at depths L+1..d given the run reached depth L."""
+        return self._run_sum(L, d, self.continuation)
+
+    @staticmethod
+    def _run_sum(L: int, d: int, rate: Callable[[int], float]) -> float:
+        """Sum over j in L+1..d of P(a top-1 run that reached depth L goes on through depth j), from per-depth
+        continuation ``rate``s."""
         out, p = 0.0, 1.0
         for j in range(L + 1, d + 1):
-            p *= self.continuation(j)
+            p *= rate(j)
             out += p
         return out
 
@@ -465,9 +475,8 @@ class BudgetController:
             return None
         # rescaled, an estimate may pass what the arm can hold (a factor fitted on chains applied to a bushy tree):
         # never more drafts than its depth or its nodes
-        g = min(g * self.correction_of(arm), float(min(arm[1], arm[0] - 1)))
-        if arm in self._chains and (c := self._chain_estimate(arm[1])) is not None:
-            g = c
+        run = self._chain_estimate(arm[1]) if arm in self._chains else None  # a chain: from the top-1 runs
+        g = run if run is not None else min(g * self.correction_of(arm), float(min(arm[1], arm[0] - 1)))
         acc, _, n = self._seen_arm.get(arm, (0.0, 0.0, 0.0))
         chain = (arm[1] + 1, arm[1])
         a, c = self._paired.get(arm, (0.0, 0.0))
