@@ -273,8 +273,9 @@ def test_probes_far_apart_arms_first_at_each_new_row_bucket():
     b = BudgetController(arms, explore_every=0, clock=lambda: 0.0)
     assert b.probes == [(1, 0), (2, 1), (8, 5), (24, 5)]  # cheapest first; 24: the geometric middle of 8..64
     owner = object()
-    assert [b.start(owner, 1) for _ in b.probes] == b.probes
-    assert [b.start(owner, 16) for _ in range(3)] == b.probes[:3]  # a new batch size probes again, not the mid tree
+    twice = [a for a in b.probes for _ in range(2)]  # each twice: a first step pays one-time work
+    assert [b.start(owner, 1) for _ in twice] == twice
+    assert [b.start(owner, 16) for _ in range(6)] == twice[:6]  # a new batch size probes again, not the mid tree
     for rows in (16, 15, 13, 12):  # rows leaving the batch one by one stay in its bucket: no new probes
         assert b.start(owner, rows) == b.best(rows)
     assert sorted(b._played) == [1, 16]

@@ -94,6 +94,16 @@ class KVCache:
             vl[rows, :, idx] = v.transpose(1, 2)
         return kl.narrow(2, 0, hi + T), vl.narrow(2, 0, hi + T)
 
+    def write_one(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store one token's k, v [B, Hkv, D] at ``slot`` of every row (the caller knows the rows share a length and
+        where the token goes); return the layer's keys/values up to it, [B, Hkv, slot + 1, D]. Lengths do not move."""
+        if slot >= self.max_len:
+            self.check_room(slot + 1 - max(self._host()))  # the same overflow error as any forward
+        kl, vl = self._layers[layer]
+        kl.select(2, slot).copy_(k)
+        vl.select(2, slot).copy_(v)
+        return kl.narrow(2, 0, slot + 1), vl.narrow(2, 0, slot + 1)
+
     def _rows(self) -> torch.Tensor:
         """Row ids [B, 1] for advanced indexing, made once."""
         if self._row_ids is None:

@@ -24,11 +24,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from treedec.attention import prefix_tree_mask
+from treedec.attention import folded_sdpa, prefix_tree_mask
 from treedec.models.cache import KVCache
 from treedec.models.draft_config import BUNDLED_DRAFTS, DRAFT_CONFIG, DRAFT_WEIGHTS, KINDS, DraftConfig
-from treedec.models.llama import (DecoderLayer, ModelOutput, Transformer, one_row_matmuls, rope_cos_sin, rope_inv_freq,
-                                  rope_lookup)
+from treedec.models.llama import (DecoderLayer, ModelOutput, Transformer, apply_rope, one_row_matmuls, rms_norm,
+                                  rope_cos_sin, rope_inv_freq, rope_lookup, rope_table)
 from treedec.models.packed import PackedLinear, pack_linears, packed_bf16_is_faster, packed_weight, should_pack
 from treedec.models.quantized import QUANTIZE, Int8Linear, int8_is_faster, is_quantized, quantize_linears
 
@@ -332,6 +332,43 @@ class DraftHead(nn.Module):
         with one_row_matmuls(x, tokens.numel() == 1):  # a chain's node at batch 1: ATen's kernel, as the target's step
             return self.layer(self.fc(x), cos, sin, cache, 0, None, mask, backend)
 
+    def forward_one(self, tokens: torch.Tensor, features: torch.Tensor, cache: KVCache, slot: int,
+                    position: int) -> torch.Tensor | None:
+        """One node per row after rows of one length (a chain's next draft): tokens [B], features [B, H] -> predicted
+        features [B, H], its key written at ``slot`` and seeing every key before it, at RoPE ``position``.
+
+        :meth:`forward`'s maths without module calls, masks or position tensors: a chain at batch 1 runs eight such
+        passes a step, and on a CPU dispatch was ~40 % of each (~390 -> ~230 us a pass, docs/benchmarks.md).
+        None where this head has no such path (another kind, unfused or q/k-normed projections, no RoPE table):
+        the caller runs :meth:`forward`. The cache length does not move.
+        """
+        L = self.layer
+        A, M = L.self_attn, L.mlp
+        table = rope_table(self, self._n_positions, self.dtype)
+        if type(self) is not DraftHead or not (A.fused and M.fused) or A.qk_norm or table is None:
+            return None
+        dt, B = self.dtype, tokens.shape[0]
+        emb = self.target.model.embed_tokens
+        x = torch.cat((_as(F.embedding(tokens, emb.weight), dt), _as(features, dt)), dim=-1)
+        cs = table.select(1, min(position, table.shape[1] - 1))  # (as rope_lookup: a position past it is clamped)
+        nh, nkv = A.nh, A.nkv  # (narrow and select, not Python indexing: ~1 against ~4 us an op)
+        with one_row_matmuls(x, B == 1):  # (.forward: a linear's own maths, without nn.Module's call machinery)
+            x = self.fc.forward(x)
+            qkv = A.qkv_proj.forward(x).view(B, nh + 2 * nkv, A.hd)
+            qk = apply_rope(qkv.narrow(1, 0, nh + nkv), cs.select(0, 0), cs.select(0, 1))
+            keys, values = cache.write_one(0, slot, qk.narrow(1, nh, nkv), qkv.narrow(1, nh + nkv, nkv))
+            attn = folded_sdpa(qk.narrow(1, 0, nh).unsqueeze(2), keys, values)  # [B, Hq, 1, D]: K/V heads' queries as rows
+            x = x + A.o_proj.forward(attn.reshape(B, A.nh * A.hd))
+            norm = L.post_attention_layernorm
+            gate, up = M.gate_up_proj.forward(rms_norm(x, norm.weight, norm.eps)).chunk(2, dim=-1)
+            return x + M.down_proj.forward(F.silu(gate) * up)
+
+    @property
+    def _n_positions(self) -> int:
+        """RoPE positions the head serves: the target's context, where an imported head's config says less (its drafts
+        must not lose RoPE there)."""
+        return max(self.config.max_position_embeddings, self.target.config.max_position_embeddings)
+
     def _mask_rope(self, T: int, cache: KVCache, position_ids: torch.Tensor, mask: torch.Tensor | None):
         """(dense mask, cos, sin in the head's dtype) of a cached forward: ``mask`` None is a chain after each row's
         prefix."""
@@ -342,9 +379,7 @@ class DraftHead(nn.Module):
         elif mask is None:
             chain = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
             mask = prefix_tree_mask(chain, cache.lengths, max(host) + T, host_lens=host)[:, None]
-        # the target's context, where an imported head's config says less: its drafts must not lose RoPE there
-        n = max(self.config.max_position_embeddings, self.target.config.max_position_embeddings)
-        return (mask, *rope_lookup(self, position_ids, n, self.dtype))
+        return (mask, *rope_lookup(self, position_ids, self._n_positions, self.dtype))
 
     def logits(self, feat: torch.Tensor) -> torch.Tensor:
         """Draft logits for predicted features: over the draft vocabulary (all of the target's by default)."""

@@ -31,9 +31,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x if x.dtype == torch.float32 else x.float()  # (casts that would be no-ops are skipped: fewer ops)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * (xf if x.dtype == torch.float32 else xf.to(x.dtype))
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalisation in fp32, cast back to x's dtype, then scaled (``transformers``' order of operations)."""
+    xf = x if x.dtype == torch.float32 else x.float()  # (casts that would be no-ops are skipped: fewer ops)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (xf if x.dtype == torch.float32 else xf.to(x.dtype))
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
@@ -85,17 +90,26 @@ def rope_lookup(owner: nn.Module, position_ids: torch.Tensor, n_positions: int,
     (such a slot's outputs are never read), where an index past the table would fail (on a GPU, as a
     device-side assert).
     """
+    table = rope_table(owner, n_positions, dtype)
+    if table is None:
+        cos, sin = rope_cos_sin(position_ids, owner.inv_freq)  # (a compiled graph folds this itself)
+        return cos.to(dtype), sin.to(dtype)
+    cs = table[:, position_ids.clamp(max=table.shape[1] - 1)]  # [2, B, T, D]
+    return cs[0][:, None], cs[1][:, None]
+
+
+def rope_table(owner: nn.Module, n_positions: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """:func:`rope_lookup`'s table [2 (cos, sin), n_positions + slack, D], made once per device, dtype and size; None
+    where none is kept (inside a compiled graph, or above :data:`ROPE_TABLE_BYTES`)."""
     inv, n = owner.inv_freq, n_positions + ROPE_TABLE_SLACK
     if torch.compiler.is_compiling() or 2 * n * 2 * inv.numel() * dtype.itemsize > ROPE_TABLE_BYTES:
-        cos, sin = rope_cos_sin(position_ids, inv)  # (a compiled graph folds this itself)
-        return cos.to(dtype), sin.to(dtype)
+        return None
     key = (inv.device, dtype, inv.data_ptr(), n)
     table = getattr(owner, "_rope_table", None)
     if table is None or table[0] != key:
         cos, sin = rope_cos_sin(torch.arange(n, device=inv.device)[None], inv)
         table = owner._rope_table = (key, torch.stack((cos[0, 0], sin[0, 0])).to(dtype))  # [2, n, D]
-    cs = table[1][:, position_ids.clamp(max=n - 1)]  # [2, B, T, D]
-    return cs[0][:, None], cs[1][:, None]
+    return table[1]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -541,8 +541,8 @@ class BudgetController:
             self._played[bucket], self._probes[bucket] = 0, self.probes[: 3 if self._played else None]
         n = self._played[bucket] = self._played[bucket] + 1
         probes = self._probes[bucket]
-        if n <= len(probes):
-            return probes[n - 1]
+        if n <= 2 * len(probes):  # each probe twice: its first step pays one-time work (see StepTimeModel.observe)
+            return probes[(n - 1) // 2]
         every = self.explore_every * max(1, rows // self.explore_rows)
         explore = bool(every) and self.steps % every == 0
         held = self._held.get(bucket)

@@ -123,18 +123,21 @@ class StaticPolicy(TreePolicy):
                     is_chain=self.is_chain)
 
     def _draft_chain(self, drafter, shape: dict) -> Tree:
-        """:meth:`draft` for a chain of top-1 drafts: each depth's token is its parent's best, read and written through
-        views where the general plan runs index and index_put kernels (~2-3 kernels a depth fewer)."""
-        B, T = drafter.batch, len(self.shape)
-        tokens = torch.empty(B, T, dtype=torch.long, device=drafter.device)
-        tokens[:, 0] = drafter.root_tokens
-        logits, feat = drafter.root_logits, drafter.root_feat[:, None]
+        """:meth:`draft` for a chain of top-1 drafts: each depth's token is its parent's best, one node per pass through
+        :meth:`Drafter.expand_one` where the general plan runs index and index_put kernels and the head's module calls."""
+        T = len(self.shape)
+        ids = [drafter.root_tokens]
+        logits, feat = drafter.root_logits, drafter.root_feat
         for d in range(1, T):
-            tokens[:, d] = drafter.head.to_target_ids(logits.topk(1, dim=-1).indices[:, 0])
+            ids.append(drafter.head.to_target_ids(logits.argmax(dim=-1)))
             if d < T - 1:
-                feat, logits = drafter.expand(tokens[:, d:d + 1], feat, depth=d, anc_rows=None, n_prev=d - 1)
-                logits = logits[:, 0]
-        return Tree(shape["parents"], shape["depth"], shape["rank"], tokens, anc=shape["anc"], is_chain=True)
+                out = drafter.expand_one(ids[-1], feat, depth=d, n_prev=d - 1)
+                if out is None:  # rows of several lengths: the general pass
+                    out = [x[:, 0] for x in drafter.expand(ids[-1][:, None], feat[:, None], depth=d, anc_rows=None,
+                                                           n_prev=d - 1)]
+                feat, logits = out
+        return Tree(shape["parents"], shape["depth"], shape["rank"], torch.stack(ids, 1), anc=shape["anc"],
+                    is_chain=True)
 
 
 class ChainPolicy(StaticPolicy):
