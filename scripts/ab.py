@@ -55,7 +55,7 @@ def policy(kind: str, arg: str, P, head: str = "tiny-code-eagle"):
         extra = dict(zip(("min_depth", "chain_depth"), more))
         return P.DynamicPolicy(total_tokens="auto", depth=d, top_k=k, **calibrated, **extra)
     if kind == "arm":
-        pol = policy("auto", "", P, head)
+        pol = policy("auto", "7/4/5/10", P, head)  # the bench's dynamic_auto pool (chains to depth 10)
         arm = tuple(map(int, arg.split("/")))
         if arm not in pol.budget.arms:
             raise SystemExit(f"arm:{arg} is not one of auto's arms: {' '.join(f'{t}/{d}' for t, d in pol.budget.arms)}")

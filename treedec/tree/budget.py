@@ -234,6 +234,8 @@ class BudgetController:
         self._top1: dict[int, tuple[float, float]] = {}  # depth -> decayed (continued, tried) of the top-1 chain
         self.continuation_known = 8.0  # (decayed) tries after which a depth's continuation rate estimates chains
         self._chain_memo: tuple | None = None  # (deepest depth known, d -> _chain_estimate(d)) since the last counts
+        self._version = 0  # moves whenever records, estimates or continuation counts do (key of _chain_accepted's memo)
+        self._chain_acc: tuple[int, dict] = (-1, {})
         self.family_prior = 4.0  # plays' worth of the batch-wide correction in each family's factor
         self._families: dict | None = {}  # family -> its factor (None: stale, see _family_factor)
         # A tree's own accepted record is confounded by the text it was played on: the budget turns to bushy trees
@@ -321,6 +323,7 @@ class BudgetController:
         acc0, est0, n0 = self._seen_arm.get(arm, (0.0, 0.0, 0.0))
         self._seen_arm[arm] = (decay * acc0 + accepted, decay * est0 + est, decay * n0 + 1)
         self._families = None  # the family factors are recomputed when next asked for
+        self._version += 1
 
     def observe_chains(self, runs: Sequence[int], spans: Sequence[int] | None = None, decay: float = 0.95) -> None:
         """What every chain arm would have accepted this step: ``runs`` are the live rows' top-1 runs (accepted drafts
@@ -365,6 +368,7 @@ class BudgetController:
             h, t = self._top1.get(j, (0.0, 0.0))
             self._top1[j] = (decay * h + hit, decay * t + tried)
         self._chain_memo = None
+        self._version += 1
 
     def _chain_estimate(self, d: int) -> float | None:
         """E[accepted drafts] of a d-deep chain from the top-1 continuation rates, sum over j <= d of P(run >= j); depths
@@ -464,12 +468,42 @@ class BudgetController:
                 table[arm] = (self.decay * num + v, self.decay * den + base)
         self.gain = {a: self._base_ema * (n / d if d > 0 else 1.0)
                      for a, (n, d) in {**self._stand_in, **self._ratio}.items()}
+        self._version += 1
 
     def accepted(self, arm: tuple[int, int]) -> float | None:
         """E[accepted drafts per row] of an arm: the calibrated estimate rescaled by :meth:`correction_of`, blended
         with what the arm's own recent steps accepted (:attr:`prior_plays` pseudo-steps of the estimate). The
         rescaled estimate follows the context (it is recomputed every step) but carries the calibration's bias;
         the arm's own record has none, so the arms played most are judged by what they did."""
+        if arm in self._chains:
+            return self._chain_accepted(arm[1])
+        return self._blended(arm)
+
+    def _chain_accepted(self, d: int) -> float | None:
+        """:meth:`accepted` of the d-deep chain: its own blend (:meth:`_blended`), but never less than the chain one
+        shallower plus what the top-1 continuation rates say one more depth adds (and that alone for a chain never
+        drafted). A chain deeper than the one played is recorded only on its own few plays, on other text than the
+        shallower chains' records (taken on every step): at batch 1 a 9-deep chain played on a hard stretch kept a
+        record below the 8-deep one's, which a deeper chain can never have on the same text, and was never played
+        again (auto 1.96x against 2.13x for the 9-deep chain held)."""
+        version, memo = self._chain_acc
+        if version != self._version:
+            memo = {}
+            self._chain_acc = (self._version, memo)
+        if d <= 0:
+            return 0.0  # the root alone accepts no draft
+        if d not in memo:
+            own = self._blended((d + 1, d)) if (d + 1, d) in self.gain else None
+            prev = self._chain_accepted(d - 1) if (d, d - 1) in self._chains else None
+            est, est_prev = self._chain_estimate(d), self._chain_estimate(d - 1)
+            if prev is not None and est is not None and est_prev is not None:
+                floor = prev + est - est_prev
+                own = floor if own is None else max(own, floor)
+            memo[d] = own
+        return memo[d]
+
+    def _blended(self, arm: tuple[int, int]) -> float | None:
+        """The calibrated (or, for a chain, the top-1 runs') estimate blended with the arm's own accepted record."""
         g = self.gain.get(arm)
         if g is None:
             return None
@@ -480,9 +514,9 @@ class BudgetController:
         acc, _, n = self._seen_arm.get(arm, (0.0, 0.0, 0.0))
         chain = (arm[1] + 1, arm[1])
         a, c = self._paired.get(arm, (0.0, 0.0))
-        if self.paired and c > 0 and n > 0 and chain != arm and chain in self._chains:
-            # its own record, as a ratio to its depth's chain on the same steps, times that chain's record now
-            acc = n * (a / c) * self.accepted(chain)
+        now = self.accepted(chain) if self.paired and c > 0 and n > 0 and chain != arm and chain in self._chains else None
+        if now is not None:  # its own record, as a ratio to its depth's chain on the same steps, times that chain's now
+            acc = n * (a / c) * now
         return (acc + self.prior_plays * g) / (n + self.prior_plays)
 
     def rate(self, rows: int, T: int, depth: int) -> float | None:
