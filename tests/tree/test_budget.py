@@ -676,3 +676,27 @@ def test_chains_never_observed_are_estimated_from_the_top1_continuation_rates():
     assert ctl._chain_estimate(8) == pytest.approx(want)
     ctl.gain[(9, 8)] = 0.5  # a (calibrated) estimate far too low: the chain's own model replaces it
     assert ctl.accepted((9, 8)) == pytest.approx(want)
+
+
+def test_a_deeper_chain_never_counts_less_than_a_shallower_one_plus_its_continuation():
+    """A chain deeper than the one played is recorded on its own few plays only, on other text than the shallower
+    chains (recorded every step): a record taken on a hard stretch must not sink it below the chain one shallower
+    (which it can never accept less than on the same text), and a chain never drafted still gets a value."""
+    chains = [(d + 1, d) for d in range(1, 11)]
+    ctl = BudgetController(chains, family={a: 1 for a in chains}, probe=False)
+    for _ in range(40):  # the 7-deep chain is played: 9 rows in 10 go on at every depth it spans
+        ctl._count_continuations([7] * 9 + [0], [7] * 10)
+    for a in chains[:9]:  # calibrated estimates of the chains drafted so far (the 10-deep one never was)
+        ctl.gain[a] = 0.5 * a[1]
+    for _ in range(20):  # the shallower chains' records: what each accepted on the same (easy) steps
+        for d in range(1, 8):
+            ctl._record((d + 1, d), min(6.0, d), 0.5 * d, 0.95)
+    for _ in range(3):  # the 9-deep chain, explored on a hard stretch: 2 drafts accepted
+        ctl._record((10, 9), 2.0, 4.5, 0.95)
+    step = ctl._chain_estimate(9) - ctl._chain_estimate(8)
+    assert ctl._blended((10, 9)) < ctl.accepted((8, 7))  # what its own record alone says
+    assert ctl.accepted((10, 9)) >= ctl.accepted((9, 8)) + step - 1e-9 > ctl.accepted((8, 7))
+    assert (11, 10) not in ctl.gain and ctl.accepted((11, 10)) == pytest.approx(
+        ctl.accepted((10, 9)) + ctl._chain_estimate(10) - ctl._chain_estimate(9))
+    ctl._record((8, 7), 6.5, 3.5, 0.95)  # a new record moves every deeper chain's value (the memo is refreshed)
+    assert ctl.accepted((11, 10)) > ctl.accepted((8, 7))
