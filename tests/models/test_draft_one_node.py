@@ -8,6 +8,7 @@ import torch
 
 from tests.helpers import eagle3_pair, make_pair, randomize_
 from treedec.decoding.drafter import Drafter
+from treedec.models.draft import DraftHead
 from treedec.profiling import count_ops
 from treedec.tree.policies import ChainPolicy
 
@@ -21,40 +22,46 @@ def _prepared(seed: int, dtype=torch.float32, quantize=None, vocab_k: int = 0):
     return target, head
 
 
-def _filled_cache(head, B: int, length: int, seed: int):
-    cache = head.new_cache(B, 64)
+def _drafter(head, lengths: list[int], seed: int) -> Drafter:
+    """A drafter whose cache holds rows of ``lengths`` (caught up over random tokens and features)."""
+    B, n = len(lengths), max(lengths)
     g = torch.Generator().manual_seed(seed)
-    toks = torch.randint(0, 96, (B, length), generator=g)
-    feats = torch.randn(B, length, head.config.hidden_size, generator=g).to(head.dtype)
+    d = Drafter(head, B, 64)
+    toks = torch.randint(0, 96, (B, n), generator=g)
+    d.catch_up(toks, torch.randn(B, n, head.config.hidden_size, generator=g), None, lengths, toks[:, 0])
     with torch.inference_mode():
-        head(toks, feats, cache, torch.arange(length)[None].expand(B, -1))
-    cache.advance(length)
-    return cache
+        d.flush()
+    return d
 
 
 @pytest.mark.parametrize("dtype,quantize,tol", [(torch.float32, None, 1e-5), (torch.bfloat16, None, 2e-2),
                                                 (torch.float32, "int8", 1e-5)])
-@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("lengths", [[9], [9, 9, 9], [9, 4, 7]])
 @pytest.mark.parametrize("seed", range(3))
-def test_one_node_pass_matches_the_general_forward(seed, B, dtype, quantize, tol):
-    """Features and the key/value written agree with :meth:`DraftHead.forward` of the same node, for a node written
-    past earlier drafts of its tree (slot) at another RoPE position than its slot, in fp32, packed bf16 and int8."""
+def test_one_node_pass_matches_the_general_forward(seed, lengths, dtype, quantize, tol, monkeypatch):
+    """Features, logits and the keys/values written agree with the general pass (:meth:`Drafter.expand` through
+    :meth:`DraftHead.forward` with its masks and positions), for a node past earlier drafts of its tree, over rows of
+    one length and of several, in fp32, packed bf16 and int8; the lengths do not move."""
     target, head = _prepared(seed, dtype, quantize, vocab_k=40 if seed == 1 else 0)
+    B = len(lengths)
     g = torch.Generator().manual_seed(100 + seed)
     tok = torch.randint(0, 96, (B,), generator=g)
     feat = torch.randn(B, head.config.hidden_size, generator=g).to(head.dtype)
-    for n_prev in (0, 3):
-        lean, ref = _filled_cache(head, B, 9, seed), _filled_cache(head, B, 9, seed)
-        slot, position = 9 + n_prev, 9 - 1 + n_prev + 1
+    for depth in (1, 4):
+        lean, ref = _drafter(head, lengths, seed), _drafter(head, lengths, seed)
         with torch.inference_mode():
-            got = head.forward_one(tok, feat, lean, slot, position)
-            ref.advance(n_prev)
-            want = head(tok[:, None], feat[:, None], ref, torch.full((B, 1), position), "full")[:, 0]
-        assert got is not None and got.dtype == head.dtype
-        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-        torch.testing.assert_close(lean.k[:, :, :, : slot + 1], ref.k[:, :, :, : slot + 1], atol=tol, rtol=tol)
-        torch.testing.assert_close(lean.v[:, :, :, : slot + 1], ref.v[:, :, :, : slot + 1], atol=tol, rtol=tol)
-        assert lean.host_lengths == [9] * B  # the length does not move
+            got = lean.expand_one(tok, feat, depth, n_prev=depth - 1)
+            with monkeypatch.context() as m:
+                m.setattr(DraftHead, "forward_one", lambda *a, **k: None)
+                want = [x[:, 0] for x in ref.expand(tok[:, None], feat[:, None], depth, None, n_prev=depth - 1)]
+        assert got is not None and got[0].dtype == head.dtype
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+        for b, n in enumerate(lengths):  # the row's prefix and its new key (slot n + depth - 1); nothing else
+            slots = list(range(n)) + [n + depth - 1]
+            torch.testing.assert_close(lean.cache.k[:, b, :, slots], ref.cache.k[:, b, :, slots], atol=tol, rtol=tol)
+            torch.testing.assert_close(lean.cache.v[:, b, :, slots], ref.cache.v[:, b, :, slots], atol=tol, rtol=tol)
+        assert lean.cache.host_lengths == lengths == lean.cache.lengths.tolist()
 
 
 def test_heads_without_the_lean_pass_fall_back():
@@ -65,10 +72,8 @@ def test_heads_without_the_lean_pass_fall_back():
     assert eagle3.forward_one(torch.tensor([3]), feat, cache, 0, 0) is None
     _, unfused = make_pair(0)
     assert unfused.forward_one(torch.tensor([3]), torch.randn(1, 64), unfused.new_cache(1, 16), 0, 0) is None
-    _, head = _prepared(0)
-    d = Drafter(head, 2, 32)
-    d.cache.advance([4, 6])  # rows of several lengths: the general pass (its masks) is needed
-    assert d.expand_one(torch.tensor([1, 2]), torch.randn(2, 64), depth=1, n_prev=0) is None
+    d = Drafter(unfused, 1, 32)
+    assert d.expand_one(torch.tensor([1]), torch.randn(1, 64), depth=1, n_prev=0) is None
 
 
 def test_the_one_node_pass_refuses_a_full_cache():
@@ -76,21 +81,26 @@ def test_the_one_node_pass_refuses_a_full_cache():
     cache = head.new_cache(1, 8)
     with pytest.raises(ValueError, match="KV cache overflow"):
         head.forward_one(torch.tensor([1]), torch.randn(1, 64), cache, 8, 8)
+    cache.advance(5)
+    head.forward_one(torch.tensor([1]), torch.randn(1, 64), cache, 2, 2)  # the last slot
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        head.forward_one(torch.tensor([1]), torch.randn(1, 64), cache, 3, 3)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_a_chain_drafts_the_same_tokens_through_the_lean_pass_with_fewer_ops(seed, monkeypatch):
-    """The chain policy's draft with and without the lean pass: the same tokens at every depth over several steps
-    (fp32), in fewer aten ops (306 against 382 for 8 nodes; most of the time saved is Python: module calls)."""
+    """The chain policy's draft with and without the lean pass: the same tokens at every depth, over rows of one
+    length and of several (fp32), in fewer aten ops (306 against 382 for 8 nodes; most of the time saved is Python: module calls)."""
     target, head = _prepared(seed)
     g = torch.Generator().manual_seed(seed)
-    B, depth = 1 + seed % 2, 8
+    lengths, depth = [[12], [12, 12], [12, 9, 11], [5, 12]][seed], 8
+    B = len(lengths)
 
     def drafts():
         d = Drafter(head, B, 128)
         toks = torch.randint(0, 96, (B, 12), generator=copy.deepcopy(g))
         feats = torch.randn(B, 12, 64, generator=copy.deepcopy(g))
-        d.catch_up(toks, feats, None, [12] * B, toks[:, -1])
+        d.catch_up(toks, feats, None, lengths, toks[:, -1])
         policy = ChainPolicy(depth)
         with torch.inference_mode():
             d.flush()

@@ -189,12 +189,9 @@ class Drafter:
                    n_prev: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """:meth:`expand` of one node per row that sees every earlier input (a chain's next node), tokens [B] and
         parent_feats [B, H] -> (features [B, H], logits [B, V]) through the head's lean one-node pass
-        (:meth:`DraftHead.forward_one`); None where that does not apply (rows of several lengths, a head without it)."""
+        (:meth:`DraftHead.forward_one`); None for a head without one."""
         self.flush()
-        host = self.cache.host_lengths
-        if min(host) != max(host):
-            return None
-        feat = self.head.forward_one(tokens, parent_feats, self.cache, host[0] + n_prev, host[0] - 1 + depth)
+        feat = self.head.forward_one(tokens, parent_feats, self.cache, n_prev, depth - 1)
         return None if feat is None else (feat, self.head.logits(feat))
 
     def expand(self, tokens: torch.Tensor, parent_feats: torch.Tensor, depth: int,
@@ -213,7 +210,7 @@ class Drafter:
         uniform = min(host) == max(host)  # rows of one length: host-built positions and mask, fewer ops
         if anc_rows is None and n != 1:
             raise ValueError(f"anc_rows=None means one node that sees every earlier input; got {n} nodes")
-        if anc_rows is None and uniform:  # a chain's node over rows of one length: the head's lean one-node pass
+        if anc_rows is None:  # a chain's node: the head's lean one-node pass
             out = self.expand_one(tokens[:, 0], parent_feats[:, 0], depth, n_prev)
             if out is not None:
                 return out[0][:, None], out[1][:, None]

@@ -75,34 +75,26 @@ class KVCache:
             self._widx = (key, self.lengths[:, None] + torch.arange(T, device=self.lengths.device))
         return self._widx[1]
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, T, D] after each row's length; return the layer's keys/values up to the furthest new slot.
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, Hkv, T, D] ``offset`` slots after each row's length (0: right after it; a draft node after the
+        nodes drafted before it); return the layer's keys/values up to the furthest new slot. Lengths do not move.
 
         Sized from the host mirror: a slice write when every row holds the same length, else one
         scatter per buffer (at device-side slots); never a device read.
         """
         T = k.shape[2]
         h = self._host()
-        lo, hi = min(h), max(h)
+        lo, hi = min(h) + offset, max(h) + offset
         kl, vl = self._layers[layer]
         if lo == hi:
             kl.narrow(2, lo, T).copy_(k)
             vl.narrow(2, lo, T).copy_(v)
         else:  # advanced indexing, not scatter_: on CPUs a bf16 scatter_ is ~10x slower (no vectorised kernel)
             rows, idx = self._rows(), self.write_index(T)
+            idx = idx + offset if offset else idx
             kl[rows, :, idx] = k.transpose(1, 2)  # indices around a slice: values are [B, T, Hkv, D]
             vl[rows, :, idx] = v.transpose(1, 2)
         return kl.narrow(2, 0, hi + T), vl.narrow(2, 0, hi + T)
-
-    def write_one(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store one token's k, v [B, Hkv, D] at ``slot`` of every row (the caller knows the rows share a length and
-        where the token goes); return the layer's keys/values up to it, [B, Hkv, slot + 1, D]. Lengths do not move."""
-        if slot >= self.max_len:
-            self.check_room(slot + 1 - max(self._host()))  # the same overflow error as any forward
-        kl, vl = self._layers[layer]
-        kl.select(2, slot).copy_(k)
-        vl.select(2, slot).copy_(v)
-        return kl.narrow(2, 0, slot + 1), vl.narrow(2, 0, slot + 1)
 
     def _rows(self) -> torch.Tensor:
         """Row ids [B, 1] for advanced indexing, made once."""

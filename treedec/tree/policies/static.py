@@ -132,7 +132,7 @@ class StaticPolicy(TreePolicy):
             ids.append(drafter.head.to_target_ids(logits.argmax(dim=-1)))
             if d < T - 1:
                 out = drafter.expand_one(ids[-1], feat, depth=d, n_prev=d - 1)
-                if out is None:  # rows of several lengths: the general pass
+                if out is None:  # a head without the lean pass
                     out = [x[:, 0] for x in drafter.expand(ids[-1][:, None], feat[:, None], depth=d, anc_rows=None,
                                                            n_prev=d - 1)]
                 feat, logits = out
