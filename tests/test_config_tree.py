@@ -96,3 +96,23 @@ def test_the_training_module_is_a_group(name, module, tmp_path):
     assert instantiate(cfg.module).func.__name__ == module  # a partial: the job passes the target/architecture
     with pytest.raises(train_schema.ConfigError, match=r"module\._target_='no\.Such' cannot be imported"):
         train_schema.check_job_config(composed(name, ["module._target_=no.Such", f"paths.run_dir={tmp_path}"]), name)
+
+
+def test_the_dynamic_tree_defaults_follow_total_tokens():
+    """``tree=dynamic tree.total_tokens=auto`` alone is the tuned auto configuration (the pool 7 / 4, chains to depth
+    10); a fixed T keeps 6 / 2 and no chain depth; explicit values win over either default."""
+    from treedec.config_schema import instantiate_checked
+    from treedec.tree.policies import DynamicPolicy
+
+    def tree(*ov):
+        t = OmegaConf.to_container(composed("generate", ["tree=dynamic", *ov]).tree, resolve=True)
+        return {k: t[k] for k in ("total_tokens", "depth", "top_k", "chain_depth")}
+
+    assert tree("tree.total_tokens=auto") == dict(total_tokens="auto", depth=7, top_k=4, chain_depth=10)
+    assert tree() == dict(total_tokens=16, depth=6, top_k=2, chain_depth=None)
+    assert tree("tree.total_tokens=auto", "tree.depth=5", "tree.chain_depth=8") == dict(
+        total_tokens="auto", depth=5, top_k=4, chain_depth=8)
+    assert tree("tree.total_tokens=24", "tree.top_k=3") == dict(total_tokens=24, depth=6, top_k=3, chain_depth=None)
+    node = composed("generate", ["tree=dynamic", "tree.total_tokens=auto", "tree.calibration=null"]).tree
+    pol = instantiate_checked(node, "tree")
+    assert isinstance(pol, DynamicPolicy) and pol.max_depth == 10 and pol.top_k == 4
