@@ -6,7 +6,7 @@
 
 A method is ``vanilla``, ``chain:D``, ``static`` (EAGLE's 26-node shape), ``dynamic:T/D/K`` (calibrated),
 ``auto`` (``tree.total_tokens=auto``, pool 7 / 4; ``auto:D/K[/M[/C]]`` a pool of depth D, top-k K, shallowest
-arm M and deepest chain C), ``arm:T/D`` (auto's policy with its budget held on the one arm of T nodes and depth D: what that arm
+arm M and deepest chain C), ``arm:T/D`` (``auto:7/4/5/10``'s policy with its budget held on the one arm of T nodes and depth D: what that arm
 makes when played on every step, e.g. ``arm:8/7`` its 7-deep chain) or ``lookup:D`` (prompt lookup beside a
 D-deep chain), with
 ``@fp32`` / ``@bf16`` / ``@auto`` for the draft head's dtype (default auto), or ``@int8`` for the auto dtype's head
