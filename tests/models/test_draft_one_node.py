@@ -114,3 +114,29 @@ def test_a_chain_drafts_the_same_tokens_through_the_lean_pass_with_fewer_ops(see
     general, general_ops = drafts()
     assert torch.equal(lean, general)
     assert lean_ops <= 0.85 * general_ops, (lean_ops, general_ops)
+
+
+@pytest.mark.parametrize("lengths", [[12], [12, 9, 11]])
+def test_a_scored_chain_takes_the_lean_path_with_the_general_plans_scores(lengths):
+    """A chain drafted with scores (the auto budget's scored steps) goes through the lean pass too, with the general
+    plan's tokens and cumulative draft log-probs."""
+    target, head = _prepared(5)
+    g = torch.Generator().manual_seed(5)
+    B = len(lengths)
+    toks = torch.randint(0, 96, (B, 12), generator=g)
+    feats = torch.randn(B, 12, 64, generator=g)
+
+    def draft(general: bool):
+        d = Drafter(head, B, 128)
+        d.catch_up(toks, feats, None, lengths, toks[:, -1])
+        policy = ChainPolicy(6, scores=True)
+        policy.is_chain = not general  # (the general plan is what any other static shape drafts through)
+        if not general:  # the lean path never runs the general expansion
+            d.expand = lambda *a, **k: pytest.fail("a scored chain ran the general expansion")
+        with torch.inference_mode():
+            return policy.draft(d)
+
+    lean, general = draft(False), draft(True)
+    assert lean.is_chain and torch.equal(lean.tokens, general.tokens)
+    torch.testing.assert_close(lean.scores, general.scores)
+    assert (lean.scores[:, 1:] <= 0).all() and (lean.scores[:, 1:].diff(dim=1) <= 0).all()

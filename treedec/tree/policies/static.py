@@ -13,7 +13,7 @@ import torch
 
 from treedec.decoding.sampling import SamplingParams, target_probs
 from treedec.tree.layout import ancestor_matrix
-from treedec.tree.policies.base import TreePolicy
+from treedec.tree.policies.base import TreePolicy, topk_logp
 from treedec.tree.shapes import load_shape
 from treedec.tree.tree import Tree, TreeError
 
@@ -91,7 +91,7 @@ class StaticPolicy(TreePolicy):
         tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
         tokens[:, 0] = drafter.root_tokens
         sampled = self.sample_drafts and params is not None and not params.greedy
-        if self.is_chain and not sampled and not self.scores:
+        if self.is_chain and not sampled:
             return self._draft_chain(drafter, shape)
         scores = torch.zeros(B, T, device=dev) if self.scores or sampled else None
         probs_out = torch.zeros(B, T, drafter.vocab_size, device=dev) if sampled else None
@@ -124,19 +124,29 @@ class StaticPolicy(TreePolicy):
 
     def _draft_chain(self, drafter, shape: dict) -> Tree:
         """:meth:`draft` for a chain of top-1 drafts: each depth's token is its parent's best, one node per pass through
-        :meth:`Drafter.expand_one` where the general plan runs index and index_put kernels and the head's module calls."""
+        :meth:`Drafter.expand_one` where the general plan runs index and index_put kernels and the head's module calls
+        (with ``scores``, the same cumulative log-probs as the general plan: the auto budget's scored chain steps)."""
         T = len(self.shape)
-        ids = [drafter.root_tokens]
+        ids, logps = [drafter.root_tokens], []
         logits, feat = drafter.root_logits, drafter.root_feat
         for d in range(1, T):
-            ids.append(drafter.head.to_target_ids(logits.argmax(dim=-1)))
+            if self.scores:
+                lp, idx = topk_logp(logits, 1)
+                logps.append(lp[:, 0])
+                ids.append(drafter.head.to_target_ids(idx[:, 0]))
+            else:
+                ids.append(drafter.head.to_target_ids(logits.argmax(dim=-1)))
             if d < T - 1:
                 out = drafter.expand_one(ids[-1], feat, depth=d, n_prev=d - 1)
                 if out is None:  # a head without the lean pass
                     out = [x[:, 0] for x in drafter.expand(ids[-1][:, None], feat[:, None], depth=d, anc_rows=None,
                                                            n_prev=d - 1)]
                 feat, logits = out
-        return Tree(shape["parents"], shape["depth"], shape["rank"], torch.stack(ids, 1), anc=shape["anc"],
+        scores = None
+        if self.scores:
+            cum = torch.stack(logps, 1).cumsum(1)
+            scores = torch.cat([cum.new_zeros(cum.shape[0], 1), cum], 1)  # the root's score is 0
+        return Tree(shape["parents"], shape["depth"], shape["rank"], torch.stack(ids, 1), scores, anc=shape["anc"],
                     is_chain=True)
 
 
