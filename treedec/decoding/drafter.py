@@ -203,17 +203,17 @@ class Drafter:
         its ancestors; None: one node (n = 1) that sees them all (a chain). The new nodes are
         written after the ones drafted before them.
         """
-        self.flush()
         B, n = tokens.shape
-        cache = self.cache
-        host = list(cache.host_lengths)
-        uniform = min(host) == max(host)  # rows of one length: host-built positions and mask, fewer ops
         if anc_rows is None and n != 1:
             raise ValueError(f"anc_rows=None means one node that sees every earlier input; got {n} nodes")
         if anc_rows is None:  # a chain's node: the head's lean one-node pass
             out = self.expand_one(tokens[:, 0], parent_feats[:, 0], depth, n_prev)
             if out is not None:
                 return out[0][:, None], out[1][:, None]
+        self.flush()
+        cache = self.cache
+        host = list(cache.host_lengths)
+        uniform = min(host) == max(host)  # rows of one length: host-built positions and mask, fewer ops
         if anc_rows is None and uniform:
             mask = "full"  # one query seeing every key: attention needs no mask
         elif anc_rows is None:  # a chain's node over ragged rows sees its row's prefix and every node before it

@@ -345,8 +345,10 @@ class DraftHead(nn.Module):
         """
         L = self.layer
         A, M = L.self_attn, L.mlp
+        if type(self) is not DraftHead or not (A.fused and M.fused) or A.qk_norm:
+            return None
         table = rope_table(self, self._n_positions, self.dtype)
-        if type(self) is not DraftHead or not (A.fused and M.fused) or A.qk_norm or table is None:
+        if table is None:
             return None
         cache.check_room(offset + 1)
         dt, B, host, last = self.dtype, tokens.shape[0], cache.host_lengths, table.shape[1] - 1

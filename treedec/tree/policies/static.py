@@ -88,11 +88,11 @@ class StaticPolicy(TreePolicy):
     def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Tree:
         B, T, dev = drafter.batch, len(self.shape), drafter.device
         steps, shape = self._device_plan(dev, B)
-        tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
-        tokens[:, 0] = drafter.root_tokens
         sampled = self.sample_drafts and params is not None and not params.greedy
         if self.is_chain and not sampled:
             return self._draft_chain(drafter, shape)
+        tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+        tokens[:, 0] = drafter.root_tokens
         scores = torch.zeros(B, T, device=dev) if self.scores or sampled else None
         probs_out = torch.zeros(B, T, drafter.vocab_size, device=dev) if sampled else None
         logits = drafter.root_logits[:, None]  # [B, n_expanded, K]: children logits of the last depth's expanded nodes
