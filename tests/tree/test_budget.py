@@ -700,3 +700,54 @@ def test_a_deeper_chain_never_counts_less_than_a_shallower_one_plus_its_continua
         ctl.accepted((10, 9)) + ctl._chain_estimate(10) - ctl._chain_estimate(9))
     ctl._record((8, 7), 6.5, 3.5, 0.95)  # a new record moves every deeper chain's value (the memo is refreshed)
     assert ctl.accepted((11, 10)) > ctl.accepted((8, 7))
+
+
+def _static_batches(ctl: BudgetController, batches: int, early: int, late: int) -> None:
+    """Static batches of a played 7-deep chain: at 16 rows (a batch's start) every row's top-1 run is ``early``
+    drafts long, at 2 rows (its end) ``late``: rows accept more as their generation goes on."""
+    ctl.last = (8, 7)
+    for _ in range(batches):
+        for rows, runs, steps in ((16, early, 12), (2, late, 6)):
+            ctl._rows = rows
+            for _ in range(steps):
+                ctl._record((8, 7), float(runs), 3.0, 0.95)
+                ctl.observe_chains([runs] * rows, [7] * rows)
+
+
+def test_records_are_kept_per_row_bucket_so_a_batch_start_is_judged_by_batch_starts():
+    """At a static batch's start the records carried from the last batch's end overrated deep chains (one batch of 16,
+    a 7-deep chain: 3.3-4.0 drafts a row first, up to 7 in the last steps), so the budget played the 7-deep chain where
+    the 4-deep one was 7 % faster. At 16 rows the records of 16-row steps decide; batch-wide ones only fill gaps."""
+    chains = [(d + 1, d) for d in range(1, 8)]
+    ctl = BudgetController(chains, family={a: 1 for a in chains}, probe=False, explore_every=0)
+    ctl.gain = {a: 0.5 * a[1] for a in chains}
+    _static_batches(ctl, 4, early=3, late=7)
+    start, end, overall = ctl.accepted((8, 7), 16), ctl.accepted((8, 7), 2), ctl.accepted((8, 7))
+    assert start < overall < end and start == pytest.approx(3.0, abs=0.3) and end == pytest.approx(7.0, abs=0.6)
+    for d in (4, 5, 6):  # a chain's value past the played one's depth: the 16-row continuation rates
+        assert ctl._chain_estimate(d, 16) < ctl._chain_estimate(d)
+    for rows in (16, 2):  # compute-bound at 16 rows (each depth costs 10 %), launch-bound at 2 (depth nearly free)
+        for _ in range(3):
+            for a in ((5, 4), (8, 7)):
+                ctl.times.observe(rows, *a, 0.010 * (1 + (0.1 if rows == 16 else 0.01) * a[1]))
+    assert ctl.rate(16, 5, 4) > 1.1 * ctl.rate(16, 8, 7) and ctl.rate(2, 8, 7) > 1.2 * ctl.rate(2, 5, 4)
+    ctl.local_prior = ctl.local_tries = 1e12  # batch-wide records alone: the batch's end sways its start
+    ctl._chain_memo = {}
+    ctl._version += 1
+    assert ctl.rate(16, 8, 7) > ctl.rate(16, 5, 4)
+
+
+def test_one_row_bucket_keeps_the_batch_wide_records_exactly():
+    """A batch of one size all along (batch 1, a continuous batch) sees the same records per bucket as batch-wide."""
+    chains = [(d + 1, d) for d in range(1, 8)]
+    ctl = BudgetController(chains + [(16, 5)], family={**{a: 1 for a in chains}, (16, 5): 2}, probe=False)
+    ctl.gain = {a: 0.5 * a[1] for a in chains + [(16, 5)]}
+    ctl._rows = 4
+    for i in range(30):
+        ctl.last = (8, 7) if i % 3 else (16, 5)
+        ctl._last_accepted = 2.5
+        ctl._record(ctl.last, float(i % 5), 3.0, 0.95)
+        ctl.observe_chains([i % 8, 3, 7, 1], [7, 4, 7, 5] if ctl.last == (8, 7) else [5, 4, 3, 5])
+    for a in chains + [(16, 5)]:
+        assert ctl.accepted(a, 4) == pytest.approx(ctl.accepted(a), rel=1e-12)
+        assert ctl.accepted(a, 3) == pytest.approx(ctl.accepted(a), rel=1e-12)  # row_bucket(3) == 4

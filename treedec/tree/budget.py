@@ -227,15 +227,20 @@ class BudgetController:
         self._pending = None  # (curve, its arms): last step's expected-acceptance estimates
         self._seen = [0.0, 0.0]  # decayed sums of (accepted, estimated) drafts of the arms chosen
         self._seen_arm: dict[tuple[int, int], tuple[float, float, float]] = {}  # the same per arm, and its plays
+        # The same records per row bucket (see _local): row bucket -> arm -> decayed (accepted, plays)
+        self._seen_at: dict[int, dict[tuple[int, int], tuple[float, float]]] = {}
+        self.local_prior = 2.0  # plays' worth of an arm's batch-wide record in its record at a row bucket
         self.prior = 1.0  # plays' worth of the batch-wide correction in each arm's own (shrinkage)
         self.prior_plays = 2.0  # plays' worth of the (rescaled) estimate against an arm's own accepted record
         self.family = dict(family or {})
         self._chains = [a for a in self.arms if self.family.get(a) == 1 and a[0] == a[1] + 1]  # pool width 1, T = d + 1
         self._top1: dict[int, tuple[float, float]] = {}  # depth -> decayed (continued, tried) of the top-1 chain
         self.continuation_known = 8.0  # (decayed) tries after which a depth's continuation rate estimates chains
-        self._chain_memo: tuple | None = None  # (deepest depth known, d -> _chain_estimate(d)) since the last counts
+        self._top1_at: dict[int, dict[int, tuple[float, float]]] = {}  # the same per row bucket (see _local)
+        self.local_tries = 8.0  # tries' worth of a depth's batch-wide continuation rate in its rate at a row bucket
+        self._chain_memo: dict = {}  # row bucket or None -> (deepest depth known, d -> _chain_estimate(d)), since the counts
         self._version = 0  # moves whenever records, estimates or continuation counts do (key of _chain_accepted's memo)
-        self._chain_acc: tuple[int, dict] = (-1, {})
+        self._chain_acc: tuple[tuple[int, int | None], dict] = ((-1, None), {})
         self.family_prior = 4.0  # plays' worth of the batch-wide correction in each family's factor
         self._families: dict | None = {}  # family -> its factor (None: stale, see _family_factor)
         # A tree's own accepted record is confounded by the text it was played on: the budget turns to bushy trees
@@ -322,6 +327,9 @@ class BudgetController:
         """One (decayed) play of ``arm``: ``accepted`` drafts per row against its estimate ``est``."""
         acc0, est0, n0 = self._seen_arm.get(arm, (0.0, 0.0, 0.0))
         self._seen_arm[arm] = (decay * acc0 + accepted, decay * est0 + est, decay * n0 + 1)
+        local = self._seen_at.setdefault(row_bucket(self._rows), {})
+        acc1, n1 = local.get(arm, (0.0, 0.0))
+        local[arm] = (decay * acc1 + accepted, decay * n1 + 1)
         self._families = None  # the family factors are recomputed when next asked for
         self._version += 1
 
@@ -365,35 +373,42 @@ class BudgetController:
         for j in range(1, deepest + 1):
             hit = sum(1 for r, L in zip(runs, spans) if j <= L and r >= j)
             tried = sum(1 for r, L in zip(runs, spans) if j <= L and r >= j - 1)
-            h, t = self._top1.get(j, (0.0, 0.0))
-            self._top1[j] = (decay * h + hit, decay * t + tried)
-        self._chain_memo = None
+            for table in (self._top1, self._top1_at.setdefault(row_bucket(self._rows), {})):
+                h, t = table.get(j, (0.0, 0.0))
+                table[j] = (decay * h + hit, decay * t + tried)
+        self._chain_memo = {}
         self._version += 1
 
-    def _chain_estimate(self, d: int) -> float | None:
+    def _chain_estimate(self, d: int, rows: int | None = None) -> float | None:
         """E[accepted drafts] of a d-deep chain from the top-1 continuation rates, sum over j <= d of P(run >= j); depths
         past the deepest tried :attr:`continuation_known` times take that depth's rate (None before any is).
 
         A chain's calibrated estimate multiplies per-edge acceptances that are correlated along the path (~5-8x low
         for a 7-deep chain on the bundled pair), and only chains no deeper than the step's tree are observed: the
         chains deeper than any played looked poor and were never tried (at batch 1 the budget held the 7-deep chain
-        of its pool, 1.84x vanilla, where a 9-deep one ran 1.98x)."""
-        if self._chain_memo is None:  # (asked for every chain arm at each scoring: computed once per step's counts)
+        of its pool, 1.84x vanilla, where a 9-deep one ran 1.98x). ``rows``: the rates at its row bucket (:meth:`_local`)."""
+        bucket = None if rows is None else row_bucket(rows)
+        if bucket not in self._chain_memo:  # (asked for every chain arm at each scoring: computed once per step's counts)
             deepest = 0
             while self._top1.get(deepest + 1, (0.0, 0.0))[1] >= self.continuation_known:
                 deepest += 1
-            self._chain_memo = (deepest, {})
-        deepest, memo = self._chain_memo
+            self._chain_memo[bucket] = (deepest, {})
+        deepest, memo = self._chain_memo[bucket]
         if not deepest:
             return None
         if d not in memo:
-            memo[d] = self._run_sum(0, d, lambda j: self.continuation(min(j, deepest)))
+            memo[d] = self._run_sum(0, d, lambda j: self.continuation(min(j, deepest), rows))
         return memo[d]
 
-    def continuation(self, j: int) -> float:
-        """P(the top-1 chain's draft at depth j is accepted | those before it were), from the counts (0.5 prior)."""
+    def continuation(self, j: int, rows: int | None = None) -> float:
+        """P(the top-1 chain's draft at depth j is accepted | those before it were), from the counts (0.5 prior);
+        ``rows``: at its row bucket, shrunk towards the batch-wide rate by :attr:`local_tries` tries."""
         h, t = self._top1.get(j, (0.0, 0.0))
-        return (h + 0.5) / (t + 1.0)
+        rate = (h + 0.5) / (t + 1.0)
+        if rows is None:
+            return rate
+        h, t = self._top1_at.get(row_bucket(rows), {}).get(j, (0.0, 0.0))
+        return (h + 0.5 + self.local_tries * rate) / (t + 1.0 + self.local_tries)  # = rate when one bucket saw all
 
     def _further(self, L: int, d: int) -> float:
         """Expected accepted top-1 drafts at depths L+1..d given the run reached depth L."""
@@ -470,59 +485,72 @@ class BudgetController:
                      for a, (n, d) in {**self._stand_in, **self._ratio}.items()}
         self._version += 1
 
-    def accepted(self, arm: tuple[int, int]) -> float | None:
+    def accepted(self, arm: tuple[int, int], rows: int | None = None) -> float | None:
         """E[accepted drafts per row] of an arm: the calibrated estimate rescaled by :meth:`correction_of`, blended
         with what the arm's own recent steps accepted (:attr:`prior_plays` pseudo-steps of the estimate). The
         rescaled estimate follows the context (it is recomputed every step) but carries the calibration's bias;
-        the arm's own record has none, so the arms played most are judged by what they did."""
+        the arm's own record has none, so the arms played most are judged by what they did. ``rows``: at a batch
+        of that many rows, the record taken at its row bucket (:meth:`_local`); None: the batch-wide record."""
         if arm in self._chains:
-            return self._chain_accepted(arm[1])
-        return self._blended(arm)
+            return self._chain_accepted(arm[1], rows)
+        return self._blended(arm, rows)
 
-    def _chain_accepted(self, d: int) -> float | None:
+    def _chain_accepted(self, d: int, rows: int | None = None) -> float | None:
         """:meth:`accepted` of the d-deep chain: its own blend (:meth:`_blended`), but never less than the chain one
         shallower plus what the top-1 continuation rates say one more depth adds (and that alone for a chain never
         drafted). A chain deeper than the one played is recorded only on its own few plays, on other text than the
         shallower chains' records (taken on every step): at batch 1 a 9-deep chain played on a hard stretch kept a
         record below the 8-deep one's, which a deeper chain can never have on the same text, and was never played
         again (auto 1.96x against 2.13x for the 9-deep chain held)."""
-        version, memo = self._chain_acc
-        if version != self._version:
+        key, memo = self._chain_acc
+        if key != (self._version, rows):
             memo = {}
-            self._chain_acc = (self._version, memo)
+            self._chain_acc = ((self._version, rows), memo)
         if d <= 0:
             return 0.0  # the root alone accepts no draft
         if d not in memo:
-            own = self._blended((d + 1, d)) if (d + 1, d) in self.gain else None
-            prev = self._chain_accepted(d - 1) if (d, d - 1) in self._chains else None
-            est, est_prev = self._chain_estimate(d), self._chain_estimate(d - 1)
+            own = self._blended((d + 1, d), rows) if (d + 1, d) in self.gain else None
+            prev = self._chain_accepted(d - 1, rows) if (d, d - 1) in self._chains else None
+            est, est_prev = self._chain_estimate(d, rows), self._chain_estimate(d - 1, rows)
             if prev is not None and est is not None and est_prev is not None:
                 floor = prev + est - est_prev
                 own = floor if own is None else max(own, floor)
             memo[d] = own
         return memo[d]
 
-    def _blended(self, arm: tuple[int, int]) -> float | None:
+    def _blended(self, arm: tuple[int, int], rows: int | None = None) -> float | None:
         """The calibrated (or, for a chain, the top-1 runs') estimate blended with the arm's own accepted record."""
         g = self.gain.get(arm)
         if g is None:
             return None
         # rescaled, an estimate may pass what the arm can hold (a factor fitted on chains applied to a bushy tree):
         # never more drafts than its depth or its nodes
-        run = self._chain_estimate(arm[1]) if arm in self._chains else None  # a chain: from the top-1 runs
+        run = self._chain_estimate(arm[1], rows) if arm in self._chains else None  # a chain: from the top-1 runs
         g = run if run is not None else min(g * self.correction_of(arm), float(min(arm[1], arm[0] - 1)))
         acc, _, n = self._seen_arm.get(arm, (0.0, 0.0, 0.0))
         chain = (arm[1] + 1, arm[1])
         a, c = self._paired.get(arm, (0.0, 0.0))
-        now = self.accepted(chain) if self.paired and c > 0 and n > 0 and chain != arm and chain in self._chains else None
+        now = self.accepted(chain, rows) if self.paired and c > 0 and n > 0 and chain != arm and chain in self._chains else None
         if now is not None:  # its own record, as a ratio to its depth's chain on the same steps, times that chain's now
             acc = n * (a / c) * now
+        elif rows is not None and n > 0:
+            acc = n * self._local(arm, rows, acc / n)
         return (acc + self.prior_plays * g) / (n + self.prior_plays)
+
+    def _local(self, arm: tuple[int, int], rows: int, mean: float) -> float:
+        """The arm's accepted drafts per row as recorded at ``rows``' row bucket, shrunk towards its batch-wide ``mean``
+        by :attr:`local_prior` plays. Rows accept more as their generation goes on (one static batch of 16 rows, a
+        7-deep chain: 3.3-4.0 drafts a row in the first six steps, 4.5-5.4 later, up to 7 in the last few, with few
+        rows left), so records carried from one batch's end to the next batch's start overrated every chain, deep
+        ones most, and at 16 rows the budget played the 7-deep chain where the 4-deep one was 7 % faster. In a
+        static batch the rows left tell where in its generation it is; a continuous batch keeps one bucket."""
+        acc, n = self._seen_at.get(row_bucket(rows), {}).get(arm, (0.0, 0.0))
+        return (acc + self.local_prior * mean) / (n + self.local_prior)
 
     def rate(self, rows: int, T: int, depth: int) -> float | None:
         """Expected tokens per second of an arm over the whole batch, sum over rows of (1 + E[accepted]) / step
         time (None while its acceptance or time is unknown). The root alone (T=1) accepts nothing by definition."""
-        return self._per_second(rows, T, depth, 0.0 if T == 1 else self.accepted((T, depth)))
+        return self._per_second(rows, T, depth, 0.0 if T == 1 else self.accepted((T, depth), rows))
 
     def rate_bound(self, rows: int, T: int, depth: int) -> float | None:
         """The most tokens per second an arm can make: its :meth:`rate` were every row to accept ``depth`` drafts."""
