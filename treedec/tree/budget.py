@@ -20,7 +20,9 @@ Sequoia's objective, ``(1 + E[accepted | T, depth]) / step_time(rows, T, depth)`
   from the rows' top-1 runs (:meth:`BudgetController.observe_chains`): what each would have accepted.
   A tree's own record is kept as a ratio to what its depth's chain would have accepted on the same
   steps, times that chain's record now (:attr:`BudgetController.paired`): trees played on easy text
-  otherwise carried that text's record into hard text.
+  otherwise carried that text's record into hard text. Records and continuation rates are also kept per
+  row bucket, and a batch of B rows is judged by its bucket's (:meth:`BudgetController._local`): rows
+  accept more late in their generation, and a static batch's start must not be judged by its tail.
 * **Hold**: the arm played keeps its place while within ``hold_margin`` of the leader's rate.
 * **Exploration**: the first steps at a new row bucket (the nearest power of two) probe far-apart arms
   (cheapest first; a middle-sized tree only in the first bucket); then every ``explore_every`` steps (times
