@@ -38,6 +38,7 @@ The clock is injectable (tests drive it with a synthetic step-time model).
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Callable, Sequence
@@ -55,8 +56,10 @@ _SUBSETS = ([0, 1, 2, 3, 4, 5], [0, 1, 3, 4, 5], [0, 1, 2, 3, 4], [0, 3, 4, 5], 
             [0, 2, 4], [0, 3, 5], [0, 3, 4], [0, 1, 3], [0, 2], [0, 3], [0, 4], [0])
 
 
+@functools.lru_cache(maxsize=256)  # (asked for every arm at each scoring)
 def row_bucket(rows: int) -> int:
-    """The power of two nearest ``rows`` (in log scale): row counts that share the first steps' probes.
+    """The power of two nearest ``rows`` (in log scale): row counts that share the first steps' probes and
+    the acceptance records (see BudgetController._local).
 
     Rows leave a batch one by one as they finish; probing every count anew would spend a large part of
     a batch's steps on probes, while the step-time fit, shared by all row counts, predicts the others.
