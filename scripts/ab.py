@@ -12,7 +12,8 @@ D-deep chain), with
 ``@fp32`` / ``@bf16`` / ``@auto`` for the draft head's dtype (default auto), or ``@int8`` for the auto dtype's head
 with int8 weights (``draft.quantize=int8``), then ``+NAME`` for the draft head ``--head NAME=DIR`` instead of
 the bundled ``tiny-code-eagle`` (e.g. ``chain:7@int8+new --head new=outputs/train/x/export``; τ compares heads on
-any machine, busy or not). Bundled model, bf16 target, third-party prompts, ragged batches, finished rows leave
+any machine, busy or not), then ``{ATTR=VALUE,...}`` to set attributes of an auto method's budget (one of its knobs
+against its default, in one process and on one head: ``auto "auto{local_prior=1e12,local_tries=1e12}"``). Bundled model, bf16 target, third-party prompts, ragged batches, finished rows leave
 the batch. Within a pass the methods take turns on each batch, the order rotating; each pass's ratio is to that pass's
 vanilla, so a machine that speeds up or slows down between passes moves every method alike (``bench.batch_sizes``
 does the same for a whole report).
@@ -67,6 +68,17 @@ def policy(kind: str, arg: str, P, head: str = "tiny-code-eagle"):
                      "arm:T/D or lookup:D")
 
 
+def budget_knobs(spec: str) -> tuple[str, dict]:
+    """``METHOD{a=1,b=2}`` -> (``METHOD``, {a: 1.0, b: 2.0}): budget attributes to set (numbers)."""
+    if not spec.endswith("}") or "{" not in spec:
+        return spec, {}
+    spec, _, body = spec[:-1].partition("{")
+    try:
+        return spec, {k.strip(): float(v) for k, v in (kv.split("=") for kv in body.split(",") if kv.strip())}
+    except ValueError:
+        raise SystemExit(f"{spec}{{{body}}}: write budget attributes as NAME=NUMBER, comma-separated") from None
+
+
 def revision_package(rev: str) -> str:
     """Copy ``treedec/`` as of git revision ``rev`` into a temporary directory as package ``treedec_<rev>`` (its own
     imports renamed), put it on ``sys.path`` and return its name. Nothing in the working tree is touched."""
@@ -95,6 +107,8 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
     target = models.load_model("tiny-code", dtype=torch.bfloat16)
     heads, runs = {}, {}
     for spec in methods:
+        name_as_given = spec
+        spec, knobs = budget_knobs(spec)
         spec_head, _, head_name = spec.partition("+")
         name, _, dtype = spec_head.partition("@")
         kind, _, arg = name.partition(":")
@@ -111,8 +125,13 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
             q = dtype == "int8"
             heads[dtype, head] = DraftHead.load(head, target=target, dtype="auto" if q else dtype,
                                                 **({"quantize": "int8"} if q else {}))
-        dec = CompactingDecoder(target, heads[dtype, head], policy(kind, arg, mod("tree.policies"), head))
-        runs[spec + tag] = (lambda rows, dec=dec: dec.serve(rows, tokens, slots)) if serve else (
+        pol = policy(kind, arg, mod("tree.policies"), head)
+        for k, v in knobs.items():
+            if not hasattr(getattr(pol, "budget", None), k):
+                raise SystemExit(f"{spec}: its policy has no auto budget with an attribute {k!r}")
+            setattr(pol.budget, k, v)
+        dec = CompactingDecoder(target, heads[dtype, head], pol)
+        runs[name_as_given + tag] = (lambda rows, dec=dec: dec.serve(rows, tokens, slots)) if serve else (
             lambda rows, dec=dec: dec.generate(rows, tokens))
     return runs
 

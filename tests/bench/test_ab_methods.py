@@ -27,3 +27,12 @@ def test_fixed_methods_and_arm_and_unknown():
         policy("arm", "9/9", P)
     with pytest.raises(SystemExit, match=r"auto:D/K/M/C"):
         policy("bushy", "", P)
+
+
+def test_budget_knobs_parse_and_bad_ones_are_refused():
+    from scripts.ab import budget_knobs
+
+    assert budget_knobs("auto:7/4/5/10") == ("auto:7/4/5/10", {})
+    assert budget_knobs("auto{local_prior=1e12, hold_margin=0.06}") == ("auto", {"local_prior": 1e12, "hold_margin": 0.06})
+    with pytest.raises(SystemExit, match="NAME=NUMBER"):
+        budget_knobs("auto{hold_margin=wide}")
