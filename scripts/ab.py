@@ -69,12 +69,13 @@ def policy(kind: str, arg: str, P, head: str = "tiny-code-eagle"):
 
 
 def budget_knobs(spec: str) -> tuple[str, dict]:
-    """``METHOD{a=1,b=2}`` -> (``METHOD``, {a: 1.0, b: 2.0}): budget attributes to set (numbers)."""
+    """``METHOD{a=1,b=0.5}`` -> (``METHOD``, {a: 1, b: 0.5}): budget attributes to set (ints where written so)."""
     if not spec.endswith("}") or "{" not in spec:
         return spec, {}
     spec, _, body = spec[:-1].partition("{")
+    number = lambda v: int(v) if v.strip().lstrip("-").isdigit() else float(v)  # noqa: E731
     try:
-        return spec, {k.strip(): float(v) for k, v in (kv.split("=") for kv in body.split(",") if kv.strip())}
+        return spec, {k.strip(): number(v) for k, v in (kv.split("=") for kv in body.split(",") if kv.strip())}
     except ValueError:
         raise SystemExit(f"{spec}{{{body}}}: write budget attributes as NAME=NUMBER, comma-separated") from None
 

@@ -33,6 +33,8 @@ def test_budget_knobs_parse_and_bad_ones_are_refused():
     from scripts.ab import budget_knobs
 
     assert budget_knobs("auto:7/4/5/10") == ("auto:7/4/5/10", {})
-    assert budget_knobs("auto{local_prior=1e12, hold_margin=0.06}") == ("auto", {"local_prior": 1e12, "hold_margin": 0.06})
+    knobs = budget_knobs("auto{local_prior=1e12, hold_margin=0.06,explore_every=16}")
+    assert knobs == ("auto", {"local_prior": 1e12, "hold_margin": 0.06, "explore_every": 16})
+    assert isinstance(knobs[1]["explore_every"], int)  # a step count stays an int
     with pytest.raises(SystemExit, match="NAME=NUMBER"):
         budget_knobs("auto{hold_margin=wide}")
