@@ -13,8 +13,9 @@ D-deep chain), with
 with int8 weights (``draft.quantize=int8``), then ``+NAME`` for the draft head ``--head NAME=DIR`` instead of
 the bundled ``tiny-code-eagle`` (e.g. ``chain:7@int8+new --head new=outputs/train/x/export``; τ compares heads on
 any machine, busy or not), then ``{ATTR=VALUE,...}`` to set attributes of an auto method's budget (one of its knobs
-against its default, in one process and on one head: ``auto "auto{local_prior=1e12,local_tries=1e12}"``). Bundled model, bf16 target, third-party prompts, ragged batches, finished rows leave
-the batch. Within a pass the methods take turns on each batch, the order rotating; each pass's ratio is to that pass's
+against its default, in one process and on one head: ``auto "auto{local_prior=1e12,local_tries=1e12}"``).
+Bundled model, bf16 target, third-party prompts, ragged batches, finished rows leave the batch. Within a pass the
+methods take turns on each batch, the order rotating; each pass's ratio is to that pass's
 vanilla, so a machine that speeds up or slows down between passes moves every method alike (``bench.batch_sizes``
 does the same for a whole report).
 

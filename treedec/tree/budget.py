@@ -243,7 +243,8 @@ class BudgetController:
         self.continuation_known = 8.0  # (decayed) tries after which a depth's continuation rate estimates chains
         self._top1_at: dict[int, dict[int, tuple[float, float]]] = {}  # the same per row bucket (see _local)
         self.local_tries = 8.0  # tries' worth of a depth's batch-wide continuation rate in its rate at a row bucket
-        self._chain_memo: dict = {}  # row bucket or None -> (deepest depth known, d -> _chain_estimate(d)), since the counts
+        # row bucket (None: batch-wide) -> (deepest depth known, d -> _chain_estimate(d)), since the last counts
+        self._chain_memo: dict = {}
         self._version = 0  # moves whenever records, estimates or continuation counts do (key of _chain_accepted's memo)
         self._chain_acc: tuple[tuple[int, int | None], dict] = ((-1, None), {})
         self.family_prior = 4.0  # plays' worth of the batch-wide correction in each family's factor
@@ -391,9 +392,10 @@ class BudgetController:
         A chain's calibrated estimate multiplies per-edge acceptances that are correlated along the path (~5-8x low
         for a 7-deep chain on the bundled pair), and only chains no deeper than the step's tree are observed: the
         chains deeper than any played looked poor and were never tried (at batch 1 the budget held the 7-deep chain
-        of its pool, 1.84x vanilla, where a 9-deep one ran 1.98x). ``rows``: the rates at its row bucket (:meth:`_local`)."""
+        of its pool, 1.84x vanilla, where a 9-deep one ran 1.98x). ``rows``: the rates at its row bucket
+        (:meth:`_local`)."""
         bucket = None if rows is None else row_bucket(rows)
-        if bucket not in self._chain_memo:  # (asked for every chain arm at each scoring: computed once per step's counts)
+        if bucket not in self._chain_memo:  # (asked for every chain arm at each scoring: once per step's counts)
             deepest = 0
             while self._top1.get(deepest + 1, (0.0, 0.0))[1] >= self.continuation_known:
                 deepest += 1
@@ -508,9 +510,9 @@ class BudgetController:
         record below the 8-deep one's, which a deeper chain can never have on the same text, and was never played
         again (auto 1.96x against 2.13x for the 9-deep chain held)."""
         key, memo = self._chain_acc
-        if key != (self._version, rows):
+        if key != (self._version, bucket := None if rows is None else row_bucket(rows)):
             memo = {}
-            self._chain_acc = ((self._version, rows), memo)
+            self._chain_acc = ((self._version, bucket), memo)
         if d <= 0:
             return 0.0  # the root alone accepts no draft
         if d not in memo:
@@ -535,7 +537,8 @@ class BudgetController:
         acc, _, n = self._seen_arm.get(arm, (0.0, 0.0, 0.0))
         chain = (arm[1] + 1, arm[1])
         a, c = self._paired.get(arm, (0.0, 0.0))
-        now = self.accepted(chain, rows) if self.paired and c > 0 and n > 0 and chain != arm and chain in self._chains else None
+        paired = self.paired and c > 0 and n > 0 and chain != arm and chain in self._chains
+        now = self.accepted(chain, rows) if paired else None
         if now is not None:  # its own record, as a ratio to its depth's chain on the same steps, times that chain's now
             acc = n * (a / c) * now
         elif rows is not None and n > 0:
