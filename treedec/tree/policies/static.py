@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from treedec.decoding.sampling import SamplingParams, target_probs
+from treedec.decoding.sampling import SamplingParams, greedy_pick, target_probs
 from treedec.tree.layout import ancestor_matrix
 from treedec.tree.policies.base import TreePolicy, topk_logp
 from treedec.tree.shapes import load_shape
@@ -135,7 +135,7 @@ class StaticPolicy(TreePolicy):
                 logps.append(lp[:, 0])
                 ids.append(drafter.head.to_target_ids(idx[:, 0]))
             else:
-                ids.append(drafter.head.to_target_ids(logits.argmax(dim=-1)))
+                ids.append(drafter.head.to_target_ids(greedy_pick(logits)))
             if d < T - 1:
                 out = drafter.expand_one(ids[-1], feat, depth=d, n_prev=d - 1)
                 if out is None:  # a head without the lean pass
