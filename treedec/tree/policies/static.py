@@ -13,7 +13,7 @@ import torch
 
 from treedec.decoding.sampling import SamplingParams, greedy_pick, target_probs
 from treedec.tree.layout import ancestor_matrix
-from treedec.tree.policies.base import TreePolicy, topk_logp
+from treedec.tree.policies.base import TreePolicy
 from treedec.tree.shapes import load_shape
 from treedec.tree.tree import Tree, TreeError
 
@@ -127,15 +127,13 @@ class StaticPolicy(TreePolicy):
         :meth:`Drafter.expand_one` where the general plan runs index and index_put kernels and the head's module calls
         (with ``scores``, the same cumulative log-probs as the general plan: the auto budget's scored chain steps)."""
         T = len(self.shape)
-        ids, logps = [drafter.root_tokens], []
+        ids, picks, all_logits = [drafter.root_tokens], [], []
         logits, feat = drafter.root_logits, drafter.root_feat
         for d in range(1, T):
+            picks.append(greedy_pick(logits))
+            ids.append(drafter.head.to_target_ids(picks[-1]))
             if self.scores:
-                lp, idx = topk_logp(logits, 1)
-                logps.append(lp[:, 0])
-                ids.append(drafter.head.to_target_ids(idx[:, 0]))
-            else:
-                ids.append(drafter.head.to_target_ids(greedy_pick(logits)))
+                all_logits.append(logits)
             if d < T - 1:
                 out = drafter.expand_one(ids[-1], feat, depth=d, n_prev=d - 1)
                 if out is None:  # a head without the lean pass
@@ -143,8 +141,10 @@ class StaticPolicy(TreePolicy):
                                                            n_prev=d - 1)]
                 feat, logits = out
         scores = None
-        if self.scores:
-            cum = torch.stack(logps, 1).cumsum(1)
+        if self.scores:  # every depth's log-prob in one pass at the end: at 16 rows 6 depths' passes took ~0.7 ms more
+            x = torch.stack(all_logits, 1)
+            logp = torch.log_softmax(x if x.dtype == torch.float32 else x.float(), dim=-1)
+            cum = logp.gather(-1, torch.stack(picks, 1)[..., None])[..., 0].cumsum(1)
             scores = torch.cat([cum.new_zeros(cum.shape[0], 1), cum], 1)  # the root's score is 0
         return Tree(shape["parents"], shape["depth"], shape["rank"], torch.stack(ids, 1), scores, anc=shape["anc"],
                     is_chain=True)
