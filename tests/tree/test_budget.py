@@ -512,6 +512,7 @@ def test_every_step_records_what_each_chain_shorter_than_its_tree_would_have_acc
     family = {(2, 1): 1, (4, 3): 1, (6, 5): 1, (8, 7): 1, (16, 5): 2}
     ctl = BudgetController(arms, explore_every=0, probe=False, family=family)
     ctl.gain = {a: 1.0 for a in arms[1:]}
+    ctl.stretch = 0.0  # one play a step (the weighting of long runs: the test below)
     ctl.last = (16, 5)  # a 5-deep tree was played
     ctl.observe_chains([5, 2, 0])
     seen = ctl._seen_arm
@@ -524,6 +525,27 @@ def test_every_step_records_what_each_chain_shorter_than_its_tree_would_have_acc
     ctl.last = (1, 0)  # a plain step drafted nothing
     ctl.observe_chains([3])
     assert seen[4, 3][2] == pytest.approx(1.95)
+
+
+@pytest.mark.parametrize("stretch", [0.0, 0.5, 1.0])
+def test_a_shallower_chain_gets_the_steps_it_would_take_over_a_long_run(stretch):
+    """Where a deeper chain's step ran through all d drafts of a shallower chain, the shallower one would have needed
+    (r + 1) / (d + 1) steps over that text: counting one made it look worse than it is played (4 % at batch 1 and 16
+    on the bundled pair). Such a row counts 1 + stretch * ((r + 1) / (d + 1) - 1) plays; shorter runs count one."""
+    arms = [(1, 0), (2, 1), (4, 3), (10, 9)]
+    ctl = BudgetController(arms, explore_every=0, probe=False, family={a: 1 for a in arms[1:]})
+    ctl.gain = {a: 1.0 for a in arms[1:]}
+    ctl.stretch, ctl.last = stretch, (10, 9)
+    ctl.observe_chains([9, 1])  # row 0 ran through all 9 drafts (10 tokens), row 1 stopped after one
+    acc, est, plays = ctl._seen_arm[4, 3]
+    w0 = 1 + stretch * (10 / 4 - 1)  # the 3-deep chain: 2.5 steps over row 0's 10 tokens
+    assert plays == pytest.approx((w0 + 1) / 2) and acc / plays == pytest.approx((3 * w0 + 1) / (w0 + 1))
+    assert est / plays == pytest.approx(1.0)  # the estimate is weighted alike: the correction factor is unbiased
+    if stretch == 1.0:  # the whole covered text: 10 + 2 tokens over 2.5 + 1 steps of the 3-deep chain
+        assert 1 + acc / plays == pytest.approx(12 / 3.5)
+    acc, _, plays = ctl._seen_arm[2, 1]  # the 1-deep chain: both rows got through it
+    w = [1 + stretch * (10 / 2 - 1), 1 + stretch * (2 / 2 - 1)]
+    assert plays == pytest.approx(sum(w) / 2) and acc / plays == pytest.approx(1.0)
 
 
 def test_the_auto_policy_gets_each_rows_top_run_in_the_steps_one_read():
@@ -613,6 +635,7 @@ def test_a_chain_record_from_a_tree_that_cut_the_top1_chain_short_is_not_censore
         ctl._count_continuations([7] * 9 + [3], [7] * 10)
     assert ctl.continuation(4) == pytest.approx(0.9, abs=0.03) and ctl.continuation(5) > 0.95
     ctl._seen_arm.clear()
+    ctl.stretch = 0.0  # one play a row (the weighting of long runs is tested on its own)
     ctl.observe_chains([2, 2, 1], [2, 4, 4])  # row 0 reached its tree's span (2): censored; rows 1, 2 stopped short
     acc87 = ctl._seen_arm[8, 7][0]
     assert acc87 == pytest.approx((2 + ctl._further(2, 7) + 2 + 1) / 3)

@@ -240,6 +240,7 @@ class BudgetController:
         self.family = dict(family or {})
         self._chains = [a for a in self.arms if self.family.get(a) == 1 and a[0] == a[1] + 1]  # pool width 1, T = d + 1
         self._top1: dict[int, tuple[float, float]] = {}  # depth -> decayed (continued, tried) of the top-1 chain
+        self.stretch = 0.5  # how far a shallower chain's record counts the steps it would take over long runs (0: one)
         self.continuation_known = 8.0  # (decayed) tries after which a depth's continuation rate estimates chains
         self._top1_at: dict[int, dict[int, tuple[float, float]]] = {}  # the same per row bucket (see _local)
         self.local_tries = 8.0  # tries' worth of a depth's batch-wide continuation rate in its rate at a row bucket
@@ -329,13 +330,14 @@ class BudgetController:
             self._seen = [decay * self._seen[0] + accepted, decay * self._seen[1] + est]
             self._record(self.last, accepted, est, decay)
 
-    def _record(self, arm: tuple[int, int], accepted: float, est: float, decay: float) -> None:
-        """One (decayed) play of ``arm``: ``accepted`` drafts per row against its estimate ``est``."""
+    def _record(self, arm: tuple[int, int], accepted: float, est: float, decay: float, plays: float = 1.0) -> None:
+        """``plays`` (decayed) plays of ``arm`` (one step; more for a step that stands for more, see
+        :meth:`observe_chains`): ``accepted`` drafts per row a play against its estimate ``est``."""
         acc0, est0, n0 = self._seen_arm.get(arm, (0.0, 0.0, 0.0))
-        self._seen_arm[arm] = (decay * acc0 + accepted, decay * est0 + est, decay * n0 + 1)
+        self._seen_arm[arm] = (decay * acc0 + plays * accepted, decay * est0 + plays * est, decay * n0 + plays)
         local = self._seen_at.setdefault(row_bucket(self._rows), {})
         acc1, n1 = local.get(arm, (0.0, 0.0))
-        local[arm] = (decay * acc1 + accepted, decay * n1 + 1)
+        local[arm] = (decay * acc1 + plays * accepted, decay * n1 + plays)
         self._families = None  # the family factors are recomputed when next asked for
         self._version += 1
 
@@ -351,7 +353,15 @@ class BudgetController:
         stop the top-1 chain short of the tree's depth; a run that reaches the span is censored there, and counting
         it as the whole chain's record made a 7-deep chain look ~20 % worse than it is while bushy trees were played
         (so they kept being played). Such a row is credited the span plus the expected further run, from the top-1
-        continuation rates measured at each depth (:meth:`continuation`)."""
+        continuation rates measured at each depth (:meth:`continuation`).
+
+        A row whose run r got through all d drafts of a shallower chain counts 1 + :attr:`stretch` * ((r + 1) / (d + 1)
+        - 1) plays of it, not one: the d-deep chain would have taken (r + 1) / (d + 1) steps over the text this step
+        covered where runs are long, so counting one made every shallower chain look worse than it is played (the
+        9-deep chain 4.4 % under its own τ on a 10-deep chain's steps at batch 1, the 4-deep one 4.1 % on a 7-deep
+        chain's at batch 16). The weights of text made of long stretches (``stretch`` 1) overshoot as much the other
+        way, since the next step then starts afresh, from the target's own features; halfway, on the bundled pair, the
+        records of 11 chains at batch 1, 4 and 16 came within 1 % of their own τ (3 % at most; docs/benchmarks.md)."""
         if not runs or self.last is None or self.last[0] == 1:
             return
         if spans is not None:
@@ -362,15 +372,16 @@ class BudgetController:
             if d > self.last[1] or arm == self.last:
                 continue
             if spans is None:
-                total = sum(min(r, d) for r in runs)
+                got = [min(r, d) for r in runs]
             else:
-                total = sum(min(r, d) if r < L or d <= L else L + self._further(L, d) for r, L in zip(runs, spans))
+                got = [min(r, d) if r < L or d <= L else L + self._further(L, d) for r, L in zip(runs, spans)]
             if d == self.last[1] and played is not None:  # the played tree against its depth's chain, same step
                 a, c = self._paired.get(self.last, (0.0, 0.0))
-                self._paired[self.last] = (decay * a + played, decay * c + total / len(runs))
+                self._paired[self.last] = (decay * a + played, decay * c + sum(got) / len(runs))
             est = self.gain.get(arm, math.nan)
             if math.isfinite(est):
-                self._record(arm, total / len(runs), est, decay)
+                w = [1.0 + self.stretch * ((r + 1) / (d + 1) - 1.0) if r >= d else 1.0 for r in runs]
+                self._record(arm, sum(x * y for x, y in zip(w, got)) / sum(w), est, decay, sum(w) / len(runs))
 
     def _count_continuations(self, runs: Sequence[int], spans: Sequence[int], decay: float = 0.98) -> None:
         """Per depth j, decayed (continued, tried) counts of the top-1 chain: a row tried depth j when its run reached
