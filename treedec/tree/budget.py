@@ -361,7 +361,8 @@ class BudgetController:
         9-deep chain 4.4 % under its own τ on a 10-deep chain's steps at batch 1, the 4-deep one 4.1 % on a 7-deep
         chain's at batch 16). The weights of text made of long stretches (``stretch`` 1) overshoot as much the other
         way, since the next step then starts afresh, from the target's own features; halfway, on the bundled pair, the
-        records of 11 chains at batch 1, 4 and 16 came within 1 % of their own τ (3 % at most; docs/benchmarks.md)."""
+        records of 11 chains at batch 1, 4 and 16 came within 0.9 % of their own τ on average, 3.3 % at most (one step
+        a row: 2.5 % under on average, 4.4 % at most; docs/benchmarks.md)."""
         if not runs or self.last is None or self.last[0] == 1:
             return
         if spans is not None:
