@@ -140,3 +140,19 @@ def test_a_scored_chain_takes_the_lean_path_with_the_general_plans_scores(length
     assert lean.is_chain and torch.equal(lean.tokens, general.tokens)
     torch.testing.assert_close(lean.scores, general.scores)
     assert (lean.scores[:, 1:] <= 0).all() and (lean.scores[:, 1:].diff(dim=1) <= 0).all()
+
+
+@pytest.mark.parametrize("lengths", [[9], [9, 4, 7]])
+def test_a_chain_picks_its_drafts_with_max_never_argmax(lengths):
+    """``argmax`` is 2-5x slower than ``max(-1).indices`` for the same index on CPUs (docs/benchmarks.md): a chain's
+    greedy drafts, scored (the auto budget's estimates) or not, take the decoder's ``greedy_pick``, and the scored
+    draft's tokens are the unscored one's."""
+    target, head = _prepared(7)
+    trees = []
+    for scored in (False, True):
+        d = _drafter(head, lengths, 7)
+        with torch.inference_mode(), count_ops() as ops:
+            trees.append(ChainPolicy(6, scores=scored).draft(d))
+        assert ops.ops["aten::argmax"] == 0 and ops.ops["aten::max.dim"] >= 5
+    assert torch.equal(trees[0].tokens, trees[1].tokens) and trees[0].scores is None
+    assert (trees[1].scores[:, 1:] <= 0).all() and (trees[1].scores[:, 1:].diff(dim=1) <= 0).all()
