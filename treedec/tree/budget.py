@@ -67,6 +67,13 @@ def row_bucket(rows: int) -> int:
     return 1 << max(0, round(math.log2(max(rows, 1))))
 
 
+def covered_plays(run: int, d: int, stretch: float) -> float:
+    """Plays of a d-deep chain that one row's step, whose top-1 run accepted ``run`` drafts, stands for: one if the run
+    stopped within d drafts, else 1 + ``stretch`` · ((run + 1) / (d + 1) - 1), the share ``stretch`` of the extra steps
+    the d-deep chain would take over that text (see :meth:`BudgetController.observe_chains`)."""
+    return 1.0 + stretch * ((run + 1) / (d + 1) - 1.0) if run >= d else 1.0
+
+
 def _host_values(curve) -> np.ndarray:
     """The offered estimates as a numpy view: a host tensor (the policy's pinned buffer, already synchronised by
     the step's one host read) or any array. Never ``Tensor.item``: no device read is involved, and none is counted."""
@@ -381,7 +388,7 @@ class BudgetController:
                 self._paired[self.last] = (decay * a + played, decay * c + sum(got) / len(runs))
             est = self.gain.get(arm, math.nan)
             if math.isfinite(est):
-                w = [1.0 + self.stretch * ((r + 1) / (d + 1) - 1.0) if r >= d else 1.0 for r in runs]
+                w = [covered_plays(r, d, self.stretch) for r in runs]
                 self._record(arm, sum(x * y for x, y in zip(w, got)) / sum(w), est, decay, sum(w) / len(runs))
 
     def _count_continuations(self, runs: Sequence[int], spans: Sequence[int], decay: float = 0.98) -> None:
