@@ -38,3 +38,13 @@ def test_budget_knobs_parse_and_bad_ones_are_refused():
     assert isinstance(knobs[1]["explore_every"], int)  # a step count stays an int
     with pytest.raises(SystemExit, match="NAME=NUMBER"):
         budget_knobs("auto{hold_margin=wide}")
+
+
+def test_chain_records_script_weighs_long_runs_as_the_budget_does():
+    """scripts/chain_records.py: one play a step is the per-step record, all the covered steps the text's own ratio."""
+    from scripts.chain_records import record_tau
+
+    runs = [9, 1]  # a 10-deep chain's rows: one took 9 drafts, one stopped after 1
+    assert record_tau(runs, 3, 0.0) == pytest.approx(1 + (3 + 1) / 2)
+    assert record_tau(runs, 3, 1.0) == pytest.approx((10 + 2) / (10 / 4 + 1))  # 12 tokens over 3.5 steps
+    assert record_tau(runs, 3, 0.0) < record_tau(runs, 3, 0.5) < record_tau(runs, 3, 1.0)
