@@ -302,3 +302,18 @@ def test_save_pretrained_with_tokenizer(tmp_path, tok_dir):
     # a raw tokenizers.Tokenizer works too
     save_pretrained(model, tmp_path / "raw", tokenizer=make_tokenizer())
     assert load_tokenizer(tmp_path / "raw").eos_ids == [1]
+
+
+@pytest.mark.parametrize("name", ["model.embed_tokens.weight", "lm_head.weight"])
+def test_non_finite_target_weights_are_refused(saved, name):
+    sd = load_file(str(saved / "model.safetensors"))
+    sd[name][7, 3] = float("inf") if name == "lm_head.weight" else float("nan")
+    save_file(sd, str(saved / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"m/model.safetensors: tensor '{name}' holds NaN or Inf"):
+        load_model(saved)
+
+
+def test_config_json_must_be_an_object(saved):
+    (saved / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match=r"config.json holds a JSON list, not a JSON object"):
+        load_model(saved)

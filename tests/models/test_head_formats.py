@@ -325,3 +325,113 @@ def test_speculators_norm_before_residual_defaults_to_vllms(deep_target, tmp_pat
     del cfg["norm_before_residual"]
     (path / "config.json").write_text(json.dumps(cfg))
     assert DraftHead.load(path, target=deep_target).config.norm_before_residual  # as vLLM reads such a config
+
+
+# ------------------------------------------------------------------ malformed published heads (issue 39)
+def _edit_cfg(path, **change):
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **change}))
+
+
+def _resave(path, sd, **change):
+    save_file({k: v.contiguous() for k, v in {**sd, **change}.items()}, str(path / "model.safetensors"))
+
+
+def _as_index(path, index_text):
+    (path / "model.safetensors").rename(path / "model-00001-of-00001.safetensors")
+    (path / "model.safetensors.index.json").write_text(index_text)
+
+
+MALFORMED = {  # name: (eagle3 layout?, how the written directory is spoiled, what the one-line error says)
+    "d2t_2d": (True, lambda p, sd: _resave(p, sd, d2t=sd["d2t"][None]), r"d2t has shape \(1, 40\).*\(40,\)"),
+    "d2t_length": (True, lambda p, sd: _resave(p, sd, d2t=sd["d2t"][:39]), r"d2t has shape \(39,\)"),
+    "draft_vocab_vs_lm_head": (True, lambda p, sd: _edit_cfg(p, draft_vocab_size=39),
+                               r"draft_vocab_size 39.*lm_head.weight has 40 rows"),
+    "float_layer_ids": (True, lambda p, sd: _edit_cfg(p, eagle_aux_hidden_state_layer_ids=[2.7, 4, 5]),
+                        r"layer ids must be integers.*2\.7"),
+    "string_layer_ids": (True, lambda p, sd: _edit_cfg(p, eagle_aux_hidden_state_layer_ids=["2", "4", "5"]),
+                         r"layer ids must be integers.*'2'"),
+    "list_config": (False, lambda p, sd: (p / "config.json").write_text("[1, 2]"), "not a JSON object"),
+    "index_without_weight_map": (False, lambda p, sd: _as_index(p, '{"metadata": {}}'), "weight_map"),
+    "index_not_json": (False, lambda p, sd: _as_index(p, '{"weight_map": '), "index"),
+    "index_map_is_a_list": (False, lambda p, sd: _as_index(p, '{"weight_map": ["a"]}'), "weight_map"),
+    "bias_string": (False, lambda p, sd: _edit_cfg(p, bias="false"), r'"bias" must be true or false.*\'false\''),
+    "gpt2": (False, lambda p, sd: _edit_cfg(p, architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_heads_name_path_and_problem(case, target, deep_target, tmp_path):
+    eagle3, spoil, needle = MALFORMED[case]
+    if eagle3:
+        path, sd, _ = eagle3_dir(tmp_path / "h", eagle_aux_hidden_state_layer_ids=[2, 4, 5])
+    else:
+        path, sd = eagle_dir(tmp_path / "h")
+    spoil(path, sd)
+    with pytest.raises(ValueError, match=needle) as err:
+        DraftHead.load(path, target=deep_target if eagle3 else target)
+    msg = str(err.value)
+    assert str(path) in msg and "\n" not in msg, msg
+
+
+def _bin_dir(path, payload: bytes):
+    eagle_dir(path)
+    (path / "model.safetensors").unlink()
+    (path / "pytorch_model.bin").write_bytes(payload)
+    return path
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random", "empty"])
+def test_corrupt_bin_says_corrupt(damage, tmp_path):
+    import io
+    import os
+
+    buf = io.BytesIO()
+    torch.save({"fc.weight": torch.ones(H, 2 * H)}, buf)
+    good = buf.getvalue()
+    payload = {"truncated": good[: len(good) // 2], "random": os.urandom(300), "empty": b""}[damage]
+    path = _bin_dir(tmp_path / "h", payload)
+    with pytest.raises(CheckpointError, match=r"pytorch_model.bin is corrupt") as err:
+        DraftHead.load(path)
+    assert "more than plain tensors" not in str(err.value) and "\n" not in str(err.value)
+
+
+class RunsCode:
+    """A pickle that would run ``os.system`` when unpickled."""
+
+    def __reduce__(self):
+        import os
+
+        return os.system, ("echo unpickled",)
+
+
+@pytest.mark.parametrize("how", ["torch_save", "raw_pickle"])
+def test_malicious_bin_is_refused_naming_the_global(how, tmp_path):
+    import io
+    import pickle
+
+    if how == "torch_save":
+        buf = io.BytesIO()
+        torch.save({"fc.weight": torch.ones(2), "x": RunsCode()}, buf)
+        payload = buf.getvalue()
+    else:
+        payload = pickle.dumps({"x": RunsCode()}, protocol=4)
+    path = _bin_dir(tmp_path / "h", payload)
+    with pytest.raises(CheckpointError, match=r"refused.*posix\.system.*could run code") as err:
+        DraftHead.load(path)
+    msg = str(err.value)
+    assert "weights_only=False" not in msg and "corrupt" not in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("where", ["safetensors", "bin"])
+def test_non_finite_published_weights_are_refused(where, target, tmp_path):
+    path, sd = eagle_dir(tmp_path / "h", bin_file=where == "bin")
+    bad = sd["layers.0.mlp.up_proj.weight"].clone()
+    bad[3, 5] = float("nan")
+    if where == "bin":
+        torch.save({**sd, "layers.0.mlp.up_proj.weight": bad}, path / "pytorch_model.bin")
+    else:
+        _resave(path, sd, **{"layers.0.mlp.up_proj.weight": bad})
+    with pytest.raises(CheckpointError, match=r"h/(model.safetensors|pytorch_model.bin).*'layers.0.mlp.up_proj.weight'"
+                                              r".*NaN or Inf"):
+        DraftHead.load(path, target=target)

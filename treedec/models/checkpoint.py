@@ -31,6 +31,9 @@ INDEX = "model.safetensors.index.json"
 # HF checkpoints may carry buffers that treedec recomputes (older Llama saves rotary inv_freq).
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|(^|\.)masked_bias$|(^|\.)attn\.bias$")
 
+# A target's tensors checked for NaN / Inf at load (cheap; a head's are all checked): every token passes through them.
+_CHECKED_FINITE = ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -81,6 +84,27 @@ def resolve_device(device: torch.device | str | None = "auto") -> torch.device:
     return dev
 
 
+def read_json_object(file: Path, fix: str) -> dict:
+    """The JSON object (a dict) in ``file``: a file that is not JSON, or JSON of another type (a list), is a
+    CheckpointError naming the file and ``fix``, never a KeyError or AttributeError later."""
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file} is not valid JSON ({exc}); {fix}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(raw).__name__}, not a JSON object ({{...}}); {fix}")
+    return raw
+
+
+def check_finite(file: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse NaN or Inf in floating-point ``tensors`` (read from ``file``): such weights load and run without a
+    word, and a head of them drafts nothing (tau 1.00) while calibrate fits a tree to it. One pass per tensor."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{file}: tensor {name!r} holds NaN or Inf values; the weights are corrupt (or "
+                                  f"their training diverged): re-download, re-export or retrain them")
+
+
 def read_config(path: str | os.PathLike) -> tuple[LlamaConfig, dict]:
     """The parsed ``LlamaConfig`` and the raw ``config.json`` dict of a checkpoint directory."""
     path = resolve_path(path)
@@ -90,10 +114,7 @@ def read_config(path: str | os.PathLike) -> tuple[LlamaConfig, dict]:
             f"{path} has no config.json: a Hugging Face model directory needs config.json next to its "
             f"model.safetensors (save it with `save_pretrained`, or copy it from the model's repository)"
         )
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{cfg_file} is not valid JSON ({exc}); restore the file from the model's repository") from exc
+    raw = read_json_object(cfg_file, "restore the file from the model's repository")
     try:
         cfg = LlamaConfig.from_hf(raw)
     except (ValueError, TypeError) as exc:
@@ -105,10 +126,11 @@ def _weight_map(path: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, for a single file or a sharded index."""
     single, index = path / WEIGHTS, path / INDEX
     if index.is_file():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {exc}") from exc
+        fix = "restore it, or re-save the checkpoint"
+        wm = read_json_object(index, fix).get("weight_map")
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise CheckpointError(f"{index} is not a valid safetensors index: it needs a 'weight_map' object of "
+                                  f"tensor name -> shard file (got {type(wm).__name__}); {fix}")
         return {name: path / shard for name, shard in wm.items()}
     if single.is_file():
         return {name: single for name in _keys(single)}
@@ -229,7 +251,10 @@ def load_model(
                         f"cannot read tensor {name!r} from {file}: it is truncated or corrupt ({exc}); "
                         f"re-download it or re-save the model"
                     ) from exc
-                _set_tensor(model, name, t.to(device=device, dtype=dtype))
+                t = t.to(device=device, dtype=dtype)
+                if name in _CHECKED_FINITE:  # NaN there: every logit is NaN, and decoding emits garbage silently
+                    check_finite(file, {name: t})
+                _set_tensor(model, name, t)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)

@@ -22,16 +22,19 @@ target, or whose tensors do not match its layout, is an error naming both.
 """
 from __future__ import annotations
 
-import json
+import pickletools
+import re
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from treedec.models.checkpoint import INDEX, WEIGHTS, CheckpointError, _open
-from treedec.models.config import LlamaConfig
+from treedec.models.checkpoint import (INDEX, WEIGHTS, CheckpointError, _open, _weight_map, check_finite,
+                                       read_json_object)
+from treedec.models.config import MODEL_TYPES, SUPPORTED_ARCHITECTURES, LlamaConfig
 from treedec.models.draft_config import DraftConfig
 from treedec.models.llama import Transformer
 
@@ -41,45 +44,113 @@ LAYOUTS = ("eagle", "eagle3", "speculators")
 _SKIP = ("rotary_emb.inv_freq", "verifier_lm_head.weight", "verifier_norm.weight")
 
 
-def detect(raw: dict) -> str:
-    """The layout of a head's config.json: eagle | eagle3 | speculators (an error otherwise)."""
+def detect(raw: dict, path: Path | str = "config.json") -> str:
+    """The layout of a head's config.json (``path``, named in errors): eagle | eagle3 | speculators (an error
+    otherwise, e.g. a GPT-2 config, which would otherwise read as an EAGLE-1 head of Llama's shape)."""
     kind = raw.get("speculators_model_type")
     if kind is not None:
         if kind != "eagle3":
-            raise ValueError(f"speculators_model_type={kind!r}: treedec loads speculators 'eagle3' heads only")
+            raise ValueError(f"{path}: speculators_model_type={kind!r}; treedec loads speculators 'eagle3' heads only")
         return "speculators"
     archs = raw.get("architectures") or ["LlamaForCausalLM"]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"{path}: architectures must be a list of class names, got {archs!r}")
     if any("Eagle3" in a for a in archs) or "draft_vocab_size" in raw:
         return "eagle3"
+    other = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+    if other or raw.get("model_type", "llama") not in MODEL_TYPES.values():
+        raise ValueError(f"{path}: architectures {archs} (model_type {raw.get('model_type')!r}) is no EAGLE head "
+                         f"layout treedec reads: an EAGLE-1/2 head is a 1-layer {' / '.join(SUPPORTED_ARCHITECTURES)}, "
+                         "an EAGLE-3 head a LlamaForCausalLMEagle3 or a speculators eagle3 config")
     if raw.get("num_hidden_layers", 1) != 1:
-        raise ValueError(f"config.json describes a {raw.get('num_hidden_layers')}-layer model, not a 1-layer EAGLE head "
+        raise ValueError(f"{path} describes a {raw.get('num_hidden_layers')}-layer model, not a 1-layer EAGLE head "
                          "(a target model directory? pass it as model.path, and the head as draft.path)")
     return "eagle"
+
+
+def _flag(raw: dict, key: str, default: bool, path: Path) -> bool:
+    """A true/false key of a head's config.json: a string such as "false" is an error, never truthy."""
+    value = raw.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{path / 'config.json'}: \"{key}\" must be true or false (JSON booleans), got {value!r}")
+    return value
+
+
+def _as_int(value, what: str, path: Path) -> int:
+    """``value`` as an int where it is one (a JSON integer): a float or a string is an error, never truncated."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{path / 'config.json'}: {what} must be integers, got {value!r}")
+    return value
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a head directory: safetensors, or ``pytorch_model.bin`` with ``weights_only=True``."""
     if (path / INDEX).is_file() or (path / WEIGHTS).is_file():
-        files = ([path / WEIGHTS] if (path / WEIGHTS).is_file() else
-                 sorted({path / f for f in json.loads((path / INDEX).read_text())["weight_map"].values()}))
+        files = [path / WEIGHTS] if (path / WEIGHTS).is_file() else sorted(set(_weight_map(path).values()))
         out = {}
         for f in files:
             with _open(f) as sf:
-                out.update({k: sf.get_tensor(k) for k in sf.keys()})
+                tensors = {k: sf.get_tensor(k) for k in sf.keys()}
+            check_finite(f, tensors)
+            out.update(tensors)
         return out
     if (path / PICKLE).is_file():
+        file = path / PICKLE
         try:
-            sd = torch.load(path / PICKLE, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # (torch's note on a pickle protocol: the error below says what matters)
+                warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                sd = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as e:  # weights_only refuses anything but tensors and plain containers
-            raise CheckpointError(f"{path / PICKLE} holds more than plain tensors ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:200]}); treedec never unpickles objects: convert it to "
-                                  f"{WEIGHTS} with safetensors where you trust the file") from e
+            raise _bin_error(file, e) from e
         if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-            raise CheckpointError(f"{path / PICKLE} is not a flat state dict of tensors (got {type(sd).__name__})")
+            raise CheckpointError(f"{file} is not a flat state dict of tensors (got {type(sd).__name__})")
+        check_finite(file, sd)
         return sd
     found = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
     raise FileNotFoundError(f"{path} has config.json but no {WEIGHTS} or {PICKLE} (found: {found}); treedec reads "
                             f"safetensors, or {PICKLE} as plain tensors, never other pickle files")
+
+
+def _bin_error(file: Path, exc: Exception) -> CheckpointError:
+    """Why ``torch.load(file, weights_only=True)`` failed, for the user: a pickle naming a global (a callable such as
+    ``os.system``, or a class) was refused, since unpickling it could run code; anything else is a corrupt file.
+    torch's own message is not passed on: it suggests ``weights_only=False``, which is how such a file runs code."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    name = found.group(1) if found else _pickle_global(file)
+    if name is None:
+        return CheckpointError(f"{file} is corrupt: torch cannot read it as saved weights ({type(exc).__name__}; "
+                               f"truncated, or not written by torch.save): re-download it, or use the head's {WEIGHTS}")
+    return CheckpointError(f"{file} was refused: its pickle refers to {name}, and unpickling it could run code "
+                           f"(treedec never unpickles objects, only plain tensors); do not load this file: use a "
+                           f"{WEIGHTS} of this head from a source you trust")
+
+
+def _pickle_global(file: Path) -> str | None:
+    """The first global (``module.name``) outside torch that ``file``'s pickle refers to, read by disassembling its
+    opcodes (nothing is executed); None when it names none or does not parse (a corrupt file)."""
+    try:
+        if zipfile.is_zipfile(file):
+            with zipfile.ZipFile(file) as z:
+                data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+        else:
+            data = file.read_bytes()
+        strings: list[str] = []
+        for op, arg, _ in pickletools.genops(data):
+            if op.name == "GLOBAL":
+                name = str(arg).replace(" ", ".")
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                name = ".".join(strings[-2:])
+            else:
+                if isinstance(arg, str):
+                    strings.append(arg)
+                continue
+            if not name.startswith(("torch.", "collections.OrderedDict")):
+                return name
+    except Exception:  # noqa: BLE001 - not a pickle: corrupt
+        return None
+    return None
 
 
 def _layer_config(raw: dict, path: Path) -> LlamaConfig:
@@ -94,7 +165,7 @@ def _layer_config(raw: dict, path: Path) -> LlamaConfig:
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path / 'config.json'}: {e}") from e
     if raw.get("qkv_bias") is not None:  # some EAGLE Qwen2 heads say so explicitly
-        cfg.qkv_bias = bool(raw["qkv_bias"])
+        cfg.qkv_bias = _flag(raw, "qkv_bias", cfg.qkv_bias, path)
     return cfg
 
 
@@ -107,18 +178,24 @@ def _feature_layers(raw: dict, target: Transformer | None, path: Path) -> list[i
                              "its target (DraftHead.load(path, target=model)) to use EAGLE-3's [2, L//2, L-3]")
         L = target.config.num_hidden_layers
         ids = [2, L // 2, L - 3]
-    if len(ids) != 3:
-        raise ValueError(f"{path}: an EAGLE-3 head fuses 3 target layers, its config names {ids}")
+    if not isinstance(ids, list) or len(ids) != 3:
+        raise ValueError(f"{path}: an EAGLE-3 head fuses 3 target layers, its config names {ids!r}")
+    ids = [_as_int(i, f"the feature layer ids {ids!r} (eagle_aux_hidden_state_layer_ids): layer ids", path)
+           for i in ids]
     if target is not None and not all(0 <= i < target.config.num_hidden_layers for i in ids):
         raise ValueError(f"{path} reads target layers {ids}, but the target has {target.config.num_hidden_layers} "
                          f"layers (0..{target.config.num_hidden_layers - 1}): the head was trained for a deeper model")
-    return [int(i) for i in ids]
+    return ids
 
 
 def _vocab_ids(state: dict, K: int, V: int, path: Path) -> torch.Tensor | None:
     """d2t (draft index -> target id offset) as target ids; t2d, where given, must mark the same set."""
     d2t = state.pop("d2t", None)
     t2d = state.pop("t2d", None)
+    if d2t is not None and (tuple(d2t.shape) != (K,) or d2t.is_floating_point()):
+        raise ValueError(f"{path}: d2t has shape {tuple(d2t.shape)} ({d2t.dtype}), but a draft vocabulary of "
+                         f"draft_vocab_size {K} needs integer offsets of shape ({K},); the file is corrupt or belongs "
+                         "to another config.json")
     ids = torch.arange(K) if d2t is None else torch.arange(K) + d2t.long()
     if ids.numel() != K or int(ids.min()) < 0 or int(ids.max()) >= V or ids.unique().numel() != K:
         raise ValueError(f"{path}: d2t maps the {K}-token draft vocabulary outside the target's {V} tokens "
@@ -134,11 +211,8 @@ def _vocab_ids(state: dict, K: int, V: int, path: Path) -> torch.Tensor | None:
 def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftConfig, dict[str, torch.Tensor], str]:
     """(treedec DraftConfig, treedec state dict, layout) of a published head directory."""
     path = Path(path)
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path / 'config.json'} is not valid JSON ({e})") from e
-    layout = detect(raw)
+    raw = read_json_object(path / "config.json", "restore the head's config.json from where it was published")
+    layout = detect(raw, path / "config.json")
     src = {k: v for k, v in read_weights(path).items() if not k.endswith(_SKIP)}
     layer_raw = raw
     if layout == "speculators":
@@ -159,17 +233,21 @@ def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftC
             state["layer." + k[len(prefix):]] = src.pop(k)
     common = dict(target=str(path), qkv_bias=lc.qkv_bias, o_bias=lc.o_bias, qk_norm=lc.qk_norm)
     if layout == "eagle":
-        bias = bool(raw.get("bias", True))  # EAGLE's loader: config "bias", default true
+        bias = _flag(raw, "bias", True, path)  # EAGLE's loader: config "bias", default true
         cfg = DraftConfig.for_target(lc, fc_bias=bias, **common)
         names = ["fc.weight"] + (["fc.bias"] if bias else [])
     else:
         if raw.get("target_hidden_size") not in (None, lc.hidden_size):
             raise ValueError(f"{path}: target_hidden_size {raw['target_hidden_size']} != the head's hidden_size "
                              f"{lc.hidden_size}; treedec's EAGLE-3 head reads features of its own width")
-        K = int(layer_raw.get("draft_vocab_size") or lc.vocab_size)
+        K = _as_int(layer_raw.get("draft_vocab_size") or lc.vocab_size, "draft_vocab_size", path)
+        lm = src.get("lm_head.weight")
+        if lm is not None and lm.shape[0] != K:
+            raise ValueError(f"{path}: config.json says draft_vocab_size {K}, but lm_head.weight has {lm.shape[0]} "
+                             "rows (one per draft token); the config and the weights disagree")
         ids = _vocab_ids(src, K, lc.vocab_size, path)
         # the residual around attention is hidden_norm(h): vLLM's default for speculators configs without the key
-        nbr = bool(raw.get("norm_before_residual", layout == "speculators"))
+        nbr = _flag(raw, "norm_before_residual", layout == "speculators", path)
         cfg = DraftConfig.for_target(lc, kind="eagle3", feature_layers=_feature_layers(raw, target, path),
                                      draft_vocab_size=0 if ids is None else K, norm_before_residual=nbr, **common)
         if ids is not None:
