@@ -158,3 +158,22 @@ def test_rope_frequencies_stay_fp32_in_a_bf16_head():
     assert head.inv_freq.dtype == torch.float32 and head.fc.weight.dtype == torch.bfloat16
     fresh = DraftHead(DraftConfig.for_target(small_target().config))
     assert torch.equal(head.inv_freq, fresh.inv_freq)
+
+
+def test_load_refuses_a_target_given_by_name(tmp_path):
+    DraftHead(DraftConfig.for_target(small_target().config)).save(tmp_path)
+    with pytest.raises(TypeError, match=r"a loaded model \(treedec.models.load_model\('tiny-code'\)\), not str"):
+        DraftHead.load(tmp_path, target="tiny-code")
+    with pytest.raises(TypeError, match="not str"):
+        DraftHead.load("tiny-code-eagle", target="tiny-code")  # a bundled head, read before binding
+
+
+def test_non_finite_head_weights_are_refused(tmp_path):
+    from treedec.models.checkpoint import CheckpointError
+
+    head = DraftHead(DraftConfig.for_target(small_target().config))
+    with torch.no_grad():
+        head.layer.mlp.down_proj.weight[1, 2] = float("-inf")
+    head.save(tmp_path)
+    with pytest.raises(CheckpointError, match=rf"{DRAFT_WEIGHTS}: tensor 'layer.mlp.down_proj.weight' holds NaN or Inf"):
+        DraftHead.load(tmp_path)

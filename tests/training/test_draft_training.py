@@ -173,3 +173,24 @@ def test_debug_fdr_runs_one_batch(target_dir, corpus, tmp_path):  # noqa: F811
 
     m = run(train_cfg(target_dir, corpus, tmp_path, 20, "debug=fdr", "export_dir=null"))
     assert m["steps"] == 1 and m["export_dir"] is None and m["max_steps"] == 20
+
+
+def test_init_from_accepts_an_exported_head(target_dir, corpus, tmp_path):  # noqa: F811
+    """init_from= takes what draft.path takes (one loader): here a head exported in EAGLE's layout."""
+    from treedec.config_schema import ConfigError
+    from treedec.export_head import export_head
+    from treedec.models import load_model
+    from treedec.models.draft import DraftConfig, DraftHead
+    from treedec.training.draft import DraftModule
+    from treedec.training.schema import check_job_config
+
+    target = load_model(target_dir)
+    head = DraftHead(DraftConfig.for_target(target.config)).bind(target)
+    out = export_head(head, tmp_path / "exported", "eagle")
+    check_job_config(train_cfg(target_dir, corpus, tmp_path, 1, f"init_from={out}"), "train")
+    module = DraftModule(str(target_dir), init_from=str(out), target_dtype="float32")
+    got = module.head.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in head.state_dict().items())
+    assert module.head.config.target == str(target_dir)
+    with pytest.raises(ConfigError, match=r"init_from=.*nowhere: no draft head at"):
+        check_job_config(train_cfg(target_dir, corpus, tmp_path, 1, f"init_from={tmp_path / 'nowhere'}"), "train")

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from treedec.attention import folded_sdpa, prefix_tree_mask
 from treedec.models.cache import KVCache
-from treedec.models.draft_config import BUNDLED_DRAFTS, DRAFT_CONFIG, DRAFT_WEIGHTS, KINDS, DraftConfig
+from treedec.models.draft_config import BUNDLED_DRAFTS  # noqa: F401  (calibration imports it from here)
+from treedec.models.draft_config import DRAFT_CONFIG, DRAFT_WEIGHTS, KINDS, DraftConfig, head_dir
 from treedec.models.llama import (DecoderLayer, ModelOutput, Transformer, apply_rope, one_row_matmuls, rms_norm,
                                   rope_cos_sin, rope_inv_freq, rope_lookup, rope_table)
 from treedec.models.packed import PackedLinear, pack_linears, packed_bf16_is_faster, packed_weight, should_pack
@@ -54,6 +55,13 @@ def target_fingerprint(target: Transformer) -> str:
         rows = w[:: max(1, w.shape[0] // 256)].detach().to("cpu", torch.bfloat16)
         h.update(rows.view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def check_target(target: object) -> None:
+    """A head binds to a loaded model: a name (``target="tiny-code"``) would fail deep inside binding, or later."""
+    if target is not None and not isinstance(target, Transformer):
+        raise TypeError(f"a draft head's target is a loaded model (treedec.models.load_model({target!r})), not "
+                        f"{type(target).__name__} {target!r}")
 
 
 def inference_dtype(target: Transformer | None, device=None) -> torch.dtype | None:
@@ -193,6 +201,7 @@ class DraftHead(nn.Module):
         another target of the same shape (fingerprints differ) decodes correctly but accepts
         little, so that is a warning naming both.
         """
+        check_target(target)
         tc, dc = target.config, self.config
         if tc.vocab_size != dc.vocab_size or tc.hidden_size != dc.hidden_size:
             raise ValueError(
@@ -465,6 +474,9 @@ class DraftHead(nn.Module):
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
+        from treedec.models.checkpoint import check_finite
+
+        check_target(target)
         if quantize is not None and quantize not in QUANTIZE:
             raise ValueError(f"draft.quantize={quantize!r} is not supported; use null (full precision), "
                              f"{' or '.join(QUANTIZE)}")
@@ -475,13 +487,11 @@ class DraftHead(nn.Module):
             from treedec.models.checkpoint import resolve_dtype
 
             dtype = resolve_dtype(dtype)
-        path = BUNDLED_DRAFTS.get(str(path), Path(path))
-        if not (path / DRAFT_CONFIG).is_file() and (path / "config.json").is_file():  # EAGLE / EAGLE-3 / speculators
+        path = head_dir(path)
+        if not (path / DRAFT_CONFIG).is_file():  # config.json: EAGLE / EAGLE-3 / speculators
             from treedec.models.head_formats import load_published
 
             return _with_wide_twin(load_published(path, cls, target, dtype=dtype, device=device, quantize=quantize), auto)
-        if not (path / DRAFT_CONFIG).is_file():
-            raise FileNotFoundError(f"no draft head at {path}: expected {DRAFT_CONFIG} and {DRAFT_WEIGHTS} (train one with `python -m treedec.train`)")
         try:
             cfg = DraftConfig(**json.loads((path / DRAFT_CONFIG).read_text()))
         except (TypeError, json.JSONDecodeError) as e:
@@ -491,6 +501,7 @@ class DraftHead(nn.Module):
             state = load_file(str(path / DRAFT_WEIGHTS))
         except (FileNotFoundError, SafetensorError, OSError) as e:
             raise ValueError(f"cannot read draft weights {path / DRAFT_WEIGHTS} ({e}); re-save or retrain the head") from e
+        check_finite(path / DRAFT_WEIGHTS, state)
         try:
             missing, unexpected = head.load_state_dict(state, strict=False)
         except RuntimeError as e:  # a tensor whose shape does not fit the config

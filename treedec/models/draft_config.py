@@ -2,7 +2,9 @@
 and the published-layout converters (head_formats.py), which all read it."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from treedec.models.config import LlamaConfig
 from treedec.models.paths import ASSETS
@@ -62,4 +64,16 @@ class DraftConfig:
                            qkv_bias=self.qkv_bias, o_bias=self.o_bias, qk_norm=self.qk_norm)
 
 
-__all__ = ["BUNDLED_DRAFTS", "DRAFT_CONFIG", "DRAFT_WEIGHTS", "KINDS", "DraftConfig"]
+def head_dir(path: str | os.PathLike) -> Path:
+    """The directory of the draft head ``path`` names (a bundled name, or a directory holding a treedec head or a
+    published EAGLE / EAGLE-3 one): what ``DraftHead.load`` reads, so a config check (``init_from=``) accepts
+    exactly the heads ``draft.path`` does, before anything is loaded."""
+    d = BUNDLED_DRAFTS.get(str(path), Path(path).expanduser())
+    if not (d / DRAFT_CONFIG).is_file() and not (d / "config.json").is_file():
+        raise FileNotFoundError(f"no draft head at {d}: expected {DRAFT_CONFIG} + {DRAFT_WEIGHTS} (a treedec head: "
+                                "train one with `python -m treedec.train`) or config.json + model.safetensors (an "
+                                "EAGLE / EAGLE-3 head, e.g. from `python -m treedec.export_head`)")
+    return d
+
+
+__all__ = ["BUNDLED_DRAFTS", "DRAFT_CONFIG", "DRAFT_WEIGHTS", "KINDS", "DraftConfig", "head_dir"]

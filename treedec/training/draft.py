@@ -86,8 +86,9 @@ class DraftModule(WallTimeScheduled):
         torch.manual_seed(seed)
         target = load_model(target_path, dtype=target_dtype).eval().requires_grad_(False)
         self._target = (target,)  # a tuple keeps the frozen target out of parameters and checkpoints
-        if init_from:
+        if init_from:  # any head DraftHead.load reads: treedec's, exported or published (EAGLE / EAGLE-3)
             self.head = DraftHead.load(init_from, target=target, dtype=torch.float32)
+            self.head.config.target = str(target_path)  # (a published head's names its own directory)
         else:
             cfg = DraftConfig.for_target(target.config, target=str(target_path), **(draft or {}))
             self.head = DraftHead(cfg).bind(target)

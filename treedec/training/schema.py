@@ -26,7 +26,7 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from treedec.config_schema import ConfigError, ModelSchema, unknown_key_hint
+from treedec.config_schema import ConfigError, ModelSchema, check_out_path, check_required, unknown_key_hint
 from treedec.errors import renamed
 
 HYDRA_KEYS = ("_target_", "_recursive_", "_convert_", "_partial_", "_args_")
@@ -293,6 +293,7 @@ def _check_common(cfg: DictConfig, kind: str) -> None:
 def _check_train(cfg: DictConfig) -> None:
     from treedec.models.checkpoint import resolve_path
     from treedec.models.draft import DraftConfig
+    from treedec.models.draft_config import head_dir
 
     draft = _get(cfg, "draft_arch") or {}
     check_fields({k: v for k, v in draft.items() if not (k == "feature_layers" and v is None)}, DraftConfig,
@@ -313,8 +314,11 @@ def _check_train(cfg: DictConfig) -> None:
     except FileNotFoundError as e:
         raise ConfigError(f"model.path={target}: {e}") from None
     init = _get(cfg, "init_from")
-    if init is not None and not (Path(init).expanduser() / "draft_config.json").is_file():
-        raise ConfigError(f"init_from={init}: no draft head there (draft_config.json + draft.safetensors)")
+    if init is not None:  # whatever draft.path accepts (a treedec, exported or published head): one check, the loader's
+        try:
+            head_dir(init)
+        except FileNotFoundError as e:
+            raise ConfigError(f"init_from={init}: {e}") from None
     tok = _get(cfg, "paths.tokenizer")
     if tok is not None and not Path(tok).expanduser().is_file():
         raise ConfigError(f"paths.tokenizer={tok} is not a file; the head trains on the target's own tokenizer "
@@ -358,9 +362,12 @@ def _check_export(cfg: DictConfig, asset: str) -> None:
     from treedec.models.paths import bundled_dir, export_path
 
     try:
-        export_path(_get(cfg, "export_dir"), bundled_dir(asset))
+        export = export_path(_get(cfg, "export_dir"), bundled_dir(asset))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_out_path(OmegaConf.select(cfg, "paths.run_dir", throw_on_resolution_failure=False), "paths.run_dir")
+    if export is not None and _get(cfg, "export_dir") != "bundled":
+        check_out_path(_get(cfg, "export_dir"), "export_dir")
 
 
 def check_job_config(cfg: DictConfig, kind: str) -> None:
@@ -370,6 +377,7 @@ def check_job_config(cfg: DictConfig, kind: str) -> None:
     no model and no data.
     """
     schema = {"train": TrainSchema, "pretrain": PretrainSchema}[kind]
+    check_required(cfg)
     node = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     node.pop("hydra", None)
     try:
