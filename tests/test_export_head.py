@@ -154,3 +154,98 @@ def test_config_is_checked_before_loading():
                         (dict(outt="y"), "outt")):
         with pytest.raises(ConfigError, match=needle):
             validate(OmegaConf.create({**ok, **bad}), "export_head")
+
+
+def test_a_second_export_keeps_what_the_user_added(tmp_path, caplog):
+    import logging
+
+    target = tiny_model(seed=1)
+    out = export_head(make_head(target, 2), tmp_path / "d", "eagle")
+    (out / "README.md").write_text("# my head\n")
+    (out / "tokenizer.json").write_text("{}")
+    with caplog.at_level(logging.INFO, logger="treedec.export_head"):
+        export_head(make_head(target, 3), out, "eagle", dtype=torch.bfloat16)
+    assert (out / "README.md").read_text() == "# my head\n" and (out / "tokenizer.json").read_text() == "{}"
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    again = DraftHead.load(out, target=target)
+    assert again.dtype == torch.bfloat16
+    torch.testing.assert_close(again.fc.weight.float(), make_head(target, 3).fc.weight.bfloat16().float())
+    assert "kept README.md, tokenizer.json" in caplog.text and "replaced model.safetensors, config.json" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no work directory left
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_work_directories_of_killed_exports_are_cleaned(tmp_path):
+    import os
+    import socket
+    import time
+
+    from treedec.export_head import OWNER, WORK
+
+    host = socket.gethostname()
+
+    def work(suffix, owner=None, files=("config.json",), age_s=0):
+        d = tmp_path / f".out{WORK}{suffix}"
+        d.mkdir()
+        for f in files:
+            (d / f).write_text("x")
+        if owner is not None:
+            (d / OWNER).write_text(owner)
+        os.utime(d, (time.time() - age_s,) * 2)
+        return d
+
+    stale = [work("dead0001", f"{host} {_dead_pid()}", ("config.json", "model.safetensors")),
+             work("old00001", "elsewhere 1", age_s=2 * 86400), work("noowner1", None, age_s=2 * 86400)]
+    keep = [work("live0001", f"{host} {os.getpid()}"),  # an export running now
+            work("other001", f"elsewhere {_dead_pid()}"),  # another host's, recent: maybe running
+            work("noowner2", None),  # recent, owner not (yet) written
+            work("userfil1", f"{host} {_dead_pid()}", ("config.json", "notes.txt")),  # holds a file of someone else
+            work("short", f"{host} {_dead_pid()}"),  # not the tool's name
+            tmp_path / ".out.abcd1234", tmp_path / f".other{WORK}abcd1234"]
+    for d in keep[-2:]:
+        d.mkdir()
+    export_head(make_head(tiny_model(seed=1), 2), tmp_path / "out", "eagle")
+    assert not any(d.exists() for d in stale)
+    assert all(d.is_dir() for d in keep)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:the EAGLE-1/2 layout has no draft vocabulary")
+def test_a_killed_export_is_cleaned_up_by_the_next(tmp_path):
+    code = ("import os, sys, warnings; import safetensors.torch as st; import treedec.export_head as e; "
+            "from treedec.models.draft import DraftHead; real = st.save_file; warnings.simplefilter('ignore'); "
+            "st.save_file = lambda *a, **k: (real(*a, **k), os._exit(9)); "  # killed once the weights are written
+            "e.export_head(DraftHead.load('tiny-code-eagle'), sys.argv[1], 'eagle')")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], cwd=ROOT, timeout=180)
+    assert done.returncode == 9
+    left = [p.name for p in tmp_path.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".out.treedec-export-tmp.")  # what a kill leaves
+    export_head(DraftHead.load("tiny-code-eagle"), tmp_path / "out", "eagle")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+@pytest.mark.filterwarnings("ignore:the EAGLE-1/2 layout has no draft vocabulary")
+def test_export_records_the_target_fingerprint_and_loading_warns_on_another(tmp_path):
+    import warnings
+
+    from treedec.models.draft import target_fingerprint
+
+    target, other = tiny_model(seed=1), tiny_model(seed=5)  # same shape, other weights
+    out = export_head(make_head(target, 2), tmp_path / "out", "eagle")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["treedec"]["target_fingerprint"] == target_fingerprint(target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DraftHead.load(out, target=target)  # its own target: silent
+    with pytest.warns(UserWarning, match=rf"fingerprint {target_fingerprint(target)}.*different target.*"
+                                         rf"fingerprint {target_fingerprint(other)}"):
+        DraftHead.load(out, target=other)
+    unbound = DraftHead.load("tiny-code-eagle")  # not bound: the fingerprint its draft_config.json recorded
+    out = export_head(unbound, tmp_path / "bundled", "eagle")
+    assert json.loads((out / "config.json").read_text())["treedec"] == {
+        "target": "tiny-code", "target_fingerprint": unbound.config.target_fingerprint}

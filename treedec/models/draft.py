@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from treedec.attention import folded_sdpa, prefix_tree_mask
 from treedec.models.cache import KVCache
 from treedec.models.draft_config import BUNDLED_DRAFTS  # noqa: F401  (calibration imports it from here)
-from treedec.models.draft_config import DRAFT_CONFIG, DRAFT_WEIGHTS, KINDS, DraftConfig, head_dir
+from treedec.models.draft_config import (DRAFT_CONFIG, DRAFT_WEIGHTS, KINDS, DraftConfig, head_dir,
+                                         target_fingerprint)
 from treedec.models.llama import (DecoderLayer, ModelOutput, Transformer, apply_rope, one_row_matmuls, rms_norm,
                                   rope_cos_sin, rope_inv_freq, rope_lookup, rope_table)
 from treedec.models.packed import PackedLinear, pack_linears, packed_bf16_is_faster, packed_weight, should_pack
@@ -37,24 +38,6 @@ from treedec.models.quantized import QUANTIZE, Int8Linear, int8_is_faster, is_qu
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype)``, without dispatching an op when it already is (a draft pass has ~80 ops: each counts)."""
     return x if x.dtype == dtype else x.to(dtype)
-
-
-def target_fingerprint(target: Transformer) -> str:
-    """A short hash of what a head depends on: the target's shape and its embedding / LM head.
-
-    Rows are sampled on a fixed stride and rounded to bf16, so the same checkpoint loaded in
-    fp32 or bf16, on any device, gives the same fingerprint; a retrained or different target
-    of the same shape does not.
-    """
-    import hashlib
-
-    c = target.config
-    h = hashlib.sha256(json.dumps([c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
-                                   c.num_key_value_heads, c.head_dim]).encode())
-    for w in (target.model.embed_tokens.weight, target.lm_head.weight):
-        rows = w[:: max(1, w.shape[0] // 256)].detach().to("cpu", torch.bfloat16)
-        h.update(rows.view(torch.int16).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def check_target(target: object) -> None:

@@ -2,12 +2,20 @@
 and the published-layout converters (head_formats.py), which all read it."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
 
 from treedec.models.config import LlamaConfig
 from treedec.models.paths import ASSETS
+
+if TYPE_CHECKING:
+    from treedec.models.llama import Transformer
 
 BUNDLED_DRAFTS = {name: ASSETS / name for name in ("tiny-code-eagle", "tiny-code-eagle3")}  # heads shipped for tiny-code
 KINDS = ("eagle", "eagle3")
@@ -64,6 +72,22 @@ class DraftConfig:
                            qkv_bias=self.qkv_bias, o_bias=self.o_bias, qk_norm=self.qk_norm)
 
 
+def target_fingerprint(target: "Transformer") -> str:
+    """A short hash of what a head depends on: the target's shape and its embedding / LM head.
+
+    Rows are sampled on a fixed stride and rounded to bf16, so the same checkpoint loaded in
+    fp32 or bf16, on any device, gives the same fingerprint; a retrained or different target
+    of the same shape does not.
+    """
+    c = target.config
+    h = hashlib.sha256(json.dumps([c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
+                                   c.num_key_value_heads, c.head_dim]).encode())
+    for w in (target.model.embed_tokens.weight, target.lm_head.weight):
+        rows = w[:: max(1, w.shape[0] // 256)].detach().to("cpu", torch.bfloat16)
+        h.update(rows.view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def head_dir(path: str | os.PathLike) -> Path:
     """The directory of the draft head ``path`` names (a bundled name, or a directory holding a treedec head or a
     published EAGLE / EAGLE-3 one): what ``DraftHead.load`` reads, so a config check (``init_from=``) accepts
@@ -76,4 +100,5 @@ def head_dir(path: str | os.PathLike) -> Path:
     return d
 
 
-__all__ = ["BUNDLED_DRAFTS", "DRAFT_CONFIG", "DRAFT_WEIGHTS", "KINDS", "DraftConfig", "head_dir"]
+__all__ = ["BUNDLED_DRAFTS", "DRAFT_CONFIG", "DRAFT_WEIGHTS", "KINDS", "DraftConfig", "head_dir",
+           "target_fingerprint"]

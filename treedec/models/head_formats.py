@@ -35,7 +35,7 @@ import torch.nn as nn
 from treedec.models.checkpoint import (INDEX, WEIGHTS, CheckpointError, _open, _weight_map, check_finite,
                                        read_json_object)
 from treedec.models.config import MODEL_TYPES, SUPPORTED_ARCHITECTURES, LlamaConfig
-from treedec.models.draft_config import DraftConfig
+from treedec.models.draft_config import DraftConfig, target_fingerprint
 from treedec.models.llama import Transformer
 
 PICKLE = "pytorch_model.bin"
@@ -231,7 +231,9 @@ def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftC
     for k in list(src):  # the layer: published prefix -> treedec's "layer."
         if k.startswith(prefix):
             state["layer." + k[len(prefix):]] = src.pop(k)
-    common = dict(target=str(path), qkv_bias=lc.qkv_bias, o_bias=lc.o_bias, qk_norm=lc.qk_norm)
+    mine = _treedec_key(raw, path)  # what treedec's export recorded of the head's target (other engines ignore it)
+    common = dict(target=mine.get("target") or str(path), target_fingerprint=mine.get("target_fingerprint", ""),
+                  qkv_bias=lc.qkv_bias, o_bias=lc.o_bias, qk_norm=lc.qk_norm)
     if layout == "eagle":
         bias = _flag(raw, "bias", True, path)  # EAGLE's loader: config "bias", default true
         cfg = DraftConfig.for_target(lc, fc_bias=bias, **common)
@@ -261,6 +263,16 @@ def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftC
                          f"{' ...' if len(src) > 8 else ''}; they have no place in treedec's head (e.g. fc.bias with "
                          f"\"bias\": false in config.json, or a layer treedec does not build)")
     return cfg, state, layout
+
+
+def _treedec_key(raw: dict, path: Path) -> dict[str, str]:
+    """config.json's ``"treedec"`` object (``{"target": name, "target_fingerprint": hash}``, written by
+    :func:`to_published`), {} where absent: bind warns when the head meets a target of another fingerprint."""
+    mine = raw.get("treedec") or {}
+    if not isinstance(mine, dict) or not all(isinstance(mine.get(k, ""), str) for k in ("target", "target_fingerprint")):
+        raise ValueError(f"{path / 'config.json'}: \"treedec\" must be an object of strings "
+                         f"({{\"target\": ..., \"target_fingerprint\": ...}}), got {mine!r}; drop the key or re-export")
+    return mine
 
 
 def _check_fits(path: Path, cfg: LlamaConfig, target: Transformer | None, embed: torch.Tensor | None) -> None:
@@ -299,7 +311,10 @@ def load_published(path: str | Path, build: Callable[[DraftConfig], nn.Module], 
 def to_published(head: nn.Module, fmt: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, tensors) of a treedec head in a public layout: ``eagle`` or ``eagle3`` (SpecForge/SGLang).
 
-    The embedding (and an EAGLE-1/2 head's LM head) stay out: SGLang and vLLM share the target's.
+    The embedding (and an EAGLE-1/2 head's LM head) stay out: SGLang and vLLM share the target's. The target the
+    head was trained for is recorded under config.json's ``"treedec"`` key (its name and :func:`target_fingerprint`:
+    the bound target's, else the one its draft_config.json recorded), which other engines ignore, so loading the
+    export against another target of the same shape warns as a treedec head does.
     """
     c = head.config
     if fmt not in ("eagle", "eagle3"):
@@ -316,6 +331,9 @@ def to_published(head: nn.Module, fmt: str) -> tuple[dict, dict[str, torch.Tenso
     elif c.qkv_bias != c.o_bias:
         raise ValueError("a head with an o_proj bias but no q/k/v biases has no public layout")
     cfg = {**lc.to_hf(), "num_hidden_layers": 1, "tie_word_embeddings": False, "torch_dtype": str(head.fc.weight.dtype)[6:]}
+    fp = target_fingerprint(head.target) if head._target else c.target_fingerprint
+    if fp:
+        cfg["treedec"] = {"target": c.target, "target_fingerprint": fp}
     sd = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
     out = {k: sd.pop(k) for k in ("fc.weight", "fc.bias", "norm.weight", "lm_head.weight") if k in sd}
     ids = sd.pop("vocab_ids", None)
