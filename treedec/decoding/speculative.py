@@ -47,6 +47,8 @@ class SpeculativeDecoder(Decoder):
     # --------------------------------------------------------------------------------- the loop
     def _prefill(self, rows: list[list[int]], max_new_tokens: int, generator, longest: int = 0) -> list[int]:
         tgt, pol, dev = self.target, self.policy, self.target.device
+        if self.draft.target is not tgt:  # the head object was bound to another decoder's target since: take it back
+            self.draft.bind(tgt)  # (one head serves several decoders, each drafting for its own target)
         B = len(rows)
         # A row's cache may run max_depth past its budget on its last step (the path is committed whole);
         # after that it is frozen, so its tree is still written (and ignored) at the same slots.
