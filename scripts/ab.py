@@ -5,15 +5,13 @@
     python scripts/ab.py --batch 4 --serve 16 --static-too vanilla chain:5 auto   # continuous vs static batches
 
 A method is ``vanilla``, ``chain:D``, ``static`` (EAGLE's 26-node shape), ``dynamic:T/D/K`` (calibrated),
-``auto`` (``tree.total_tokens=auto``, pool 7 / 4; ``auto:D/K[/M[/C]]`` a pool of depth D, top-k K, shallowest
-arm M and deepest chain C), ``arm:T/D`` (``auto:7/4/5/10``'s policy with its budget held on the one arm of T nodes and depth D: what that arm
-makes when played on every step, e.g. ``arm:8/7`` its 7-deep chain) or ``lookup:D`` (prompt lookup beside a
-D-deep chain), with
-``@fp32`` / ``@bf16`` / ``@auto`` for the draft head's dtype (default auto), or ``@int8`` for the auto dtype's head
-with int8 weights (``draft.quantize=int8``), then ``+NAME`` for the draft head ``--head NAME=DIR`` instead of
-the bundled ``tiny-code-eagle`` (e.g. ``chain:7@int8+new --head new=outputs/train/x/export``; τ compares heads on
-any machine, busy or not), then ``{ATTR=VALUE,...}`` to set attributes of an auto method's budget (one of its knobs
-against its default, in one process and on one head: ``auto "auto{local_prior=1e12,local_tries=1e12}"``).
+``auto`` (``tree=auto``; on an older REV without it, that code's ``tree.total_tokens=auto`` as its bench ran it)
+or ``lookup:D`` (prompt lookup beside a D-deep chain), with ``@fp32`` / ``@bf16`` / ``@auto`` for the draft head's
+dtype (default auto), or ``@int8`` for the auto dtype's head with int8 weights (``draft.quantize=int8``), then
+``+NAME`` for the draft head ``--head NAME=DIR`` instead of the bundled ``tiny-code-eagle`` (e.g.
+``chain:7@int8+new --head new=outputs/train/x/export``; τ compares heads on any machine, busy or not), then
+``{KEY=VALUE,...}`` for the policy's own config keys (``"auto{max_depth=8,top_k=1}"``: the keys of
+``conf/tree/auto.yaml``).
 Bundled model, bf16 target, third-party prompts, ragged batches, finished rows leave the batch. Within a pass the
 methods take turns on each batch, the order rotating; each pass's ratio is to that pass's
 vanilla, so a machine that speeds up or slows down between passes moves every method alike (``bench.batch_sizes``
@@ -42,9 +40,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def policy(kind: str, arg: str, P, head: str = "tiny-code-eagle"):
-    """The tree policy of a method, from ``P`` (a ``treedec.tree.policies`` module: this tree's or an old one's)."""
-    calibrated = dict(calibration="auto", draft_path=head)
+def policy(kind: str, arg: str, P, head: str = "tiny-code-eagle", knobs: dict | None = None):
+    """The tree policy of a method, from ``P`` (a ``treedec.tree.policies`` module: this tree's or an old one's);
+    ``knobs``: config keys of the policy (``auto`` only)."""
+    calibrated, knobs = dict(calibration="auto", draft_path=head), knobs or {}
+    if knobs and kind != "auto":
+        raise SystemExit(f"{kind}: only auto takes {{KEY=VALUE}} (the other methods' settings are in their names)")
     if kind == "chain":
         return P.ChainPolicy(int(arg))
     if kind == "static":
@@ -53,24 +54,16 @@ def policy(kind: str, arg: str, P, head: str = "tiny-code-eagle"):
         T, d, k = map(int, arg.split("/"))
         return P.DynamicPolicy(total_tokens=T, depth=d, top_k=k, **calibrated)
     if kind == "auto":
-        d, k, *more = map(int, arg.split("/")) if arg else (7, 4)
-        extra = dict(zip(("min_depth", "chain_depth"), more))
-        return P.DynamicPolicy(total_tokens="auto", depth=d, top_k=k, **calibrated, **extra)
-    if kind == "arm":
-        pol = policy("auto", "7/4/5/10", P, head)  # the bench's dynamic_auto pool (chains to depth 10)
-        arm = tuple(map(int, arg.split("/")))
-        if arm not in pol.budget.arms:
-            raise SystemExit(f"arm:{arg} is not one of auto's arms: {' '.join(f'{t}/{d}' for t, d in pol.budget.arms)}")
-        pol.budget.choose = lambda rows: arm  # measurement only: the budget still times and scores, but never moves
-        return pol
+        if hasattr(P, "AutoPolicy"):
+            return P.AutoPolicy(**calibrated, **knobs)
+        return P.DynamicPolicy(total_tokens="auto", depth=7, top_k=4, min_depth=5, chain_depth=10, **calibrated)
     if kind == "lookup":
         return P.LookupPolicy(P.ChainPolicy(int(arg)))
-    raise SystemExit(f"unknown method {kind!r}: vanilla, chain:D, static, dynamic:T/D/K, auto[:D/K] (or auto:D/K/M, auto:D/K/M/C), "
-                     "arm:T/D or lookup:D")
+    raise SystemExit(f"unknown method {kind!r}: vanilla, chain:D, static, dynamic:T/D/K, auto or lookup:D")
 
 
-def budget_knobs(spec: str) -> tuple[str, dict]:
-    """``METHOD{a=1,b=0.5}`` -> (``METHOD``, {a: 1, b: 0.5}): budget attributes to set (ints where written so)."""
+def policy_knobs(spec: str) -> tuple[str, dict]:
+    """``METHOD{a=1,b=0.5}`` -> (``METHOD``, {a: 1, b: 0.5}): the policy's config keys (ints where written so)."""
     if not spec.endswith("}") or "{" not in spec:
         return spec, {}
     spec, _, body = spec[:-1].partition("{")
@@ -78,7 +71,7 @@ def budget_knobs(spec: str) -> tuple[str, dict]:
     try:
         return spec, {k.strip(): number(v) for k, v in (kv.split("=") for kv in body.split(",") if kv.strip())}
     except ValueError:
-        raise SystemExit(f"{spec}{{{body}}}: write budget attributes as NAME=NUMBER, comma-separated") from None
+        raise SystemExit(f"{spec}{{{body}}}: write config keys as NAME=NUMBER, comma-separated") from None
 
 
 def revision_package(rev: str) -> str:
@@ -110,7 +103,7 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
     heads, runs = {}, {}
     for spec in methods:
         name_as_given = spec
-        spec, knobs = budget_knobs(spec)
+        spec, knobs = policy_knobs(spec)
         spec_head, _, head_name = spec.partition("+")
         name, _, dtype = spec_head.partition("@")
         kind, _, arg = name.partition(":")
@@ -127,11 +120,10 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
             q = dtype == "int8"
             heads[dtype, head] = DraftHead.load(head, target=target, dtype="auto" if q else dtype,
                                                 **({"quantize": "int8"} if q else {}))
-        pol = policy(kind, arg, mod("tree.policies"), head)
-        for k, v in knobs.items():
-            if not hasattr(getattr(pol, "budget", None), k):
-                raise SystemExit(f"{spec}: its policy has no auto budget with an attribute {k!r}")
-            setattr(pol.budget, k, v)
+        try:
+            pol = policy(kind, arg, mod("tree.policies"), head, knobs)
+        except TypeError as e:
+            raise SystemExit(f"{name_as_given}: {e} (the keys of conf/tree/auto.yaml)") from None
         dec = CompactingDecoder(target, heads[dtype, head], pol)
         runs[name_as_given + tag] = (lambda rows, dec=dec: dec.serve(rows, tokens, slots)) if serve else (
             lambda rows, dec=dec: dec.generate(rows, tokens))
@@ -150,7 +142,7 @@ def in_batches(fn, size: int):
 def interleave(runs: dict, batches: list, passes: int) -> tuple[dict, dict]:
     """Each method on every batch, turns rotating -> (tokens/s per pass, [tokens, row-steps]) per method."""
     names = list(runs)
-    for n in names:  # warm-up: kernels, plans, the auto budget's first steps
+    for n in names:  # warm-up: kernels, plans, tree=auto's step costs
         runs[n](batches[0])
     rate = {n: [] for n in names}
     steps = {n: [0, 0] for n in names}

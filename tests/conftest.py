@@ -1,6 +1,7 @@
 """Test-wide setup and the session fixtures every test directory shares.
 
 * the Triton interpreter must be on before any kernel is defined (no GPU);
+* ``$TREEDEC_CACHE``: a fresh folder, so tree=auto's step-cost profiles never touch the user's cache;
 * ``corpus``, ``tokenizer``: a synthetic ``*.py`` corpus and the BPE trained on its train split
   (val_fraction 0.2), built once per session;
 * ``tiny_target``, ``tiny_head``: a random target and an untrained draft head bound to it
@@ -9,12 +10,15 @@
 ``pytest -m "not slow"`` is the quick loop; CI runs everything.
 """
 import os
+import tempfile
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# tree=auto keeps step-cost profiles in the user's cache: the suite (and its subprocesses) keeps its own
+os.environ["TREEDEC_CACHE"] = tempfile.mkdtemp(prefix="treedec-test-cache-")
 
 # Tiny models are dominated by dispatch overhead, and a second thread only adds contention
 # when the machine is shared (e.g. with a training job): keep the suite single-threaded.

@@ -112,6 +112,22 @@ class OraclePolicy(TreePolicy):
     def stream(self, row: int, toks: list[int]) -> None:
         self.emitted[row] += len(toks)
 
+    @property
+    def wants_cost(self) -> bool:
+        return self.inner.wants_cost
+
+    def use_cost(self, make) -> None:
+        self.inner.use_cost(make)
+
+    def begin(self, prompts, first) -> None:
+        self.inner.begin(prompts, first)
+
+    def interrupt(self) -> None:
+        self.inner.interrupt()
+
+    def observe(self, info) -> None:
+        self.inner.observe(info)
+
     def draft(self, drafter, params=None, generator=None) -> Tree:
         tree = self.inner.draft(drafter, params, generator)
         tokens = tree.tokens.clone()

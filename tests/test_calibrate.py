@@ -63,9 +63,9 @@ def test_calibrate_then_generate_with_learned_tree(stack, tmp_path, corpus, caps
     from hydra.utils import instantiate
 
     assert instantiate(cfg.tree).max_size == 5
-    for extra in ([f"tree.calibration={cal_file}"], [f"tree.calibration={cal_file}", "tree.total_tokens=auto"]):
+    for extra in (["tree=dynamic", f"tree.calibration={cal_file}"], ["tree=auto", f"tree.calibration={cal_file}"]):
         with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-            cfg = compose(config_name="generate", overrides=overrides(stack, gdir, "tree=dynamic", "compare=true",
+            cfg = compose(config_name="generate", overrides=overrides(stack, gdir, "compare=true",
                                                                       "stream=false", *extra))
         assert instantiate(cfg.tree).calibration is not None
         assert generate(cfg)["identical_to_vanilla"] is True

@@ -98,21 +98,22 @@ def test_the_training_module_is_a_group(name, module, tmp_path):
         train_schema.check_job_config(composed(name, ["module._target_=no.Such", f"paths.run_dir={tmp_path}"]), name)
 
 
-def test_the_dynamic_tree_defaults_follow_total_tokens():
-    """``tree=dynamic tree.total_tokens=auto`` alone is the tuned auto configuration (the pool 7 / 4, chains to depth
-    10); a fixed T keeps 6 / 2 and no chain depth; explicit values win over either default."""
-    from treedec.config_schema import instantiate_checked
-    from treedec.tree.policies import DynamicPolicy
+def test_tree_auto_and_the_dynamic_trees_top_k_auto():
+    """``tree=auto`` is its own policy; ``tree=dynamic`` is EAGLE-2 at a fixed T whose default top_k (auto) holds
+    any (total_tokens, depth) a tree of that depth can hold; ``total_tokens=auto`` names the new policy."""
+    from treedec.config_schema import ConfigError, instantiate_checked
+    from treedec.tree.policies import AutoPolicy, DynamicPolicy
 
     def tree(*ov):
-        t = OmegaConf.to_container(composed("generate", ["tree=dynamic", *ov]).tree, resolve=True)
-        return {k: t[k] for k in ("total_tokens", "depth", "top_k", "chain_depth")}
+        return instantiate_checked(composed("generate", [*ov, "tree.calibration=null"]).tree, "tree")
 
-    assert tree("tree.total_tokens=auto") == dict(total_tokens="auto", depth=7, top_k=4, chain_depth=10)
-    assert tree() == dict(total_tokens=16, depth=6, top_k=2, chain_depth=None)
-    assert tree("tree.total_tokens=auto", "tree.depth=5", "tree.chain_depth=8") == dict(
-        total_tokens="auto", depth=5, top_k=4, chain_depth=8)
-    assert tree("tree.total_tokens=24", "tree.top_k=3") == dict(total_tokens=24, depth=6, top_k=3, chain_depth=None)
-    node = composed("generate", ["tree=dynamic", "tree.total_tokens=auto", "tree.calibration=null"]).tree
-    pol = instantiate_checked(node, "tree")
-    assert isinstance(pol, DynamicPolicy) and pol.max_depth == 10 and pol.top_k == 4
+    auto = tree("tree=auto")
+    assert isinstance(auto, AutoPolicy) and (auto.max_depth, auto.top_k, auto.max_size) == (10, 4, 64)
+    for T, depth, k in [(16, 6, 2), (16, 4, 3), (32, 4, 4), (16, 3, 3), (32, 5, 3), (4, 6, 1)]:
+        pol = tree("tree=dynamic", f"tree.total_tokens={T}", f"tree.depth={depth}")
+        assert isinstance(pol, DynamicPolicy) and pol.top_k == k, (T, depth)
+    assert tree("tree=dynamic", "tree.total_tokens=24", "tree.top_k=3").top_k == 3
+    with pytest.raises(ConfigError, match="tree.total_tokens=auto is now its own policy: pass tree=auto"):
+        tree("tree=dynamic", "tree.total_tokens=auto")
+    with pytest.raises(ConfigError, match=r"total_tokens=16 must be in \[2, 15\]"):  # an explicit top_k keeps its check
+        tree("tree=dynamic", "tree.total_tokens=16", "tree.depth=4", "tree.top_k=2")

@@ -80,17 +80,23 @@ class StaticTreeSchema:
 @dataclass
 class DynamicTreeSchema:
     _target_: str = "treedec.tree.policies.DynamicPolicy"
-    total_tokens: Any = 16  # as conf/tree/dynamic.yaml; an int or "auto" (checked by DynamicPolicy)
-    depth: int = 5
-    top_k: int = 2
+    total_tokens: Any = 16  # as conf/tree/dynamic.yaml (an int; checked by DynamicPolicy)
+    depth: int = 6
+    top_k: Any = "auto"  # an int, or auto: the narrowest width that holds total_tokens at depth
     calibration: Optional[str] = "auto"  # a calibration.yaml, auto (the one next to draft_path's head) or null
     draft_path: Optional[str] = None  # conf: ${oc.select:draft.path,null}
-    max_total_tokens: int = 64  # total_tokens=auto: the largest T tried
-    min_depth: Optional[int] = None  # total_tokens=auto: the shallowest depth tried (null: depth - 2)
-    explore_every: int = 8  # total_tokens=auto: try a neighbouring (T, depth) or the runner-up every this many steps
-    pool_slack: float = 1.0  # total_tokens=auto: an arm drafts the narrowest top_k holding pool_slack*(T-1) nodes
-    chain_depth: Optional[int] = None  # total_tokens=auto: the deepest chain arm, at batches of 1-2 rows (null: depth)
     node_share: float = 1.0  # per-row budgets: share of the batch's B*(T-1) candidate slots kept (rest: padding)
+
+
+@dataclass
+class AutoTreeSchema:  # conf/tree/auto.yaml
+    _target_: str = "treedec.tree.policies.AutoPolicy"
+    max_depth: int = 10
+    top_k: int = 4
+    max_total_tokens: int = 64
+    calibration: Optional[str] = "auto"
+    cost_cache: Optional[str] = None
+    draft_path: Optional[str] = None
 
 
 @dataclass
@@ -137,6 +143,7 @@ class PathsSchema:  # conf/paths/default.yaml
 TREE_SCHEMAS: dict[str, type] = {
     "treedec.tree.policies.static.StaticPolicy": StaticTreeSchema,
     "treedec.tree.policies.dynamic.DynamicPolicy": DynamicTreeSchema,
+    "treedec.tree.policies.auto.AutoPolicy": AutoTreeSchema,
     "treedec.tree.policies.static.ChainPolicy": ChainTreeSchema,
     "treedec.tree.policies.learned.LearnedPolicy": LearnedTreeSchema,
     "treedec.tree.sequoia.comb_probe": CombProbeSchema,
@@ -322,7 +329,7 @@ def register_configs() -> None:
     for name, node in SCHEMAS.items():
         cs.store(group="schema", name=name, node=node)
     for name, node in (("static", StaticTreeSchema), ("dynamic", DynamicTreeSchema), ("chain", ChainTreeSchema),
-                       ("learned", LearnedTreeSchema), ("lookup", LookupTreeSchema)):
+                       ("learned", LearnedTreeSchema), ("lookup", LookupTreeSchema), ("auto", AutoTreeSchema)):
         cs.store(group="schema/tree", name=name, node=node)
     for name, node in (("tree/shape", ShapeSchema), ("model", ModelSchema), ("draft", DraftSchema),
                        ("sampling", SamplingSchema)):
@@ -386,9 +393,10 @@ def validate_tree(node, where: str = "tree") -> None:
         return
     _merge(schema, node, where, f"{target.rsplit('.', 1)[-1]} takes: {', '.join(_fields(schema))}")
     total = node.get("total_tokens")
-    if schema is DynamicTreeSchema and total != "auto" and (isinstance(total, bool) or not isinstance(total, int)):
-        raise ConfigError(f"invalid {where}.total_tokens={total!r}: a tree size (int, root included) or auto "
-                          "(chosen per step for the most expected tokens/s)")
+    if schema is DynamicTreeSchema and total == "auto":
+        raise ConfigError(f"{where}.total_tokens=auto is now its own policy: pass tree=auto (sized per step)")
+    if schema is DynamicTreeSchema and (isinstance(total, bool) or not isinstance(total, int)):
+        raise ConfigError(f"invalid {where}.total_tokens={total!r}: a tree size (int, root included)")
     shape = node.get("shape")
     if isinstance(shape, (DictConfig, dict)):
         _merge(ShapeSchema, shape, f"{where}.shape", "a tree shape has `name` and `choices` (a list of paths)")

@@ -20,21 +20,21 @@ def test_batches_are_full_and_take_the_prompts_in_turn():
 
 
 def test_bench_reports_every_method_per_batch_size(stack, tmp_path):  # noqa: F811
-    cfg = compose_bench(stack, tmp_path, "bench.batch_sizes=[1,2,3]", "bench.methods=[vanilla,dynamic,dynamic_auto]",
+    cfg = compose_bench(stack, tmp_path, "bench.batch_sizes=[1,2,3]", "bench.methods=[vanilla,dynamic,auto]",
                         "bench.peers=[hf_greedy]", "bench.repeats=1", "bench.plots=true")
     m = harness.run(cfg)
     saved = json.loads((tmp_path / "metrics.json").read_text())["batched"]
     assert saved["sizes"] == [1, 2, 3] and not saved["failures"] and m["batched"]["sizes"] == [1, 2, 3]
-    names = {"vanilla", "dynamic", "dynamic_auto"} | ({"hf_greedy"} if HAVE_HF else set())
+    names = {"vanilla", "dynamic", "auto"} | ({"hf_greedy"} if HAVE_HF else set())
     for b in ("1", "2", "3"):
         rows = saved["by_size"][b]
         assert set(rows) == names
         assert rows["vanilla"]["speedup"] == pytest.approx(1.0) and rows["vanilla"]["tau"] == pytest.approx(1.0)
-        for name in ("dynamic", "dynamic_auto"):
+        for name in ("dynamic", "auto"):
             e = rows[name]
             assert e["identical_to_vanilla"] and e["tokens_per_s"] > 0 and e["tau"] >= 1.0
             assert e["new_tokens"] == rows["vanilla"]["new_tokens"]
-        assert rows["dynamic_auto"]["auto_arms"]
+        assert rows["auto"]["auto_arms"]
     # 2 prompts of different lengths: batch 3 wraps around, so it decodes 3 rows, batch 2 two.
     assert saved["by_size"]["3"]["vanilla"]["new_tokens"] > saved["by_size"]["2"]["vanilla"]["new_tokens"]
     md = (tmp_path / "results.md").read_text()

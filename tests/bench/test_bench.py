@@ -51,7 +51,7 @@ def overrides(stack, run_dir, *extra):
             "tree/shape@bench.trees.static.shape=balanced_2x3", "bench.trees.dynamic.total_tokens=8",
             "bench.trees.dynamic.depth=3", "bench.trees.dynamic.top_k=3", "bench.trees.chain.depth=3",
             "bench.trees.dynamic_raw.total_tokens=8", "bench.trees.dynamic_raw.depth=3", "bench.trees.dynamic_raw.top_k=3",
-            "bench.trees.dynamic_auto.depth=3", "bench.trees.dynamic_auto.top_k=3",
+            "bench.trees.auto.max_depth=3", "bench.trees.auto.top_k=3",
             f"bench.assistant_path={stack / 'assistant'}", "bench.plots=false", f"paths.run_dir={run_dir}"]
     keys = {e.split("=", 1)[0] for e in extra}
     return [o for o in base if o.split("=", 1)[0] not in keys] + list(extra)
@@ -67,7 +67,7 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["methods"].keys() == m["methods"].keys()
     names = set(saved["methods"])
-    treedec = {"vanilla", "chain", "static", "dynamic_raw", "dynamic", "dynamic_auto", "learned", "lookup"}
+    treedec = {"vanilla", "chain", "static", "dynamic_raw", "dynamic", "auto", "learned", "lookup"}
     expected = set(treedec)
     if HAVE_HF:
         expected |= {"hf_greedy", "hf_prompt_lookup", "hf_assisted"}
@@ -112,7 +112,7 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
             assert e["op_counts"]["steps"] >= 1 and e["op_counts"]["aten_ops_total"] > e["aten_ops_per_step"]
         else:
             assert "host_reads_per_step" not in e, name
-    for name in ("chain", "static", "dynamic_raw", "dynamic", "dynamic_auto", "learned"):  # issue 11: at most 4 host reads per speculative step
+    for name in ("chain", "static", "dynamic_raw", "dynamic", "auto", "learned"):  # issue 11: at most 4 host reads per speculative step
         assert saved["methods"][name]["host_reads_per_step"] <= 4, (name, saved["methods"][name]["op_counts"])
     assert saved["methods"]["vanilla"]["host_reads_per_step"] <= 2
     if HAVE_HF:
@@ -124,12 +124,12 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
     assert saved["config"]["bench"]["max_new_tokens"] == 12
     table = (tmp_path / "results.md").read_text()
     assert "| dynamic |" in table and "speedup ÷ τ" in table
-    for name in ("dynamic_raw", "dynamic", "dynamic_auto", "static"):  # issue 15: tree size and histogram per tree
+    for name in ("dynamic_raw", "dynamic", "auto", "static"):  # issue 15: tree size and histogram per tree
         e = saved["methods"][name]
         assert sum(e["accepted_hist"].values()) > 0 and 1 <= e["mean_tree_size"] <= e["tree_size"], name
     assert saved["methods"]["dynamic"]["mean_tree_size"] == pytest.approx(8.0)
-    # issue 17: 1, 2, 4; and a chain at each depth tried (T = depth + 1)
-    assert {a["total_tokens"] for a in saved["methods"]["dynamic_auto"]["auto_arms"]} <= {1, 2, 3, 4, 8, 16}
+    # tree=auto's shapes: the root alone, a chain of each depth (T = depth + 1), trees of a few sizes
+    assert {a["total_tokens"] for a in saved["methods"]["auto"]["auto_arms"]} <= {1, 2, 3, 4, 8, 12, 16}
     assert "accepted length histogram" in table and "auto: T" in table
     assert 0 <= saved["methods"]["lookup"]["copy_alone_share"] <= 1 and "copies alone on" in table
     assert "host reads/step | aten ops/step |" in table
@@ -141,14 +141,14 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
     assert {ln["temperature"] for ln in lines if "temperature" in ln} == {0.8, 0.3}
 
 
-def test_dynamic_sweep_puts_the_auto_budget_on_the_fixed_budget_curve(stack, tmp_path):
-    m = harness.run(compose_bench(stack, tmp_path, "bench.methods=[vanilla,dynamic_auto]", "bench.peers=[]",
+def test_dynamic_sweep_puts_tree_auto_on_the_fixed_budget_curve(stack, tmp_path):
+    m = harness.run(compose_bench(stack, tmp_path, "bench.methods=[vanilla,auto]", "bench.peers=[]",
                                   "bench.repeats=1", "bench.dynamic_sweep=[8,16]", "bench.plots=true"))
-    assert m["dynamic_sweep"] == {"methods": ["dynamic_T8", "dynamic_T16"], "auto": "dynamic_auto"}
+    assert m["dynamic_sweep"] == {"methods": ["dynamic_T8", "dynamic_T16"], "auto": "auto"}
     for T in (8, 16):
         e = m["methods"][f"dynamic_T{T}"]
         assert e["identical_to_vanilla"] is True and e["mean_tree_size"] == pytest.approx(T)
-        assert e["tree_size"] == T and e["tree_depth"] == 3  # dynamic_auto's pool at a fixed T
+        assert e["tree_size"] == T and e["tree_depth"] == 3  # bench.trees.dynamic at a fixed T
     assert (tmp_path / "dynamic_sweep.png").is_file()
 
 

@@ -1,7 +1,6 @@
 """Per-row budgets in a batch: poor rows get smaller trees, padding nodes never change the output."""
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
@@ -43,8 +42,7 @@ def test_drafted_padding_is_a_tail_of_self_seeing_leaves(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("auto", [False, True])
-def test_padding_never_changes_greedy_output_on_ragged_batches(seed, auto):
+def test_padding_never_changes_greedy_output_on_ragged_batches(seed):
     """fp32 greedy, per row, equals plain decoding; the oracle plants the right token on padding nodes too,
     so a padding node that were ever accepted would show."""
     target, draft = make_pair(seed + 50)
@@ -52,10 +50,7 @@ def test_padding_never_changes_greedy_output_on_ragged_batches(seed, auto):
     prompts = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (5, 13, 8)[: 2 + seed % 2]]
     n = 40
     refs = [greedy_reference(target, p, n) for p in prompts]
-    inner = DynamicPolicy("auto" if auto else 16, depth=4, top_k=3, node_share=0.5, explore_every=2)
-    if auto:  # a step clock (every arm costs the same): trees, which accept more, are played whatever the machine
-        ticks = itertools.count()
-        inner.budget.clock = lambda: next(ticks) * 1e-3
+    inner = DynamicPolicy(16, depth=4, top_k=3, node_share=0.5)
     pol = OraclePolicy(inner, refs, seed=seed)
     pads = []
 

@@ -11,13 +11,13 @@ from treedec.decoding.sampling import RowSeededGenerator, SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.decoding.vanilla import VanillaDecoder
 from treedec.training.predict import CompactingDecoder
-from treedec.tree.policies import ChainPolicy, DynamicPolicy, LookupPolicy, StaticPolicy
+from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, LookupPolicy, StaticPolicy
 
 POLICIES = {
     "dynamic": lambda: DynamicPolicy(10, 3, 4),
     "static": lambda: StaticPolicy([[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
     "chain": lambda: ChainPolicy(4),
-    "auto": lambda: DynamicPolicy("auto", depth=4, top_k=3, explore_every=2),
+    "auto": lambda: AutoPolicy(max_depth=4, top_k=3),
     "lookup": lambda: LookupPolicy(ChainPolicy(3), tokens=6),
 }
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from treedec.decoding.speculative import SpeculativeDecoder
-from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
+from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, StaticPolicy
 
 from tests.helpers import OraclePolicy, greedy_reference, make_pair
 
@@ -14,6 +14,7 @@ POLICIES = {
     "dynamic": lambda: DynamicPolicy(total_tokens=20, depth=5, top_k=4),
     "dynamic_wide": lambda: DynamicPolicy(total_tokens=70, depth=3, top_k=6),  # T > 64: two mask words
     "dynamic_deep": lambda: DynamicPolicy(total_tokens=8, depth=6, top_k=4),  # draft reads more nodes than T
+    "auto": lambda: AutoPolicy(max_depth=5, top_k=3, max_total_tokens=24),  # sized per step: T and depth vary
 }
 
 
@@ -53,7 +54,7 @@ def test_oracle_draft_matches_vanilla_with_long_accepts(policy, seed, backend):
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton kernel not importable")
-@pytest.mark.parametrize("policy", ["chain", "dynamic"])
+@pytest.mark.parametrize("policy", ["chain", "dynamic", "auto"])
 def test_triton_backend_matches_vanilla(policy):
     target, draft = make_pair(3, hidden=32, heads=2, kv_heads=1, backend="triton")
     prompt = list(range(5, 14))

@@ -14,7 +14,7 @@ from treedec.decoding.sampling import SamplingParams, target_probs
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.decoding.verify import Verdict
 from treedec.profiling import count_ops
-from treedec.tree.policies import ChainPolicy, DynamicPolicy, LearnedPolicy, StaticPolicy
+from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, LearnedPolicy, StaticPolicy
 from treedec.tree.policies.learned import save_learned
 
 from tests.helpers import make_pair
@@ -31,6 +31,7 @@ def learned(tmp_path) -> LearnedPolicy:
 
 CASES = {
     "dynamic_topk": (lambda _: DynamicPolicy(8, 3, 3), SamplingParams(1.0)),
+    "auto": (lambda _: AutoPolicy(max_depth=3, top_k=3, max_total_tokens=12), SamplingParams(0.9, top_p=0.95)),
     "static_topk_filtered": (lambda _: StaticPolicy(shape="balanced_2x3"), SamplingParams(0.8, top_k=4, top_p=0.95)),
     # misses settled on paths: a flat p and a low top-p (several tokens in the nucleus, misses up to 16 %),
     # where leaving them unsettled fails at ~3x the threshold (at 1.0 / 0.7 it was within noise of it)

@@ -10,7 +10,7 @@ from treedec.models import draft as draft_mod
 from treedec.models.draft import DraftHead
 from treedec.models.packed import PackedLinear
 from treedec.training.predict import CompactingDecoder
-from treedec.tree.policies import ChainPolicy, DynamicPolicy
+from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy
 
 
 def test_auto_dtype_gives_an_fp32_head_a_bf16_twin_from_the_measured_batch(tmp_path, monkeypatch):
@@ -53,7 +53,7 @@ def test_a_quantized_head_refuses_a_twin(tmp_path):
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("policy", [lambda: ChainPolicy(4), lambda: DynamicPolicy(10, 3, 3),
-                                    lambda: DynamicPolicy("auto", depth=4, top_k=3, explore_every=2)])
+                                    lambda: AutoPolicy(max_depth=4, top_k=3)])
 def test_wide_batches_draft_with_the_twin_and_stay_lossless(policy, kind):
     """fp32 target: batches of 3+ rows draft with the bf16 twin, narrower ones with the head, every output exactly
     vanilla's; prompts admitted into a served batch's slots draft with the batch's head. EAGLE-3 heads too (their

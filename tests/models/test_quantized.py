@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.models.draft import DraftHead
 from treedec.models.quantized import Int8Linear, int8_is_faster, is_quantized, quantize_linears
-from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
+from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, StaticPolicy
 
 from tests.helpers import greedy_reference, make_pair
 
@@ -62,7 +62,7 @@ def test_a_quantized_head_drafts_the_full_heads_tokens_but_at_near_ties():
 
 POLICIES = {"chain": lambda: ChainPolicy(depth=4), "static": lambda: StaticPolicy(shape="balanced_2x3"),
             "dynamic": lambda: DynamicPolicy(total_tokens=16, depth=5, top_k=3),
-            "auto": lambda: DynamicPolicy(total_tokens="auto", depth=5, top_k=3, max_total_tokens=16)}
+            "auto": lambda: AutoPolicy(max_depth=5, top_k=3, max_total_tokens=16)}
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))

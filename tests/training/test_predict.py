@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 from treedec.decoding.sampling import RowSeededGenerator, RowStreams, SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.training.predict import CompactingDecoder, Prompt, SpeculativeGenerationModule, row_seed
-from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
+from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, StaticPolicy
 
 MAX_NEW, EOS = 14, [5]
 
@@ -133,7 +133,7 @@ def test_compacting_decoder_drops_finished_rows_and_decodes_the_same(tiny_target
 def test_compacting_decoder_with_the_auto_budget_stays_lossless(tiny_target, tiny_head, seed):
     """Rows leave the batch (the last live row moving into their slots) while the auto budget picks a tree per
     step from its clock: the trees differ from run to run, the greedy output does not."""
-    pol = DynamicPolicy("auto", depth=4, top_k=3, explore_every=2)
+    pol = AutoPolicy(max_depth=4, top_k=3)
     prompts = ragged_prompts(40 + seed, (4, 9, 2, 6, 7, 3))
     free = SpeculativeDecoder(tiny_target, tiny_head, DynamicPolicy(8, 3, 3), eos_ids=[]).generate(prompts, 16)
     eos = [free.tokens[0][3], free.tokens[2][1], free.tokens[4][6]]  # rows stop early at different steps

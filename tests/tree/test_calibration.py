@@ -9,7 +9,7 @@ import yaml
 from treedec.tree import Tree, TreeError
 from treedec.tree.calibration import FLOOR, GRID, Calibration, Reliability, fit, fit_power, isotonic, load_calibration, \
     resolve, save_calibration
-from treedec.tree.policies import DynamicPolicy
+from treedec.tree.policies import AutoPolicy, DynamicPolicy
 
 from tests.helpers import greedy_reference, make_pair
 from tests.decoding.test_policies import primed_drafter
@@ -198,9 +198,8 @@ def test_calibrated_and_auto_dynamic_trees_are_lossless_greedy_fp32(seed):
     ref = greedy_reference(target, prompt, 120)
     for pol in (DynamicPolicy(20, 5, 4, calibration=random_calibration(seed)),
                 DynamicPolicy(20, 5, 4, calibration=random_calibration(seed, map="power")),
-                DynamicPolicy("auto", 5, 4, calibration=random_calibration(seed), max_total_tokens=48, explore_every=3),
-                DynamicPolicy("auto", 5, 4, calibration=random_calibration(seed, map="power"), max_total_tokens=48,
-                              explore_every=3)):
+                AutoPolicy(5, 4, 48, calibration=random_calibration(seed)),
+                AutoPolicy(5, 4, 48, calibration=random_calibration(seed, map="power"))):
         assert SpeculativeDecoder(target, draft, pol).generate(prompt, 120).tokens[0] == ref
 
 
@@ -225,6 +224,6 @@ def test_bundled_head_calibrated_and_auto_are_lossless_greedy_fp32():
     assert raw.tokens == ref == cal.tokens
     assert cal.stats.tau > raw.stats.tau  # the shipped calibration sends the budget deeper, where this head is right
     for pol in (DynamicPolicy(26, 6, 4, calibration="auto", draft_path="tiny-code-eagle"),
-                DynamicPolicy("auto", 6, 4, calibration="auto", draft_path="tiny-code-eagle", explore_every=2)):
+                AutoPolicy(6, 4, calibration="auto", draft_path="tiny-code-eagle")):
         assert pol.calibration is not None
         assert SpeculativeDecoder(target, draft, pol, eos_ids=[]).generate(prompts, 64).tokens == ref

@@ -1,6 +1,7 @@
 """Prompt lookup beside a draft tree: the n-gram index, the merged tree, and losslessness."""
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -185,36 +186,36 @@ def test_after_copies_outran_the_tree_the_next_step_verifies_them_alone(inner, s
     assert all(n > 0 for a, _, n in steps[1:] if not a)
 
 
-def test_a_step_the_inner_budget_did_not_draft_is_timed_apart():
-    """The auto budget times a step from one draft() to the next: a copy-alone step between them is cut out."""
-    from treedec.tree.budget import BudgetController
+def test_a_step_the_inner_policy_did_not_draft_is_timed_apart():
+    """tree=auto times a step from one draft() to the next: a copy-alone step between them is cut out."""
+    from treedec.tree.policies import AutoPolicy
 
-    now = [0.0]
-    b = BudgetController([(4, 3), (8, 3)], clock=lambda: now[0], probe=False)
-    seen = []
-    b.times.observe = lambda rows, T, depth, seconds: seen.append((T, depth, seconds))
-    for t, call in [(0.0, b.start), (2.0, b.pause), (5.0, b.start), (6.5, b.start)]:  # the copy alone: 2.0 to 5.0
+    now, seen = [0.0], []
+    pol = AutoPolicy(max_depth=3, top_k=1, clock=lambda: now[0])
+    pol.cost = type("Cost", (), {"profile_s": 0.0, "seconds": lambda self, rows: np.ones(len(pol.shapes)),
+                                 "observe": lambda self, rows, shape, s: seen.append((shape, s))})()
+    drafter = type("D", (), {"batch": 1, "root_tokens": torch.zeros(1, dtype=torch.long)})()
+    pol.choose = lambda rows: 0  # the root alone: nothing to draft
+    for t, call in [(0.0, "draft"), (2.0, "interrupt"), (5.0, "draft"), (6.5, "draft")]:  # the copy: 2.0 to 5.0
         now[0] = t
-        call() if call == b.pause else call("gen", 1)
-    assert seen == [(*b.history[0], 2.0), (*b.history[1], 1.5)]
+        pol.interrupt() if call == "interrupt" else pol.draft(drafter)
+    assert seen == [(0, 1.5)]
 
 
 class Spy(ChainPolicy):
     """A chain that records what it is told it accepted."""
-
-    wants_top_run = True
 
     def __init__(self, depth):
         super().__init__(depth)
         self.seen = []
 
     def observe(self, info):
-        self.seen.append((list(info.n_accept), list(info.top_run)))
+        self.seen.append(list(info.n_accept))
 
 
 def test_the_inner_policy_learns_only_what_its_own_nodes_accepted():
-    """Copies accepted past the chain's depth reach the output, but the chain (an auto budget, in use) is told only
-    what its own nodes accepted, and its top-1 runs: both at most its depth, read in the step's one transfer."""
+    """Copies accepted past the chain's depth reach the output, but the chain (tree=auto, in use) is told only
+    what its own nodes accepted, at most its depth, read in the step's one transfer."""
     target, draft = make_pair(0)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (5, 23, 41)]
@@ -222,8 +223,8 @@ def test_the_inner_policy_learns_only_what_its_own_nodes_accepted():
     out = SpeculativeDecoder(target, draft, LookupPolicy(spy, tokens=12)).generate(prompts, 160)
     assert out.tokens == [greedy_reference(target, p, 160) for p in prompts]
     assert max(out.stats.accepted) > 3 and spy.seen
-    assert all(n <= 4 and r <= 3 for ns, rs in spy.seen for n, r in zip(ns, rs))  # root + 3 drafts at most
-    own = sum(max(n - 1, 0) for ns, _ in spy.seen for n in ns)
+    assert all(n <= 4 for ns in spy.seen for n in ns)  # root + 3 drafts at most
+    own = sum(max(n - 1, 0) for ns in spy.seen for n in ns)
     assert own < sum(k * c for k, c in out.stats.accepted.items()) / 4  # the copies' tokens were not credited to it
 
 

@@ -126,12 +126,12 @@ def measure(methods: list[BatchMethod], groups: list[list[list[int]]], repeats: 
     """Timed passes over all jobs (``groups``: each a list of prompts, decoded ``slots`` rows at a time; default
     the batch size; methods in turn, order rotating) -> per-method summary at this batch size."""
     slots = slots or len(groups[0])
-    for m in methods:  # warm-up: allocator, kernels, the auto budget's first steps at this row count
+    for m in methods:  # warm-up: allocator, kernels, tree=auto's step costs at this row count
         m.fn(groups[0], slots)
     times = {m.name: [] for m in methods}
     toks = {m.name: [] for m in methods}
     first: dict[str, list[BatchRun]] = {m.name: [] for m in methods}
-    history = {m.name: len(m.policy.budget.history) for m in methods if getattr(m.policy, "budget", None)}
+    history = {m.name: len(m.policy.history) for m in methods if getattr(m.policy, "history", None) is not None}
     for r in range(max(repeats, 1)):
         t = dict.fromkeys(times, 0.0)
         k = dict.fromkeys(times, 0)
@@ -159,10 +159,10 @@ def measure(methods: list[BatchMethod], groups: list[list[list[int]]], repeats: 
              "new_tokens": sum(len(x) for x in got)}
         if passes and m.family == "treedec" and m.name != "vanilla":
             e["mean_tree_size"] = sum(x.tree_nodes for x in runs) / passes
-        if m.name in history:  # the auto budget's arms during this batch size's runs, most frequent first
+        if m.name in history:  # tree=auto's shapes during this batch size's runs, most frequent first
             from collections import Counter
 
-            arms = Counter(m.policy.budget.history[history[m.name]:]).most_common(4)
+            arms = Counter(m.policy.history[history[m.name]:]).most_common(4)
             e["auto_arms"] = [{"total_tokens": T, "depth": d, "steps": c} for (T, d), c in arms]
         out[m.name] = e
     for e in out.values():
@@ -222,7 +222,7 @@ def markdown(batched: dict) -> list[str]:
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     auto = [(s, n, e["auto_arms"]) for s in sizes for n, e in batched["by_size"][s].items() if e.get("auto_arms")]
     if auto:
-        lines += ["", "Auto budget, most chosen (T, depth) per batch size: " + "; ".join(
+        lines += ["", "tree=auto, most chosen (T, depth) per batch size: " + "; ".join(
             f"{n} b={s}: " + ", ".join(f"({a['total_tokens']}, {a['depth']})×{a['steps']}" for a in arms)
             for s, n, arms in auto)]
     if batched.get("failures"):

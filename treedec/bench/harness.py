@@ -46,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from treedec.bench.machine import machine_info
 from treedec.bench.methods import (
-    Method, Prompt, RunOutput, SWEEP_BASE, build_methods, build_policies, load_prompts, prompt_source_name,
+    Method, Prompt, RunOutput, SWEEP_STAR, build_methods, build_policies, load_prompts, prompt_source_name,
     resolve_auto, sweep_name, temperature_key,
 )
 from treedec.bench.timing import time_methods
@@ -254,9 +254,9 @@ def run(cfg: DictConfig) -> dict:
     failures = classify_mismatches(table, float(bench.tie_ulps))
     if bench.strict_peers:
         failures += [e["failure_message"] for e in table.values() if e.get("failure_message") and not e.get("lossless_check")]
-    for name, pol in policies.items():  # the auto budget's choices over the whole run, most frequent first
-        if getattr(pol, "budget", None) is not None and name in table:
-            arms = Counter(pol.budget.history).most_common(6)
+    for name, pol in policies.items():  # tree=auto's choices over the whole run, most frequent first
+        if getattr(pol, "history", None) and name in table:
+            arms = Counter(pol.history).most_common(6)
             table[name]["auto_arms"] = [{"total_tokens": T, "depth": d, "steps": k} for (T, d), k in arms]
         if getattr(pol, "steps", 0) and hasattr(pol, "skipped_steps") and name in table:  # prompt lookup
             table[name]["copy_alone_share"] = pol.skipped_steps / pol.steps  # steps that ran no draft-head pass
@@ -269,7 +269,7 @@ def run(cfg: DictConfig) -> dict:
     sweep = [sweep_name(n) for n in (bench.get("dynamic_sweep") or []) if sweep_name(n) in greedy_rows]
     metrics = {
         "methods": greedy_rows,
-        **({"dynamic_sweep": {"methods": sweep, "auto": SWEEP_BASE if SWEEP_BASE in greedy_rows else None}}
+        **({"dynamic_sweep": {"methods": sweep, "auto": SWEEP_STAR if SWEEP_STAR in greedy_rows else None}}
            if sweep else {}),
         **({"sampled": sampled_rows} if sampled_rows else {}),
         "machine": machine,

@@ -221,7 +221,8 @@ def sample_settings(cfg: DictConfig) -> list:
     return [replace(base, temperature=float(t)) for t in temps]
 
 
-SWEEP_BASE = "dynamic_auto"  # bench.dynamic_sweep's fixed budgets use this method's tree, so auto is on the same curve
+SWEEP_BASE = "dynamic"  # bench.dynamic_sweep varies this method's T (top_k: auto holds every T at its depth)
+SWEEP_STAR = "auto"  # the per-step-sized tree, drawn on the sweep's curve at its mean T
 
 
 def sweep_name(n: int) -> str:
@@ -246,10 +247,7 @@ def tree_config(bench: DictConfig, name: str):
     if name.startswith("dynamic_T") and name[len("dynamic_T"):].isdigit() and name not in bench.trees:
         if SWEEP_BASE not in bench.trees:
             raise ConfigError(f"bench.dynamic_sweep needs bench.trees.{SWEEP_BASE} (the tree the sweep varies T of)")
-        fixed = {"total_tokens": int(name[len("dynamic_T"):])}
-        if "chain_depth" in bench.trees[SWEEP_BASE]:
-            fixed["chain_depth"] = None  # (an auto budget's deeper chain arms: a fixed tree has no arms)
-        return OmegaConf.merge(bench.trees[SWEEP_BASE], fixed)
+        return OmegaConf.merge(bench.trees[SWEEP_BASE], {"total_tokens": int(name[len("dynamic_T"):])})
     if name not in bench.trees:
         raise ConfigError(f"bench.methods names {name!r}, which has no tree config under bench.trees "
                           f"(have: vanilla, {', '.join(bench.trees)}); add bench.trees.{name} with a _target_")

@@ -218,7 +218,7 @@ def plots(metrics: dict, out_dir: str | Path) -> list[Path]:
 
 
 def sweep_plot(metrics: dict, out_dir: Path, plt) -> Path | None:
-    """dynamic_sweep.png: τ and tok/s against the tree size T of the fixed budgets, the auto budget as a star."""
+    """dynamic_sweep.png: τ and tok/s against the tree size T of the fixed budgets, tree=auto as a star."""
     sw = metrics.get("dynamic_sweep")
     if not sw or not sw.get("methods"):
         return None
@@ -234,7 +234,7 @@ def sweep_plot(metrics: dict, out_dir: Path, plt) -> Path | None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("dynamic tree: fixed budgets vs total_tokens=auto", fontsize=10)
+    fig.suptitle("dynamic tree: fixed budgets vs tree=auto", fontsize=10)
     fig.tight_layout()
     path = out_dir / "dynamic_sweep.png"
     fig.savefig(path, dpi=120)

@@ -223,12 +223,8 @@ class StepInfo:
 
     ``tokens[b]`` are the tokens the pass produced for row b (before EOS / budget cuts),
     ``path`` [B, D+1] the accepted node ids (device), ``n_accept[b]`` how many of them count
-    (0 for a finished row). ``tree`` and ``logits`` are None for vanilla decoding. ``top_run[b]``
-    (when the policy asks for it, :attr:`TreePolicy.wants_top_run`): how many accepted drafts lead
-    row b's path before its first one that was not its parent's top-1 child, i.e. what a chain of
-    the draft's top-1 tokens would have accepted, and ``top_span[b]`` how deep row b's tree holds that chain
-    (a run that reaches it is censored: a longer chain might have accepted more). ``inner_n_accept`` /
-    ``inner_top_run`` / ``inner_top_span``: the same for the policy's own nodes alone, when others were verified
+    (0 for a finished row). ``tree`` and ``logits`` are None for vanilla decoding.
+    ``inner_n_accept``: the same count for the policy's own nodes alone, when others were verified
     beside them (``Tree.inner_size``: prompt lookup's copy), read in the same transfer.
     """
 
@@ -239,11 +235,7 @@ class StepInfo:
     tree: object | None = None
     path: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    top_run: list[int] | None = None
-    top_span: list[int] | None = None
     inner_n_accept: list[int] | None = None
-    inner_top_run: list[int] | None = None
-    inner_top_span: list[int] | None = None
 
     def tried_ranks(self, row: int) -> list[tuple[int, int, int]]:
         """(child depth, siblings tried, accepted sibling index or -1) along row's path (reads the device)."""
@@ -391,7 +383,7 @@ class Decoder:
         and seeded sampling are tested token for token): a sampled row draws from its own stream, named
         by the generator's row seeds (:class:`~treedec.decoding.sampling.RowSeededGenerator`, one per
         prompt) or derived from one base draw and the prompt's index. (Sampled: with a tree of fixed
-        shape per row; the auto budget's T depends on the batch, sampled drafts share the generator, and
+        shape per row; tree=auto's T depends on the batch, sampled drafts share the generator, and
         in bf16 another batch shape may round a near-tie the other way.) ``compact`` (default: the class's
         ``compact``): a slot nothing refills leaves the batch. ``hook`` sees every pass; when slots are
         refilled or cut, its ``StepInfo`` is in prompt order and carries no tree, path or logits (their

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 import numbers
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
@@ -53,6 +54,25 @@ class SamplingParams:
     def candidates(self) -> int:
         """Uniforms a draw takes: one without top-p, :data:`CANDIDATES` with it (greedy: none)."""
         return 0 if self.greedy else 1 if self.top_p >= 1.0 else CANDIDATES
+
+
+def as_sampling(value: SamplingParams | Mapping | None) -> SamplingParams:
+    """A decoder's ``sampling`` argument as :class:`SamplingParams`: one as is, a mapping of its fields
+    (``{"temperature": 0.8}``) converted, None the default (greedy). Anything else is a TypeError at
+    construction, not an AttributeError deep in the first decoding step."""
+    names = [f.name for f in fields(SamplingParams)]
+    if value is None:
+        return SamplingParams()
+    if isinstance(value, SamplingParams):
+        return value
+    if isinstance(value, Mapping):
+        unknown = [str(k) for k in value if k not in names]
+        if unknown:
+            raise TypeError(f"sampling={dict(value)!r} has unknown key(s) {', '.join(unknown)}; "
+                            f"SamplingParams takes {', '.join(names)}")
+        return SamplingParams(**value)
+    raise TypeError(f"sampling must be a SamplingParams (or a dict of its fields: {', '.join(names)}), "
+                    f"got {type(value).__name__} {value!r}")
 
 
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:

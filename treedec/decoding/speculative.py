@@ -7,41 +7,77 @@ that path's K/V (``commit``, one op for all layers); the drafter records the acc
 with the target's true features, and the draft head catches up on them (which also yields the
 next tree's root children) only when the next real tree is drafted.
 
-A tree of the root alone (the auto budget found that no tree pays, or near the end of the
+A tree of the root alone (``tree=auto`` found that no tree pays, or near the end of the
 context, where a tree no longer fits) is a plain decoding step and runs as vanilla's does: a
 mask-free one-token forward, the target's pick at the root, ``advance``, no draft head.
 Speculative decoding accepts exactly the prompts and budgets that vanilla decoding accepts.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import logging
+import numbers
+from typing import Mapping, Sequence
 
 import torch
 
 from treedec.decoding.drafter import Drafter
 from treedec.decoding.loop import Decoder, DecodeStats, StepInfo, Timer, normalize_eos, pad_prompts, static_room
-from treedec.decoding.sampling import RowStreams, SamplingParams, next_token, settle
+from treedec.decoding.sampling import RowStreams, SamplingParams, as_sampling, next_token, settle
 from treedec.decoding.vanilla import pick
+from treedec.decoding.profile import step_cost
 from treedec.decoding.verify import (Acceptance, accept_chain, accept_paths, acceptance_counts, add_chain_counts,
-                                     emitted, node_choices, top_run, top_span, verify_sampling)
+                                     emitted, node_choices, verify_sampling)
+from treedec.errors import ConfigError
 from treedec.models.draft import DraftHead
 from treedec.models.llama import Transformer
 from treedec.tree.policies.base import TreePolicy
 from treedec.tree.tree import Tree
+
+log = logging.getLogger(__name__)
+
+# Depth beyond which a tree rarely pays: acceptance falls with every level, and each level is a draft-head forward
+# (EAGLE's trees are 5-8 deep); deeper ones get a warning, not an error.
+SANE_DEPTH = 32
+POLICY_SIZES = ("max_depth", "max_size", "max_inputs", "max_rank")  # what the decoder sizes its caches by
+
+
+def check_policy(policy: TreePolicy, context_length: int) -> None:
+    """Refuse a policy whose sizes are not whole numbers or whose deepest path (and root) cannot fit the model's
+    context, and warn about one deeper than :data:`SANE_DEPTH`: here, where the policy meets the model, since
+    only the decoder knows the context."""
+    for name in POLICY_SIZES:
+        value = getattr(policy, name, None)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ConfigError(f"{type(policy).__name__}.{name}={value!r} is not a whole number; give the tree "
+                              f"whole numbers (tree.depth, tree.top_k, tree.total_tokens)")
+    depth = int(policy.max_depth)
+    if depth + 1 > context_length:
+        raise ConfigError(f"tree.depth={depth}: a tree {depth} levels deep plus its root needs {depth + 1} "
+                          f"positions, more than the model's context of {context_length} tokens; lower tree.depth "
+                          f"(beyond {SANE_DEPTH} it rarely pays)")
+    if depth > SANE_DEPTH:
+        log.warning("tree.depth=%d: the tree policy drafts up to %d levels a step; a depth beyond %d rarely pays "
+                    "(acceptance falls with every level, and each is a draft-head forward): lower tree.depth",
+                    depth, depth, SANE_DEPTH)
 
 
 class SpeculativeDecoder(Decoder):
     """Lossless tree speculative decoding of ``target`` with an EAGLE ``draft`` head and a tree ``policy``."""
 
     def __init__(self, target: Transformer, draft: DraftHead, policy: TreePolicy,
-                 sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] | int | None = None,
-                 compile: bool = False):
-        """``compile``: verify with a ``torch.compile``d static-shape target pass (a graph per tree
-        size and cache bucket, see :func:`~treedec.decoding.loop.static_room`; the draft head stays
-        eager). The first ``generate`` of a bucket pays the compile time."""
-        self.target, self.draft, self.policy, self.sampling = target, draft.bind(target), policy, sampling
+                 sampling: SamplingParams | Mapping | None = SamplingParams(),
+                 eos_ids: Sequence[int] | int | None = None, compile: bool = False):
+        """``sampling``: a :class:`SamplingParams` or a dict of its fields. ``compile``: verify with a
+        ``torch.compile``d static-shape target pass (a graph per tree size and cache bucket, see
+        :func:`~treedec.decoding.loop.static_room`; the draft head stays eager). The first ``generate`` of a
+        bucket pays the compile time."""
+        self.sampling = as_sampling(sampling)
+        check_policy(policy, target.config.context_length)
+        self.target, self.draft, self.policy = target, draft.bind(target), policy
         self.eos = normalize_eos(eos_ids, target.config.eos_ids)
         policy.validate(draft.config.draft_vocab_size or target.config.vocab_size)
+        if policy.wants_cost:  # tree=auto sizes its trees by this machine's measured step costs
+            policy.use_cost(lambda pol: step_cost(target, self.draft, pol, getattr(pol, "cost_cache", None)))
         self.compile, self._verify, self._room = compile, None, 0
 
     # --------------------------------------------------------------------------------- the loop
@@ -90,7 +126,7 @@ class SpeculativeDecoder(Decoder):
     def _admit(self, slots: list[int], rows: list[list[int]], generator) -> list[int]:
         """New prompts take finished rows' slots: prefilled in caches of their own (target and draft), then
         moved in (``put_rows``); the other rows' state is untouched."""
-        self.policy.interrupt()  # the prefill is no step: the auto budget's clock must not charge it to the last one
+        self.policy.interrupt()  # the prefill is no step: tree=auto's clock must not charge it to the last one
         longest = max(map(len, rows))
         cache = self.target.new_cache(len(rows), longest)
         drafter = Drafter(self.drafter.head, len(rows), longest + Drafter.MAX_PENDING)
@@ -141,7 +177,7 @@ class SpeculativeDecoder(Decoder):
             res = tgt(tree.tokens, cache, position_ids=pos, tree_mask=tree.ancestors(),
                       layer_inputs=self.draft.feature_layers_needed)
         timer.lap("verify")
-        acc, n, packed, runs, inner = self._accept(tree, res.logits, depth_cap)
+        acc, n, packed, inner_n = self._accept(tree, res.logits, depth_cap)
         n_host = [r[0] for r in packed]
         if tree.is_chain:  # a chain's counts follow from n alone, on the host
             add_chain_counts(self._chain_counts, n_host, tree.size - 1)
@@ -155,10 +191,8 @@ class SpeculativeDecoder(Decoder):
         self.drafter.catch_up(acc.emit, feats, n, n_host, acc.bonus)
         timer.lap("commit")
         self._index += 1
-        (run, span), (own_n, own_run, own_span) = runs, inner
         info = StepInfo(self._index, list(active), [r[1:1 + k] for r, k in zip(packed, n_host)], n_host,
-                        tree, acc.path, res.logits, top_run=run, top_span=span, inner_n_accept=own_n,
-                        inner_top_run=own_run, inner_top_span=own_span)
+                        tree, acc.path, res.logits, inner_n_accept=inner_n)
         self.policy.observe(info)  # host values only (the step's one read has happened)
         return info, tree.size
 
@@ -186,11 +220,10 @@ class SpeculativeDecoder(Decoder):
         return info, 1
 
     def _accept(self, tree: Tree, logits: torch.Tensor, depth_cap: int) -> tuple[Acceptance, torch.Tensor, list,
-                                                                               tuple, tuple]:
-        """The acceptance rule and the step's one host read -> (acceptance, n [B], [n, emitted...] per row,
-        (each row's top-1 run, its tree's top-1 span) when the policy wants them, and (n, top-1 run, span) of the
-        policy's own nodes alone when others were verified beside them (``tree.inner_size``), all read in the same
-        transfer)."""
+                                                                               list[int] | None]:
+        """The acceptance rule and the step's one host read -> (acceptance, n [B], [n, emitted...] per row, and what
+        the policy's own nodes alone accepted when others were verified beside them (``tree.inner_size``), read in the
+        same transfer)."""
         if tree.draft_probs is not None:
             draws, acc = None, self._accept_sampled_drafts(tree, logits, depth_cap)
         else:
@@ -199,27 +232,16 @@ class SpeculativeDecoder(Decoder):
         while True:
             n = torch.where(self._active_t, acc.n, 0)  # finished rows commit nothing: their caches stay frozen
             flag = [] if acc.unsettled is None else [acc.unsettled[:, None].long()]
-            want_run = self.policy.wants_top_run
-            # a chain's top-1 run is its accepted drafts and its span its depth: known on the host once n is read
-            run = [top_run(tree, acc, n)[:, None], top_span(tree)[:, None]] if want_run and not tree.is_chain else []
             own = []
             if tree.inner_size is not None and draws is not None:  # the policy's nodes alone: what they accepted
                 sub, k = tree.first(tree.inner_size), tree.inner_size
                 miss = None if draws.miss is None else draws.miss[:, :k]
-                acc_in = accept_paths(sub, draws.token[:, :k], depth_cap, miss)
-                n_in = torch.where(self._active_t, acc_in.n, 0)
-                own = [n_in[:, None], *([top_run(sub, acc_in, n_in)[:, None], top_span(sub)[:, None]]
-                                        if want_run else [])]
-            packed = torch.cat([n[:, None], acc.emit, *flag, *run, *own], 1).tolist()  # the one host read of the step
-            pop = lambda: [r.pop() for r in packed]  # noqa: E731  (the columns come off in reverse order)
-            own_span, own_run = (pop(), pop()) if len(own) > 1 else (None, None)
-            own_n = pop() if own else None
-            spans, runs = (pop(), pop()) if run else (None, None)
-            if want_run and tree.is_chain:
-                runs, spans = [max(r[0] - 1, 0) for r in packed], [tree.size - 1] * len(packed)
+                own = [torch.where(self._active_t, accept_paths(sub, draws.token[:, :k], depth_cap, miss).n, 0)[:, None]]
+            packed = torch.cat([n[:, None], acc.emit, *flag, *own], 1).tolist()  # the one host read of the step
+            own_n = [r.pop() for r in packed] if own else None
             redo = [b for b, r in enumerate(packed) if flag and r[-1] and self._active[b]]
             if not redo:
-                return acc, n, packed, (runs, spans), (own_n, own_run, own_span)
+                return acc, n, packed, own_n
             # Rare: a path reached a node none of whose top-p candidates was in the nucleus. Draw that
             # row's missed nodes exactly and walk again: the other rows' paths and streams are unchanged.
             acc = accept_paths(tree, settle(draws, self.sampling, self._streams, redo), depth_cap)

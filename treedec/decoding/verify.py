@@ -99,29 +99,6 @@ def accept_chain(tree, choice: torch.Tensor, max_depth: int, miss: torch.Tensor 
     return Acceptance(path, n, bonus, emitted(tokens, path, n, bonus), on_path, unsettled)
 
 
-def top_run(tree, acc: Acceptance, n: torch.Tensor) -> torch.Tensor:
-    """[B] accepted drafts leading each row's path before the first that is not its parent's top-1 child (rank 0).
-
-    That is what a chain of the draft's top-1 tokens would have accepted this step, up to the depth the tree holds
-    its top-1 path to: a counterfactual observation of every chain shorter than the tree, for the auto budget.
-    ``n`` [B]: accepted nodes per row, root included (0 for a finished row).
-    """
-    r = _per_row(tree.rank, acc.path.shape[0]).gather(1, acc.path)[:, 1:]  # the ranks of the path's drafts
-    valid = torch.arange(1, acc.path.shape[1], device=r.device) < n[:, None]
-    return ((r == 0) & valid).long().cumprod(1).sum(1)
-
-
-def top_span(tree) -> torch.Tensor:
-    """[B] how deep each row's tree holds its top-1 chain (the root's rank-0 child, its rank-0 child, ...; padding
-    excluded): a top-1 run (:func:`top_run`) that reaches it is censored there, one that stops short is not."""
-    B = tree.tokens.shape[0]
-    off = _per_row(tree.rank, B) != 0
-    if getattr(tree, "pad", None) is not None:
-        off = off | tree.pad
-    on_spine = ~(_per_row(tree.ancestors(), B, 3) & off[:, None, :]).any(-1)  # it and its ancestors are rank 0
-    return torch.where(on_spine, _per_row(tree.depth, B), 0).amax(-1)
-
-
 def emitted(tokens: torch.Tensor, path: torch.Tensor, n: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
     """[B, D+1] tokens a step produces: the accepted children in path order, then the bonus at n - 1.
 

@@ -65,7 +65,7 @@ class ForestAncestry:
 class TreePolicy:
     """Draws a tree of candidates from a drafter; subclasses are the static/dynamic/chain/learned policies."""
 
-    wants_top_run = False  # observe() gets StepInfo.top_run (one more column in the step's one host read)
+    wants_cost = False  # the decoder hands it a step-cost model (use_cost): tree=auto sizes its trees by it
 
     max_depth: int  # deepest node below the root
     max_size: int  # T, root included
@@ -79,6 +79,9 @@ class TreePolicy:
         """A generation starts: each row's prompt and first token (host lists, in batch order). Policies that read
         the context (prompt lookup) keep it; the others ignore it."""
 
+    def use_cost(self, make) -> None:
+        """``make(policy)`` -> this machine's step-cost model of ``policy`` (called when :attr:`wants_cost`)."""
+
     def interrupt(self) -> None:
         """The loop does work between two steps that is no step (a new prompt's prefill): a policy that times its
         steps stops the clock, so that work is not charged to the step before it."""
@@ -91,7 +94,7 @@ class TreePolicy:
 
     def observe(self, info) -> None:
         """What the step just verified (a :class:`~treedec.decoding.loop.StepInfo`): policies that learn online
-        (the dynamic tree's auto budget) use it; fixed shapes ignore it."""
+        (tree=auto) use it; fixed shapes ignore it."""
 
     def validate(self, vocab_size: int) -> None:
         """Fail before decoding when the policy asks for more distinct tokens than the vocabulary has."""

@@ -11,8 +11,8 @@ The context is the verified sequence of each row (its prompt, then every accepte
 the host from what the decoder already reads each step (:meth:`TreePolicy.begin` / ``observe``), so
 the lookup adds no device read. An incremental index maps each n-gram to where it last ended.
 The merged tree records the inner tree's size (``Tree.inner_size``), so the decoder also reports what
-the inner nodes alone accepted, in the step's one read; the inner policy learns from that (an auto
-budget would otherwise credit the copy's tokens to its arms).
+the inner nodes alone accepted, in the step's one read; the inner policy learns from that (tree=auto
+would otherwise credit the copy's tokens to its own trees).
 
 When the copy outran the draft (every row accepted more copied tokens than the inner tree is deep), the next
 step verifies the copy alone: a repeated block is being copied, and the draft head's passes (a third of a
@@ -97,13 +97,16 @@ class LookupPolicy(TreePolicy):
         self._blocks: dict = {}
 
     @property
-    def wants_top_run(self) -> bool:
-        return self.inner.wants_top_run
+    def wants_cost(self) -> bool:
+        return self.inner.wants_cost
+
+    def use_cost(self, make) -> None:
+        self.inner.use_cost(make)
 
     @property
-    def budget(self):
-        """The inner policy's auto budget, if any (the bench reports its arms)."""
-        return getattr(self.inner, "budget", None)
+    def history(self) -> list | None:
+        """The inner policy's chosen shapes, if it sizes its trees (the bench reports them)."""
+        return getattr(self.inner, "history", None)
 
     def validate(self, vocab_size: int) -> None:
         self.inner.validate(vocab_size)
@@ -138,9 +141,7 @@ class LookupPolicy(TreePolicy):
         if self._skipped:
             return  # the inner policy drafted nothing this step: nothing of it to learn
         if info.inner_n_accept is not None:  # the inner policy learns from what its own nodes accepted
-            run = info.top_run is not None
-            info = replace(info, n_accept=info.inner_n_accept, top_run=info.inner_top_run if run else None,
-                           top_span=info.inner_top_span if run else None)
+            info = replace(info, n_accept=info.inner_n_accept)
         self.inner.observe(info)
 
     def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Tree:
@@ -152,8 +153,7 @@ class LookupPolicy(TreePolicy):
                          and all(o and c for o, c, on in zip(self.outran, copies, self.active) if on))
         if self._skipped:
             self.skipped_steps += 1
-            if self.budget is not None:  # the step that just ended was the inner policy's: its clock stops here
-                self.budget.pause()
+            self.inner.interrupt()  # the step that just ended was the inner policy's: its clock stops here
             # the roots padded to the last inner tree's size: the same verify shape as the step before (compile=True
             # builds no graph for it, oneDNN no primitive; the head passes saved cost ~10x those tokens)
             return self._merge(Tree.root_only(drafter.root_tokens, self._inner_size), copies, self._width(copies))
@@ -167,7 +167,7 @@ class LookupPolicy(TreePolicy):
 
     def _width(self, copies: list[list[int]]) -> int:
         """The longest copy's width in a few buckets (1, 2, 4, 8, ..., tokens), padded: few verify shapes, so
-        compile=True builds few graphs (and oneDNN few primitives), as the auto budget's T buckets do."""
+        compile=True builds few graphs (and oneDNN few primitives), as tree=auto's T sizes do."""
         longest = max(map(len, copies))
         return next(w for w in self.widths if w >= longest)
 

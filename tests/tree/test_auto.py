@@ -1,0 +1,176 @@
+"""tree=auto: the choice rule, the step-cost profile and its cache, and the acceptance correction."""
+import json
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from treedec.tree.cost import StepCost, cache_dir
+from treedec.tree.policies import AutoPolicy
+from treedec.tree.tree import TreeError
+
+
+class FakeCost:
+    """A synthetic step-cost model: seconds per shape from a formula of (rows, width, depth, T)."""
+
+    profile_s = 0.0
+
+    def __init__(self, policy, fn):
+        self.shapes, self.fn, self.seen = policy.shapes, fn, []
+
+    def seconds(self, rows):
+        return np.array([self.fn(rows, k, d, t) for k, d, t in self.shapes])
+
+    def observe(self, rows, shape, seconds):
+        self.seen.append((rows, shape, seconds))
+
+
+def started(cost_fn, c=0.8, gain=0.0, **kw) -> AutoPolicy:
+    """A policy past its two measuring steps: chain continuation ``c`` at every depth; a tree of T nodes and depth D
+    accepts 1 + ``gain`` * (T - D - 1) times the D-deep chain (each node beyond the chain's adds ``gain``)."""
+    pol = AutoPolicy(calibration=None, **kw)
+    pol.cost, pol._plan = FakeCost(pol, cost_fn), []
+    pol.c[:] = c
+    for i in pol._tree:
+        _, d, t = pol.shapes[i]
+        pol.R[i] = 1 + gain * (t - d - 1)
+    return pol
+
+
+def rate(pol, rows):
+    return (1 + pol.rho * pol.expected()) / pol.cost.seconds(rows)
+
+
+def test_the_rule_picks_the_most_tokens_per_second():
+    # memory-bound verify (flat in T), a draft pass per depth: deep chains pay until continuation runs out
+    pol = started(lambda rows, k, d, t: 1.0 + 0.1 * d + 0.001 * t, c=0.9, gain=0.02)
+    i = pol.choose(1)
+    assert i == int(np.argmax(rate(pol, 1)))
+    assert pol.shapes[i][0] == 4  # 2 % more a node for a per mille of verify each: a wide tree
+    assert pol.shapes[i][1] >= 5
+
+
+def test_it_shrinks_to_a_chain_then_to_plain_decoding_when_verify_is_compute_bound():
+    verify = lambda rows, t: 1.0 + 0.02 * rows * t  # noqa: E731  (cost grows with the tokens verified)
+    pol = started(lambda rows, k, d, t: verify(rows, t) + 0.05 * d * (1 + k * rows / 64), c=0.7, gain=0.05)
+    small, large, huge = (pol.shapes[pol.choose(b)] for b in (1, 16, 400))
+    assert small[0] == 4 and small[2] > small[1] + 1  # one row: a bushy tree
+    assert large[0] == 1 and large[2] == large[1] + 1  # 16 rows: a chain
+    assert huge == (1, 0, 1)  # 400 rows: the root alone
+    assert huge[1] < large[1] <= small[1]
+
+
+def test_chains_only_with_top_k_one_and_bad_settings_are_refused():
+    pol = AutoPolicy(max_depth=6, top_k=1, calibration=None)
+    assert {k for k, _, _ in pol.shapes} == {1} and pol.max_size == 7 and pol._plan == [6]
+    for bad in ({"max_depth": 2.5}, {"top_k": "3"}, {"max_total_tokens": 1}, {"max_depth": 0}):
+        with pytest.raises(TreeError, match="whole number"):
+            AutoPolicy(calibration=None, **bad)
+
+
+def test_the_first_steps_measure_the_deepest_chain_then_the_deepest_pool():
+    pol = AutoPolicy(max_depth=5, top_k=3, calibration=None)
+    pol.cost = FakeCost(pol, lambda *a: 1.0)
+    first, second = (pol.shapes[pol.choose(1)] for _ in range(2))
+    assert first == (1, 5, 6) and second[:2] == (3, 5)
+
+
+def info(n_accept):
+    return SimpleNamespace(active=[True] * len(n_accept), n_accept=n_accept)
+
+
+def test_rho_converges_on_a_biased_calibration():
+    """The calibration promises 2 accepted drafts a step; the text gives 3: rho goes to 1.5 in a few dozen steps."""
+    pol = started(lambda *a: 1.0)
+    chain = pol.shapes.index((1, 3, 4))
+    for step in range(60):
+        pol._pending = (chain, torch.tensor([0.9, 0.6, 0.5]), torch.tensor([2.0, 2.0]))
+        pol.observe(info([4, 4]))
+        if step == 30:
+            assert abs(pol.rho - 1.5) < 0.05
+    assert pol.rho == pytest.approx(1.5, abs=1e-3)
+
+
+def test_chain_and_tree_steps_update_their_own_estimates():
+    pol = AutoPolicy(max_depth=3, top_k=2, calibration=None)
+    pol.cost = FakeCost(pol, lambda *a: 1.0)
+    chain = next(i for i, s in enumerate(pol.shapes) if s == (1, 3, 4))
+    pol._pending = (chain, torch.tensor([0.8, 0.4, 0.1]), torch.tensor([1.3]))
+    pol.observe(info([2]))
+    assert pol.c == pytest.approx([0.8, 0.5, 0.25])  # the first measurement replaces the prior
+    tree = next(i for i, s in enumerate(pol.shapes) if s == (2, 3, 4))
+    curve = torch.zeros(2, 10)  # [depth limits 2..3, T - 1] of expected accepted drafts
+    curve[1, 2] = 1.4 * (0.8 + 0.4 + 0.1)
+    pol._pending = (tree, curve, torch.tensor([1.0]))
+    pol.observe(info([2]))
+    assert pol.R[tree] == pytest.approx(1.4) and pol.c == pytest.approx([0.8, 0.5, 0.25])
+
+
+def test_every_candidate_drafts_a_valid_tree_of_its_own_size_and_depth():
+    from tests.decoding.test_policies import primed_drafter
+
+    pol = AutoPolicy(max_depth=4, top_k=3, max_total_tokens=16, calibration=None)
+    pol.cost = FakeCost(pol, lambda *a: 1.0)
+    drafter = primed_drafter()
+    for i, (k, d, t) in enumerate(pol.shapes):
+        pol.choose = lambda rows, i=i: i
+        with torch.inference_mode():
+            tree = pol.draft(drafter)
+        assert tree.size == t and (tree.parents[:, 1:] >= 0).all()
+        assert int(tree.depth.max()) == d if k == 1 else int(tree.depth.max()) <= d  # a tree keeps its best nodes
+        pol.observe(info([1, 1]))
+
+
+# ------------------------------------------------------------------------------------ the step-cost profile
+def entry(scale=1.0):
+    return {"verify": {1: 1.0 * scale, 2: 2.0 * scale, 8: 8.0 * scale}, "draft": {1: {1: 0.1, 4: 0.4}}}
+
+
+SHAPES = [(1, 0, 1), (1, 1, 2), (1, 4, 5)]
+
+
+def test_profile_round_trip_interpolates_and_refines(tmp_path):
+    calls = []
+    cost = StepCost(SHAPES, {"device": "x"}, lambda rows: calls.append(rows) or entry(rows), tmp_path)
+    assert cost.seconds(1) == pytest.approx([1.0, 2.1, 5.4])  # verify at T=5 between 2 and 8, draft at depth 4
+    assert cost.seconds(2) == pytest.approx(np.array([1.0, 2.1, 5.4]) + (np.array([4, 8, 20]) - [1, 2, 5]) / 3)
+    assert calls == [1, 4] and cost.path.is_file()  # rows 2: between the measured 1 and 4
+    again = StepCost(SHAPES, {"device": "x"}, lambda rows: pytest.fail("measured again"), tmp_path)
+    assert again.seconds(2) == pytest.approx(cost.seconds(2))  # a later process loads it
+    again.observe(1, 2, 10.8)  # twice the prediction: the cell moves a third of the way, the others by the ratio
+    assert again.seconds(1)[2] == pytest.approx(5.4 + 0.3 * 5.4)
+    assert again.seconds(1)[0] == pytest.approx(1.0 * 1.3)
+
+
+def test_a_corrupt_or_stale_profile_is_measured_again_with_a_warning(tmp_path, caplog):
+    measured = []
+    make = lambda key: StepCost(SHAPES, key, lambda rows: measured.append(rows) or entry(), tmp_path)  # noqa: E731
+    make({"device": "x", "threads": 2}).seconds(1)
+    path = next(tmp_path.glob("step-cost-*.json"))
+    with caplog.at_level(logging.WARNING):
+        stale = make({"device": "x", "threads": 4})  # same file (threads are not in its name), another setup
+        assert stale.seconds(1) == pytest.approx([1.0, 2.1, 5.4])
+    assert "measured for another setup (threads)" in caplog.text and measured == [1, 1]
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        make({"device": "x", "threads": 4}).seconds(1)
+    assert "not a readable step-cost profile" in caplog.text and measured == [1, 1, 1]
+    assert json.loads(path.read_text())["key"]["threads"] == 4  # rewritten whole
+
+
+def test_the_cache_folder_follows_the_key_then_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("TREEDEC_CACHE", str(tmp_path / "a"))
+    assert cache_dir() == tmp_path / "a" and cache_dir(tmp_path / "b") == tmp_path / "b"
+    monkeypatch.delenv("TREEDEC_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "treedec"
+
+
+def test_an_unwritable_cache_never_fails_a_run(tmp_path, caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")  # the cache folder cannot be made under it
+    with caplog.at_level(logging.WARNING):
+        assert StepCost(SHAPES, {"device": "x"}, lambda rows: entry(), blocked / "cache").seconds(1)[0] == 1.0
+    assert "could not keep the step-cost profile" in caplog.text
