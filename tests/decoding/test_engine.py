@@ -11,7 +11,7 @@ from treedec.decoding.sampling import SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.profiling import count_ops
 from treedec.tree import TreeError
-from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
+from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, StaticPolicy
 
 from tests.helpers import OraclePolicy, greedy_reference, make_pair
 
@@ -41,13 +41,13 @@ def test_at_most_four_host_reads_per_step_whatever_the_depth_of_the_model(layers
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, top_p=0.95)], ids=["greedy", "sample"])
-def test_the_auto_budget_reads_the_device_once_per_step(params):
-    """Its estimates ride the step's one read (a host buffer filled before it), its chain arms are planned up front."""
+def test_tree_auto_reads_the_device_once_per_step(params):
+    """Its estimates ride the step's one read (host copies started before it, read after it)."""
     target, draft = make_pair(1, layers=12, hidden=32, heads=2, kv_heads=1)
-    # a step clock, not the wall's: the arms chosen (and so the rare top-p misses) are the same every run
-    dec = SpeculativeDecoder(target, draft, DynamicPolicy("auto", 5, 4, clock=itertools.count().__next__), params)
+    # a step clock, not the wall's: the shapes chosen (and so the rare top-p misses) are the same every run
+    dec = SpeculativeDecoder(target, draft, AutoPolicy(5, 4, clock=itertools.count().__next__), params)
     g = torch.Generator().manual_seed(0)
-    dec.generate([[1, 2, 3], [4, 5]], 40, generator=g)  # every arm's plan built
+    dec.generate([[1, 2, 3], [4, 5]], 40, generator=g)  # the step costs measured, the shapes' plans built
     marks = []
     with count_ops() as c:
         res = dec.generate([[1, 2, 3], [4, 5]], 60, generator=g, hook=lambda _: marks.append(c.host_reads))

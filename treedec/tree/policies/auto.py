@@ -73,6 +73,8 @@ class AutoPolicy(TreePolicy):
         deepest = max(range(len(shapes)), key=lambda i: (shapes[i][0] == 1, shapes[i][1]))
         widest = [min(self._tree, key=lambda i: (-shapes[i][1], shapes[i][2]))] if len(self._tree) else []
         self._plan = [deepest, *widest]  # the first steps: the deepest chain, then the deepest pool
+        for _, d, _ in shapes[1:]:  # every chain planned now (a plan reads the host): no step pays for one
+            self.trees.chain(d, scored=True)
         self.cost = None
         self.history: list[tuple[int, int]] = []  # (T, depth) of every step, for reports
         self._pending = None  # this step's shape, rows and host copies of its estimates, read in observe()
@@ -114,9 +116,9 @@ class AutoPolicy(TreePolicy):
         B, now = drafter.batch, self.clock()
         if self._clock_at is not None:  # the step before this one ran from its draft until now
             self.cost.observe(self._clock_at[0], self._clock_at[1], now - self._clock_at[2])
-        measured = self.cost.profile_s
-        i = self.choose(B)  # (the first sight of a row count measures its costs: no step's time)
-        self._clock_at = (B, i, now + self.cost.profile_s - measured)
+        self.cost.profiled(B)  # the first sight of a row count measures its costs: in no step's time
+        i = self.choose(B)
+        self._clock_at = (B, i, self.clock())
         k, D, T = self.shapes[i]
         self.history.append((T, D))
         if D == 0:
