@@ -1,0 +1,27 @@
+# Two commands do all the set-up: `make run` (the main job on the bundled model) and `make test` (the suite).
+# Each creates the virtual environment in $(VENV) first when it is missing or older than pyproject.toml.
+# Managing your own environment instead: pip install torch, then pip install -e ".[dev]" (README "Install").
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test setup
+
+setup: $(VENV)/.installed
+
+# torch first: a CPU build where there is no GPU (the project's torch range alone would pull a multi-GB CUDA build)
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet "torch>=2.4,<2.14"; \
+	else $(PY) -m pip install --quiet --retries 0 --timeout 10 torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+	  || $(PY) -m pip install --quiet torch==2.13.0; fi
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+run: setup
+	$(PY) -m treedec.generate $(ARGS)
+
+# pytest's "no tests collected" (exit 5) is a failure, never a silent pass
+test: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
