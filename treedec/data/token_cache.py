@@ -29,7 +29,7 @@ from treedec.data.tokenizer_train import EOS, as_tokenizer, tokenizer_hash
 
 DEFAULT_CACHE = Path(os.environ.get("TREEDEC_CACHE", Path.home() / ".cache" / "treedec"))
 SPLITS = ("train", "validation")
-JSONL_VERSION = "jsonl-v1"  # bump when the rendering, masking or cache layout changes
+JSONL_VERSION = "jsonl-v2"  # bump when the rendering, masking or cache layout changes (v2: specials in text are text)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -108,18 +108,11 @@ def open_tokens(token_dir: str | os.PathLike, split: str) -> np.memmap:
 
 
 def _encode_texts(tok, texts: list[str]) -> list[list[int]]:
-    """``tok.encode(text)`` for each text (BOS as the checkpoint adds it), batched, plus an EOS at the end
-    unless the encoding already starts with EOS (then EOS separates documents, as in the stdlib stream)."""
+    """``tok.encode(text)`` for each text (BOS as the checkpoint adds it; a special token's string in a text is
+    text), batched, plus an EOS at the end unless the encoding already starts with EOS (then EOS separates
+    documents, as in the stdlib stream)."""
     eos = tok.eos_ids[0] if tok.eos_ids else tok.token_to_id(EOS)
-    out = []
-    for enc in tok.tk.encode_batch(texts, add_special_tokens=True):
-        ids = list(enc.ids)
-        if tok.tokenizer_config.get("add_bos_token") and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-            ids = [tok.bos_id] + ids
-        if eos is not None and (not ids or ids[0] != eos):
-            ids.append(eos)
-        out.append(ids)
-    return out
+    return [ids if eos is None or (ids and ids[0] == eos) else ids + [eos] for ids in tok.encode_batch(texts)]
 
 
 def tokenize_jsonl(tokenizer, path: str | os.PathLike, val_path: str | os.PathLike | None = None,
@@ -156,7 +149,7 @@ def tokenize_jsonl(tokenizer, path: str | os.PathLike, val_path: str | os.PathLi
             encs, masks = _encode_texts(tok, [payload for _, _, payload in batch]), [None] * len(batch)
         else:
             rendered = [renderer(payload, where) for where, _, payload in batch]
-            raw = tok.tk.encode_batch([t for t, _ in rendered], add_special_tokens=False)
+            raw = tok.encodings([t for t, _ in rendered], specials=True)  # the template's special tokens
             encs = [e.ids for e in raw]
             masks = [spans_to_mask(e.offsets, spans) for e, (_, spans) in zip(raw, rendered)]
         for (_, sp, _), ids, m in zip(batch, encs, masks):

@@ -17,6 +17,8 @@ from typing import Any, Sequence
 from treedec.models.paths import resolve_path
 
 TOKENIZER_FILE = "tokenizer.json"
+HEAD_CHARS_PER_TOKEN = 8  # encode_head's first prefix: characters per token wanted (grown 4x while short)
+HEAD_MAX_WORD = 1 << 16  # encode_head: a word (pre-token) longer than this is cut where it stands
 
 
 def _read_json(path: Path) -> dict:
@@ -102,24 +104,82 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tk.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, specials: bool = False) -> list[int]:
         """Token ids of ``text``.
 
         ``add_bos=None`` follows the checkpoint (its post-processor, and tokenizer_config's
         ``add_bos_token``), as ``transformers`` does for ``tokenizer(text)``; True/False force it.
-        Text rendered by :meth:`apply_chat_template` already holds its special tokens: encode
-        it with ``add_bos=False``.
+        ``specials=False``: text is text, so a special token's string in it (``"<|endoftext|>"`` in a
+        code file) is encoded as the plain characters it is, never as the token (which would end or
+        derail the prompt). Text rendered by :meth:`apply_chat_template` holds the template's special
+        tokens: encode it with ``add_bos=False, specials=True``.
         """
+        return self.encode_batch([text], add_bos, specials)[0]
+
+    def encode_batch(self, texts: Sequence[str], add_bos: bool | None = None, specials: bool = False
+                     ) -> list[list[int]]:
+        """:meth:`encode` of each text, batched (the one place where treedec turns text into ids)."""
+        encs = self.encodings(texts, add_special_tokens=add_bos is None, specials=specials)
+        return [self._with_bos([int(i) for i in e.ids], add_bos) for e in encs]
+
+    def encodings(self, texts: Sequence[str], add_special_tokens: bool = False, specials: bool = False) -> list:
+        """The ``tokenizers`` encodings (ids, offsets) of ``texts``; ``specials`` as in :meth:`encode`."""
+        previous = self.tk.encode_special_tokens
+        self.tk.encode_special_tokens = not specials  # True: special-token strings are split as plain text
+        try:
+            if len(texts) == 1:  # (no thread pool for one text: a later fork would warn about it)
+                return [self.tk.encode(texts[0], add_special_tokens=add_special_tokens)]
+            return self.tk.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        finally:
+            self.tk.encode_special_tokens = previous
+
+    def _with_bos(self, ids: list[int], add_bos: bool | None) -> list[int]:
+        """``ids`` with the BOS the checkpoint asks for (``add_bos=None``: ``add_bos_token``), or the caller."""
         if add_bos is None:
-            ids = self.tk.encode(text, add_special_tokens=True).ids
-            if self.tokenizer_config.get("add_bos_token") and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
-                ids = [self.bos_id] + ids
-            return ids
-        ids = self.tk.encode(text, add_special_tokens=False).ids
+            wants = self.tokenizer_config.get("add_bos_token") and self.bos_id is not None
+            return [self.bos_id] + ids if wants and (not ids or ids[0] != self.bos_id) else ids
         if add_bos:
             if self.bos_id is None:
                 raise ValueError("add_bos=True but this tokenizer defines no bos_token (tokenizer_config.json)")
             ids = [self.bos_id] + ids
+        return ids
+
+    def encode_head(self, text: str, n_tokens: int) -> list[int]:
+        """``encode(text)[:n_tokens]`` cut back to whole characters (:meth:`whole_chars`), tokenizing only a
+        prefix of ``text``: a prompt of 64 tokens from a 50 MB line costs milliseconds, not a minute and gigabytes.
+
+        The prefix starts at ``HEAD_CHARS_PER_TOKEN`` characters a token and grows 4x while it yields too few
+        tokens; it is cut before its last pre-token (the only one that can end differently in the whole text),
+        so its tokens are the whole text's. A single word longer than ``HEAD_MAX_WORD`` characters is cut
+        where it stands (its last tokens may then differ from the whole text's).
+        """
+        size = HEAD_CHARS_PER_TOKEN * (n_tokens + 2)
+        while size < len(text):
+            cut = self._stable_cut(text[:size]) or (size if size >= HEAD_MAX_WORD else 0)
+            ids = self.encode(text[:cut]) if cut else []
+            if len(ids) > n_tokens + 1:  # (+1: a post-processor may end the prefix with a token of its own)
+                return self.whole_chars(ids[:n_tokens], text)
+            size *= 4
+        return self.whole_chars(self.encode(text)[:n_tokens], text)
+
+    def _stable_cut(self, head: str) -> int:
+        """The start of ``head``'s last pre-token; 0 when ``head`` is one word."""
+        pre = self.tk.pre_tokenizer
+        if pre is None:  # no pre-tokenizer (sentencepiece-style normalizers): words end at spaces
+            return max(head.rfind(" "), head.rfind("\n"), 0)
+        pieces = pre.pre_tokenize_str(head)
+        return pieces[-1][1][0] if len(pieces) > 1 else 0
+
+    def whole_chars(self, ids: Sequence[int], text: str | None = None) -> list[int]:
+        """``ids`` without trailing tokens that hold only the first bytes of a character (byte-level tokens cut
+        inside a CJK character or an emoji decode to U+FFFD): at most 3, as UTF-8 characters are at most 4
+        bytes. With ``text``, the text ``ids`` begin: a U+FFFD that is really there is kept."""
+        ids = list(ids)
+        for _ in range(3):
+            head = self.decode(ids)
+            if not head.endswith("\ufffd") or (text is not None and text.startswith(head)):
+                break
+            ids.pop()
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -146,7 +206,7 @@ class Tokenizer:
             )
         text = render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                     **self._special_tokens(), **kwargs)
-        return self.encode(text, add_bos=False) if tokenize else text
+        return self.encode(text, add_bos=False, specials=True) if tokenize else text
 
     def _special_tokens(self) -> dict[str, str | None]:
         keys = ("bos_token", "eos_token", "pad_token", "unk_token")
