@@ -13,11 +13,14 @@ import glob
 import hashlib
 import json
 import os
+import re
+import sys
 import sysconfig
 from pathlib import Path
 from typing import Iterator
 
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # an escaped UTF-16 surrogate, paired or not
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -121,6 +124,25 @@ def jsonl_files(path: str | os.PathLike) -> list[Path]:
     return files
 
 
+def parse_json_line(raw: bytes | str, where: str):
+    """One JSON line's value. Invalid JSON, nesting deeper than Python's recursion limit and a lone UTF-16
+    surrogate (``"\\ud800"``, which no UTF-8 text holds: the tokenizer and the output writer would fail on it
+    long after the model loaded) are each a ValueError naming ``where`` (``file:line``)."""
+    try:
+        obj = json.loads(raw)
+        if _SURROGATE.search(raw if isinstance(raw, bytes) else raw.encode()):  # (a cheap look first)
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc})") from None
+    except UnicodeEncodeError:
+        raise ValueError(f"{where}: holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is no "
+                         f"text; fix the escape or drop the line") from None
+    except RecursionError:
+        raise ValueError(f"{where}: nested too deeply to read (over about {sys.getrecursionlimit()} levels of "
+                         f"[ or {{); flatten the record or drop the line") from None
+    return obj
+
+
 def read_jsonl(path: str | os.PathLike, errors: list | None = None
                ) -> Iterator[tuple[int, bytes, str, str | list[dict]]]:
     """``(line number, raw line, kind, payload)`` for every non-blank line; clear errors name the line.
@@ -137,11 +159,7 @@ def read_jsonl(path: str | os.PathLike, errors: list | None = None
                 continue
             where = f"{path}:{lineno}"
             try:
-                try:
-                    obj = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise ValueError(f"{where}: not valid JSON ({exc})") from exc
-                kind, payload = parse_record(obj, where)
+                kind, payload = parse_record(parse_json_line(raw, where), where)
             except ValueError as exc:
                 if errors is None:
                     raise
@@ -155,5 +173,5 @@ def line_split(raw: bytes, val_fraction: float) -> str:
     return "validation" if _hash_fraction(raw) < val_fraction else "train"
 
 
-__all__ = ["ROLES", "SKIP_DIRS", "corpus_files", "corpus_fingerprint", "jsonl_files", "line_split", "parse_record", "read_jsonl",
-           "read_source", "split_files", "split_of", "stdlib_root"]
+__all__ = ["ROLES", "SKIP_DIRS", "corpus_files", "corpus_fingerprint", "jsonl_files", "line_split", "parse_json_line",
+           "parse_record", "read_jsonl", "read_source", "split_files", "split_of", "stdlib_root"]
