@@ -1,13 +1,17 @@
 """`python -m treedec.regenerate` on a tiny random target: text and chat records keep their ids and format and feed
 `data=jsonl` as a directory or a glob of shards; malformed lines name their line (or are skipped and counted); a run
-killed with SIGKILL resumes to the uninterrupted output; parts and 2-process DDP give the 1-process output."""
+killed with SIGKILL or stopped by SIGTERM resumes to the uninterrupted output; parts and 2-process DDP give the
+1-process output (a rank without a shard idles); prompts are whole characters, special-token text stays text, sampled
+records are seeded by line; corrupt state files are named, a shard without stats is redone."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -18,6 +22,7 @@ from treedec.tree.shapes import SHAPE_DIR
 from tests.helpers import save_tiny_stack
 
 CONF = str(SHAPE_DIR.parents[1])
+SPECIAL = 'SEP = "<|endoftext|>"\nx = 1\n'
 CODE = ["def add(a, b):\n    return a + b\n", "class Stack:\n    def push(self, x):\n", "import os\nprint(os.getcwd())\n",
         "for i in range(10):\n    print(i)\n", "x = [1, 2, 3]\ny = sorted(x)\n", "with open(p) as f:\n    data = f.read()\n"]
 
@@ -144,7 +149,20 @@ def test_records_served_through_fewer_slots_equal_one_batch_at_a_time(stack, tex
     out = tmp_path / "slots"
     m = regenerate(stack, text_input, out, "slots=1")
     assert m["complete"] and shards(out) == shards(reference[0])
-    assert json.loads((out / "manifest.json").read_text())["slots"] == 1
+    assert "slots" not in json.loads((out / "manifest.json").read_text())  # free to change on resume
+
+
+def test_slots_may_change_on_resume_and_a_kernel_change_is_named_kernel(stack, text_input, tmp_path):
+    out = tmp_path / "out"
+    regenerate(stack, text_input, out, "part=0", "parts=3")
+    assert regenerate(stack, text_input, out, "part=0", "parts=3", "slots=1")["this_run"]["shards"] == 0
+    with pytest.raises(ValueError, match=r"another input or config \(differs in: kernel\)"):
+        regenerate(stack, text_input, out, "part=0", "parts=3", "kernel=eager")
+    path = out / "manifest.json"  # an older run's manifest: the kernel inside model, slots recorded
+    old = json.loads(path.read_text())
+    old["model"]["attn_backend"] = old.pop("kernel")
+    path.write_text(json.dumps({**old, "slots": 4}))
+    assert regenerate(stack, text_input, out, "part=0", "parts=3")["shards_done"] == 2
 
 
 def test_resume_refuses_other_settings_and_a_running_worker(stack, text_input, reference, tmp_path):
@@ -160,35 +178,132 @@ def test_resume_refuses_other_settings_and_a_running_worker(stack, text_input, r
         regenerate(stack, text_input, out, "part=1", "parts=3")
 
 
+def test_prompts_are_whole_characters_and_special_token_text_stays_text(stack, tmp_path):
+    from treedec.models.tokenizer import load_tokenizer
+    from treedec.regenerate import Record, TextRequest
+
+    tok = load_tokenizer(stack / "target")
+    text = "# 注释：世界你好。😀\n" * 8
+    for n in range(1, 40):  # byte-level tokens: most cuts fall inside a character
+        prompt = tok.decode(TextRequest(Record(0, 1, {"text": text}, "text", text), tok, n).ids)
+        assert "\ufffd" not in prompt and text.startswith(prompt)
+    inp = write_jsonl(tmp_path / "special.jsonl", [{"text": SPECIAL}])
+    regenerate(stack, inp, tmp_path / "out", "prompt_tokens=64")
+    assert records(tmp_path / "out")[0]["text"].startswith(SPECIAL)  # not 'SEP = ""' (an EOS mid-prompt)
+
+
+def test_sampled_records_sharing_an_id_get_their_own_samples_and_a_rerun_the_same(stack, tmp_path):
+    inp = write_jsonl(tmp_path / "same.jsonl", [{"text": CODE[0], "id": i} for i in ("x", "x", None, None)])
+    hot = ["sampling=sample", "sampling.temperature=3", "sampling.top_p=1.0"]  # (the random target is peaked)
+    regenerate(stack, inp, tmp_path / "a", *hot)
+    texts = [r["text"] for r in records(tmp_path / "a")]
+    assert [r["id"] for r in records(tmp_path / "a")] == ["x", "x", None, None]
+    assert texts[0] != texts[1] and texts[2] != texts[3]  # seeded by line, not by the (shared) id
+    regenerate(stack, inp, tmp_path / "b", *hot)
+    assert shards(tmp_path / "b") == shards(tmp_path / "a")
+
+
+def test_lone_surrogates_and_deep_nesting_are_malformed_lines_named_before_decoding(tokenizer, tmp_path):
+    from treedec.data.token_cache import tokenize_jsonl
+    from treedec.regenerate import read_records
+
+    inp = write_jsonl(tmp_path / "bad.jsonl", [{"text": CODE[0]}, '{"text": "a\\ud800b"}', "[" * 100_000,
+                                               '{"text": "ok", "meta": ["\\udc00"]}', {"text": CODE[1]}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: holds a lone UTF-16 surrogate.*on_error=skip"):
+        read_records(inp)
+    recs, skipped = read_records(inp, on_error="skip")
+    assert [r.line for r in recs] == [1, 5] and [s["line"] for s in skipped] == [2, 3, 4]
+    assert "nested too deeply" in skipped[1]["error"]
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: holds a lone UTF-16 surrogate"):  # train's reader too
+        tokenize_jsonl(str(tokenizer[0]), inp, cache_dir=str(tmp_path / "cache"))
+
+
+def test_corrupt_state_files_are_named_and_a_shard_without_stats_is_redone(stack, text_input, reference, tmp_path):
+    out = tmp_path / "out"
+    regenerate(stack, text_input, out, "part=0", "parts=3")  # shards 0 and 3
+    stats = out / "shards" / "part-00003.stats.json"
+    stats.unlink()  # its records stay: done for scheduling once, never in the metrics
+    m = regenerate(stack, text_input, out, "part=0", "parts=3")
+    assert m["this_run"]["shards"] == 1 and m["shards_done"] == 2 and stats.is_file()
+    assert shards(out)["part-00003.jsonl"] == shards(reference[0])["part-00003.jsonl"]
+    stats.write_text("")
+    with pytest.raises(ValueError, match=r"part-00003\.stats\.json is corrupt \(not valid JSON.*delete it and re-run"):
+        regenerate(stack, text_input, out, "part=0", "parts=3")
+    (out / "manifest.json").write_text("{")
+    with pytest.raises(ValueError, match=r"manifest\.json is corrupt \(not valid JSON.*delete it to resume"):
+        regenerate(stack, text_input, out, "part=0", "parts=3")
+
+
+def test_the_manifest_is_checked_and_written_under_the_state_lock(tmp_path):
+    from treedec.regenerate import check_manifest
+
+    with open(tmp_path / ".state.lock", "a") as held:  # another job holds it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        job = threading.Thread(target=check_manifest, args=(tmp_path, {"input": "a"}))
+        job.start()
+        job.join(0.3)
+        assert job.is_alive() and not (tmp_path / "manifest.json").exists()
+    job.join(10)
+    assert json.loads((tmp_path / "manifest.json").read_text()) == {"input": "a"}
+
+
 def subprocess_env() -> dict:
     from tests.training.test_ddp import ddp_env
 
     return ddp_env()
 
 
-@pytest.mark.slow  # a subprocess: ~10 s of interpreter, torch and Lightning start-up
-def test_kill_9_then_rerun_equals_an_uninterrupted_run(stack, text_input, reference, tmp_path):
+ONE_PER_SHARD = ("shard_size=1", "batch_size=1")
+
+
+def start_until_shards(stack, text_input, out, log_path, n: int = 2) -> subprocess.Popen:
+    """A ``python -m treedec.regenerate`` (one record a shard) in its own session, once it wrote ``n`` shards."""
     from tests.training.test_ddp import REPO
 
-    out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "treedec.regenerate", *args(stack, text_input, out, f"hydra.run.dir={out}",
-                                                              "shard_size=1", "batch_size=1")]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+                                                              *ONE_PER_SHARD)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     deadline = time.time() + 240
-    while len(list((out / "shards").glob("*.jsonl"))) < 2 and proc.poll() is None and time.time() < deadline:
+    while len(list((out / "shards").glob("*.jsonl"))) < n and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-3000:]
+    return proc
+
+
+def assert_resumes_to_an_uninterrupted_run(stack, text_input, reference, out, tmp_path) -> None:
+    """The run was stopped mid-way; a re-run finishes it, token for token as a run that was never stopped."""
     done = len(shards(out))
-    assert 2 <= done < 12  # killed mid-run
-    m = regenerate(stack, text_input, out, "shard_size=1", "batch_size=1")
+    assert 2 <= done < 12  # stopped mid-run, finished shards kept
+    m = regenerate(stack, text_input, out, *ONE_PER_SHARD)
     assert m["complete"] and m["this_run"]["shards"] == 12 - done and m["records"] == 12
-    regenerate(stack, text_input, tmp_path / "through", "shard_size=1", "batch_size=1")  # the same batches, unkilled
+    regenerate(stack, text_input, tmp_path / "through", *ONE_PER_SHARD)  # the same batches, never stopped
     assert shards(out) == shards(tmp_path / "through")  # complete, no duplicate, token for token
     assert [r["id"] for r in records(out)] == [r["id"] for r in records(reference[0])]
     assert not list((out / "shards").glob(".*.tmp"))
+
+
+@pytest.mark.slow  # a subprocess: ~10 s of interpreter, torch and Lightning start-up
+def test_kill_9_then_rerun_equals_an_uninterrupted_run(stack, text_input, reference, tmp_path):
+    out = tmp_path / "killed"
+    proc = start_until_shards(stack, text_input, out, tmp_path / "log")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "log").read_text()[-3000:]
+    assert_resumes_to_an_uninterrupted_run(stack, text_input, reference, out, tmp_path)
+
+
+@pytest.mark.slow  # a subprocess: ~10 s of interpreter, torch and Lightning start-up
+def test_sigterm_stops_at_a_batch_boundary_keeps_shards_and_exits_143(stack, text_input, reference, tmp_path):
+    out = tmp_path / "preempted"
+    proc = start_until_shards(stack, text_input, out, tmp_path / "log")
+    t0 = time.time()
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=60)
+    log = (tmp_path / "log").read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]  # 143: preempted, not finished
+    assert time.time() - t0 < 20 and "SIGTERM: stopped after" in log
+    assert_resumes_to_an_uninterrupted_run(stack, text_input, reference, out, tmp_path)
 
 
 @pytest.mark.slow  # two interpreters under DDP (gloo): ~30 s on two busy cores
@@ -205,3 +320,18 @@ def test_ddp_two_processes_equal_one(stack, text_input, reference, tmp_path):
     assert shards(out) == shards(reference[0])  # the union, token for token (greedy fp32)
     m = json.loads((out / "metrics.json").read_text())
     assert m["complete"] and m["this_run"]["world_size"] == 2 and m["this_run"]["shards"] == 6
+
+
+@pytest.mark.slow  # two interpreters under DDP (gloo): ~30 s on two busy cores
+def test_ddp_rank_without_a_shard_idles_and_ends_cleanly(stack, tmp_path):
+    from tests.training.test_ddp import REPO
+
+    inp, out = write_jsonl(tmp_path / "two.jsonl", [{"text": t} for t in CODE[:2]]), tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "treedec.regenerate", *args(stack, inp, out, f"hydra.run.dir={out}"),
+           "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]  # one shard for two ranks
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "worker 1 of 2: 0 shards" in log
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["complete"] and m["records"] == 2 and m["this_run"]["world_size"] == 2
