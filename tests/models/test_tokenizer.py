@@ -64,3 +64,10 @@ def test_a_prompt_head_of_a_multi_megabyte_line_tokenizes_a_prefix_only(tok):
     for word in ("x" * 4_000_000, "中" * 2_000_000):  # one pre-token: cut where it stands once it is that long
         t0 = time.perf_counter()
         assert len(tok.encode_head(word, 16)) >= 13 and time.perf_counter() - t0 < 5
+
+
+def test_a_lone_surrogate_is_a_one_line_error_not_a_type_error(tok):
+    with pytest.raises(ValueError, match=r"'def f\(\): a'\.\.\. holds a lone UTF-16 surrogate \(U\+D800\)"):
+        tok.encode("def f(): a\ud800b")
+    with pytest.raises(ValueError, match="U\\+DC00"):
+        tok.encode_batch(["fine", "x\udc00"])

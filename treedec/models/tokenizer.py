@@ -130,6 +130,8 @@ class Tokenizer:
             if len(texts) == 1:  # (no thread pool for one text: a later fork would warn about it)
                 return [self.tk.encode(texts[0], add_special_tokens=add_special_tokens)]
             return self.tk.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        except TypeError as exc:  # tokenizers' answer to a str that is not UTF-8: a lone surrogate ("\ud800")
+            raise _surrogate_error(texts) or exc
         finally:
             self.tk.encode_special_tokens = previous
 
@@ -216,6 +218,17 @@ class Tokenizer:
     def save(self, path: str | os.PathLike) -> None:
         """Write tokenizer.json and tokenizer_config.json into directory ``path``."""
         save_tokenizer(self, path)
+
+
+def _surrogate_error(texts: Sequence[str]) -> ValueError | None:
+    """The one-line error for the first text holding a lone UTF-16 surrogate (JSON's ``"\\ud800"``), else None."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return ValueError(f"the text {text[max(0, exc.start - 30):exc.start]!r}... holds a lone UTF-16 surrogate "
+                              f"(U+{ord(text[exc.start]):04X}), which is no text; fix the escape in its source")
+    return None
 
 
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
