@@ -11,7 +11,7 @@ dtype (default auto), or ``@int8`` for the auto dtype's head with int8 weights (
 ``+NAME`` for the draft head ``--head NAME=DIR`` instead of the bundled ``tiny-code-eagle`` (e.g.
 ``chain:7@int8+new --head new=outputs/train/x/export``; τ compares heads on any machine, busy or not), then
 ``{KEY=VALUE,...}`` for the policy's own config keys (``"auto{max_depth=8,top_k=1}"``: the keys of
-``conf/tree/auto.yaml``).
+``conf/tree/auto.yaml``), then ``!`` for a fresh policy on every call (``auto!``: cold, its step costs cached).
 Bundled model, bf16 target, third-party prompts, ragged batches, finished rows leave the batch. Within a pass the
 methods take turns on each batch, the order rotating; each pass's ratio is to that pass's
 vanilla, so a machine that speeds up or slows down between passes moves every method alike (``bench.batch_sizes``
@@ -103,6 +103,7 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
     heads, runs = {}, {}
     for spec in methods:
         name_as_given = spec
+        spec, fresh = spec.removesuffix("!"), spec.endswith("!")
         spec, knobs = policy_knobs(spec)
         spec_head, _, head_name = spec.partition("+")
         name, _, dtype = spec_head.partition("@")
@@ -124,9 +125,13 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
             pol = policy(kind, arg, mod("tree.policies"), head, knobs)
         except TypeError as e:
             raise SystemExit(f"{name_as_given}: {e} (the keys of conf/tree/auto.yaml)") from None
-        dec = CompactingDecoder(target, heads[dtype, head], pol)
-        runs[name_as_given + tag] = (lambda rows, dec=dec: dec.serve(rows, tokens, slots)) if serve else (
-            lambda rows, dec=dec: dec.generate(rows, tokens))
+        if fresh:  # a new policy (and decoder) for every call: what a process decoding one request sees
+            make = lambda h=heads[dtype, head], k=kind, a=arg, n=head, kn=knobs: CompactingDecoder(  # noqa: E731
+                target, h, policy(k, a, mod("tree.policies"), n, kn))
+        else:
+            make = lambda dec=CompactingDecoder(target, heads[dtype, head], pol): dec  # noqa: E731
+        runs[name_as_given + tag] = (lambda rows, make=make: make().serve(rows, tokens, slots)) if serve else (
+            lambda rows, make=make: make().generate(rows, tokens))
     return runs
 
 

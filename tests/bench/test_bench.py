@@ -206,7 +206,7 @@ def test_bad_options_fail_before_the_model_loads(stack, tmp_path):
         ("bench.peers=[hf_gredy]", r"bench\.peers names 'hf_gredy'\. Did you mean hf_greedy\?"),
         ("bench.prompt_source=pypi", r"bench\.prompt_source='pypi'; choose one of stdlib, third_party"),
         (f"bench.learned_path={tmp_path / 'none.yaml'}", r"bench\.learned_path=.*: no such file"),
-        ("bench.trees.dynamic.total_tokens=1", r"invalid bench\.trees\.dynamic config: total_tokens=1"),
+        ("bench.trees.dynamic.total_tokens=1", r"invalid bench\.trees\.dynamic config: tree\.total_tokens=1 must be a whole number >= 2"),
     ]
     for override, needle in cases:
         cfg = compose_bench(stack, tmp_path, "model.path=/nonexistent/model", override)

@@ -15,13 +15,14 @@ from treedec.tree.tree import TreeError
 class FakeCost:
     """A synthetic step-cost model: seconds per shape from a formula of (rows, width, depth, T)."""
 
-    profile_s = 0.0
-
     def __init__(self, policy, fn):
         self.shapes, self.fn, self.seen = policy.shapes, fn, []
 
     def seconds(self, rows):
         return np.array([self.fn(rows, k, d, t) for k, d, t in self.shapes])
+
+    def profiled(self, rows):
+        return self.seconds(rows)
 
     def observe(self, rows, shape, seconds):
         self.seen.append((rows, shape, seconds))

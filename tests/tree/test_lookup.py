@@ -9,7 +9,7 @@ from treedec.decoding.sampling import SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.decoding.vanilla import VanillaDecoder
 from treedec.training.predict import CompactingDecoder
-from treedec.tree.layout import ancestor_matrix
+from treedec.attention.layout import ancestor_matrix
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, LookupPolicy, StaticPolicy, TreePolicy
 from treedec.tree.policies.lookup import NgramIndex
 from treedec.tree.tree import Tree, TreeError
@@ -192,7 +192,7 @@ def test_a_step_the_inner_policy_did_not_draft_is_timed_apart():
 
     now, seen = [0.0], []
     pol = AutoPolicy(max_depth=3, top_k=1, clock=lambda: now[0])
-    pol.cost = type("Cost", (), {"profile_s": 0.0, "seconds": lambda self, rows: np.ones(len(pol.shapes)),
+    pol.cost = type("Cost", (), {"profiled": lambda self, rows: None, "seconds": lambda self, rows: np.ones(len(pol.shapes)),
                                  "observe": lambda self, rows, shape, s: seen.append((shape, s))})()
     drafter = type("D", (), {"batch": 1, "root_tokens": torch.zeros(1, dtype=torch.long)})()
     pol.choose = lambda rows: 0  # the root alone: nothing to draft

@@ -45,22 +45,72 @@ class PromptText:
     source: dict | None = None  # where it came from: {"file", "line", "package"} (third_party) or {"file", "line"}
 
 
-def read_text(path: str | os.PathLike, key: str) -> str:
-    """The text of a prompt file; missing, a directory or binary is a clear error naming ``key``."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"{key}={str(path)!r}: no such file; pass the path of a text file")
-    if p.is_dir():
-        raise IsADirectoryError(f"{key}={str(path)!r} is a directory; pass the path of a text file")
-    data = p.read_bytes()
+PROMPT_CAP_ENV = "TREEDEC_PROMPT_MAX_BYTES"
+DEFAULT_PROMPT_CAP = 16 << 20  # 16 MiB: far more text than any model's context, far less than a runaway read
+
+
+def prompt_cap() -> int:
+    """The most bytes a prompt file (or stdin) may hold: ``$TREEDEC_PROMPT_MAX_BYTES``, else 16 MiB. A cap, so
+    that ``prompt_file=/dev/zero`` or an endless pipe is an error, not a read that fills the memory."""
+    raw = os.environ.get(PROMPT_CAP_ENV)
+    if raw is None:
+        return DEFAULT_PROMPT_CAP
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ConfigError(f"{PROMPT_CAP_ENV}={raw!r} must be a whole number of bytes >= 1 (unset: "
+                          f"{DEFAULT_PROMPT_CAP} bytes)")
+    return int(raw)
+
+
+def _over_cap(where: str, size: str, cap: int) -> ConfigError:
+    return ConfigError(f"{where} holds {size} bytes, over the {cap}-byte cap on prompt text; pass a smaller "
+                       f"file, or raise the cap: {PROMPT_CAP_ENV}=<bytes>")
+
+
+def _decode(data: bytes, where: str, fix: str) -> str:
+    """``data`` as UTF-8 text; binary data (NUL bytes, invalid UTF-8) is a ConfigError naming ``where``."""
     bad = data.find(b"\0")  # valid UTF-8, but no text file holds NUL bytes
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         bad = exc.start if bad < 0 else min(bad, exc.start)
     if bad >= 0:
-        raise ConfigError(f"{key}={str(path)!r} is not UTF-8 text (binary data at byte {bad}); pass a text file")
+        raise ConfigError(f"{where} is not UTF-8 text (binary data at byte {bad}); {fix}")
     return text
+
+
+def read_text(path: str | os.PathLike, key: str) -> str:
+    """The text of a prompt file; missing, a directory, not a regular file (``/dev/zero``, a pipe), over
+    :func:`prompt_cap` or binary is a clear error naming ``key``."""
+    p = Path(path).expanduser()
+    where = f"{key}={str(path)!r}"
+    if not p.exists():
+        raise FileNotFoundError(f"{where}: no such file; pass the path of a text file")
+    if p.is_dir():
+        raise IsADirectoryError(f"{where} is a directory; pass the path of a text file")
+    if not p.is_file():  # read twice (checked, then used): a device or a pipe would never end, or be empty
+        raise ConfigError(f"{where} is not a regular file (a device or a pipe); pass the path of a text file"
+                          + (" (prompt_file=- reads stdin)" if key == "prompt_file" else ""))
+    cap = prompt_cap()
+    with p.open("rb") as f:
+        data = f.read(cap + 1)  # the size from stat can change under us: the read itself stops at the cap
+    if len(data) > cap:
+        raise _over_cap(where, f"{p.stat().st_size}", cap)
+    return _decode(data, where, "pass a text file")
+
+
+def read_stdin(key: str = "prompt_file") -> str:
+    """The prompt piped to stdin (``prompt_file=-``), read up to :func:`prompt_cap` bytes: an endless pipe or
+    binary (not UTF-8) input is a one-line error naming ``key``."""
+    import sys
+
+    where, cap = f"{key}=- (stdin)", prompt_cap()
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:
+        raise ConfigError(f"{where}: there is no stdin to read; pipe the prompt in, or pass {key}=<file>")
+    data = stream.read(cap + 1)
+    if len(data) > cap:
+        raise _over_cap(where, f"more than {cap}", cap)
+    return _decode(data, where, "pipe UTF-8 text in")
 
 
 def read_prompt_file(path: str | os.PathLike, key: str = "prompts") -> list[PromptText]:
@@ -106,7 +156,7 @@ def token_counter(tokenizer) -> Callable[[str], int]:
     """Tokens in a text (a treedec or ``tokenizers`` tokenizer; None: about 4 characters per token)."""
     if tokenizer is None:
         return lambda text: (len(text) + 3) // 4
-    if hasattr(tokenizer, "encode_batch"):  # tokenizers.Tokenizer
+    if not hasattr(tokenizer, "whole_chars"):  # a bare tokenizers.Tokenizer, not treedec's
         return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
     return lambda text: len(tokenizer.encode(text, add_bos=False))
 
@@ -277,6 +327,6 @@ def load_prompt_set(source: str, n: int, prompt_tokens: int, tokenizer=None, see
     return out
 
 
-__all__ = ["PROMPT_KEYS", "SOURCES", "PromptText", "cut_before", "heldout_prompts", "load_prompt_set",
-           "read_prompt_file", "read_text", "site_dirs", "stdlib_prompts", "third_party_packages",
+__all__ = ["PROMPT_KEYS", "SOURCES", "PromptText", "cut_before", "heldout_prompts", "load_prompt_set", "prompt_cap",
+           "read_prompt_file", "read_stdin", "read_text", "site_dirs", "stdlib_prompts", "third_party_packages",
            "third_party_prompts", "token_counter"]
