@@ -6,7 +6,7 @@ import torch
 
 from tests.helpers import full_logits, tiny_model
 from treedec.tree import Tree
-from treedec.tree.layout import pack_bits
+from treedec.attention.layout import pack_bits
 
 ATOL = 2e-5
 

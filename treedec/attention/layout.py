@@ -1,4 +1,4 @@
-"""Flattening helpers: ancestry matrices and their packed int64 bit form.
+"""The tree mask's wire format: ancestry matrices and their packed int64 bit form.
 
 ``ancestor_bits`` packs the boolean ancestry matrix 64 columns per int64 word, so a
 kernel can test "may node i see tree key j" with ``(bits[i, j // 64] >> (j % 64)) & 1``.

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from treedec.tree.layout import unpack_bits
+from treedec.attention.layout import unpack_bits
 
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa=
 

@@ -21,7 +21,7 @@ from treedec.attention import (default_backend, fold_query_groups, folded_sdpa, 
 from treedec.models.cache import KVCache
 from treedec.models.config import LlamaConfig
 from treedec.models.packed import pack_linears
-from treedec.tree.layout import chain_bits, pack_bits, unpack_bits
+from treedec.attention.layout import chain_bits, pack_bits, unpack_bits
 
 
 class RMSNorm(nn.Module):

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from treedec.tree.layout import ancestor_matrix, pack_bits
+from treedec.attention.layout import ancestor_matrix, pack_bits
 
 
 class TreeError(ValueError):

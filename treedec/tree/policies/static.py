@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from treedec.decoding.sampling import SamplingParams, greedy_pick, target_probs
-from treedec.tree.layout import ancestor_matrix
+from treedec.attention.layout import ancestor_matrix
 from treedec.tree.policies.base import TreePolicy
 from treedec.tree.shapes import load_shape
 from treedec.tree.tree import Tree, TreeError
