@@ -36,12 +36,12 @@ def started(cost_fn, c=0.8, gain=0.0, **kw) -> AutoPolicy:
     pol.c[:] = c
     for i in pol._tree:
         _, d, t = pol.shapes[i]
-        pol.R[i] = 1 + gain * (t - d - 1)
+        pol.R[i, :d] = 1 + gain * (t - d - 1)
     return pol
 
 
 def rate(pol, rows):
-    return (1 + pol.rho * pol.expected()) / pol.cost.seconds(rows)
+    return (1 + pol.expected()) / pol.cost.seconds(rows)
 
 
 def test_the_rule_picks_the_most_tokens_per_second():
@@ -82,31 +82,34 @@ def info(n_accept):
     return SimpleNamespace(active=[True] * len(n_accept), n_accept=n_accept)
 
 
-def test_rho_converges_on_a_biased_calibration():
-    """The calibration promises 2 accepted drafts a step; the text gives 3: rho goes to 1.5 in a few dozen steps."""
+def test_rho_converges_per_depth_on_a_biased_calibration():
+    """The calibration promises rows reach depths 1-3 with 0.5 / 0.25 / 0.1; every row accepts all 3 drafts:
+    rho goes to 2 / 4 / 10 within a few dozen steps, and a chain's expected drafts to the 3 it gets."""
     pol = started(lambda *a: 1.0)
     chain = pol.shapes.index((1, 3, 4))
     for step in range(60):
-        pol._pending = (chain, torch.tensor([0.9, 0.6, 0.5]), torch.tensor([2.0, 2.0]))
+        pol._pending = (chain, torch.tensor([0.5, 0.25, 0.1]), torch.tensor([[0.5, 0.25, 0.1]] * 2))
         pol.observe(info([4, 4]))
         if step == 30:
-            assert abs(pol.rho - 1.5) < 0.05
-    assert pol.rho == pytest.approx(1.5, abs=1e-3)
+            assert pol.rho[:3] == pytest.approx([2, 4, 10], rel=0.05)
+    assert pol.rho[:3] == pytest.approx([2, 4, 10], rel=1e-3) and (pol.rho[3:] == 1).all()
+    assert pol.expected()[chain] == pytest.approx(3, rel=1e-3)
 
 
 def test_chain_and_tree_steps_update_their_own_estimates():
     pol = AutoPolicy(max_depth=3, top_k=2, calibration=None)
     pol.cost = FakeCost(pol, lambda *a: 1.0)
-    chain = next(i for i, s in enumerate(pol.shapes) if s == (1, 3, 4))
-    pol._pending = (chain, torch.tensor([0.8, 0.4, 0.1]), torch.tensor([1.3]))
+    chain = pol.shapes.index((1, 3, 4))
+    pol._pending = (chain, torch.tensor([0.8, 0.4, 0.1]), torch.tensor([[0.8, 0.4, 0.1]]))
     pol.observe(info([2]))
     assert pol.c == pytest.approx([0.8, 0.5, 0.25])  # the first measurement replaces the prior
-    tree = next(i for i, s in enumerate(pol.shapes) if s == (2, 3, 4))
-    curve = torch.zeros(2, 10)  # [depth limits 2..3, T - 1] of expected accepted drafts
-    curve[1, 2] = 1.4 * (0.8 + 0.4 + 0.1)
-    pol._pending = (tree, curve, torch.tensor([1.0]))
+    tree = pol.shapes.index((2, 3, 4))
+    mass = torch.zeros(2, 10, 3)  # [depth limits 2..3, T - 1, depth]: expected drafts of the best T - 1 nodes
+    mass[1, 2] = torch.tensor([1.2, 0.4, 0.05])  # two children of the root, one grandchild
+    pol._pending = (tree, mass, torch.tensor([[1.2, 0.4, 0.05]]))
     pol.observe(info([2]))
-    assert pol.R[tree] == pytest.approx(1.4) and pol.c == pytest.approx([0.8, 0.5, 0.25])
+    assert pol.R[tree] == pytest.approx([1.5, 1.0, 0.5]) and pol.c == pytest.approx([0.8, 0.5, 0.25])
+    assert pol.R[chain] == pytest.approx([1, 1, 1])
 
 
 def test_every_candidate_drafts_a_valid_tree_of_its_own_size_and_depth():

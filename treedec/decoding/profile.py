@@ -2,7 +2,7 @@
 
 One row count takes a few tenths of a second on a CPU: the target's verify pass over a chain of T tokens
 (T = 1: the plain decoding pass) after a 128-token prefix, and the policy's own draft of every width at
-its shallowest and deepest depth, each the shortest of two runs after a warm-up, on caches of their own
+its shallowest and deepest depth, each the shortest of three runs after a warm-up, on caches of their own
 (the decoder's state is never touched).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from treedec.decoding.drafter import Drafter
 from treedec.tree.cost import StepCost
 
 PREFIX = 128  # tokens of context the profile's passes attend over
-REPEATS = 2
+REPEATS = 3
 
 
 def _seconds(fn: Callable[[], object], device: torch.device) -> float:

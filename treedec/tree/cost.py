@@ -51,6 +51,13 @@ def _line(points: dict[int, float], x: float) -> float:
     return max(points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0), 0.0)
 
 
+def _rising(points: dict[int, float]) -> dict[int, float]:
+    """A pass never costs less for more tokens or depth: a point above a later one (a disturbed run) is lowered."""
+    xs = sorted(points)
+    low = np.minimum.accumulate([points[x] for x in reversed(xs)])[::-1]
+    return dict(zip(xs, low))
+
+
 def _buckets(rows: int) -> list[int]:
     """The measured row counts (powers of 4) whose profiles bracket ``rows``."""
     lo = 1
@@ -124,7 +131,7 @@ class StepCost:
                         "to a writable folder", self.path, e)
 
     def _at(self, entry: dict, k: int, d: int, t: int) -> float:
-        return _line(entry["verify"], t) + (_line(entry["draft"][k], d) if d else 0.0)
+        return _line(_rising(entry["verify"]), t) + (_line(_rising(entry["draft"][k]), d) if d else 0.0)
 
     def profiled(self, rows: int) -> np.ndarray:
         """Seconds of every shape at ``rows`` rows by the profile alone (linear between row buckets)."""

@@ -39,6 +39,7 @@ from treedec.tree.tree import Tree, TreeError
 
 SIZES = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # node budgets a tree candidate may verify (few verify shapes)
 ALPHA = 0.1  # weight of one step in the acceptance estimates and in rho (a time constant of ~10 steps)
+PRIOR = 2.0  # rho starts at 1 with the weight of this many steps
 
 
 class AutoPolicy(TreePolicy):
@@ -67,9 +68,10 @@ class AutoPolicy(TreePolicy):
         self._width, self._depth = a[:, 0], a[:, 1]
         self._tree = np.flatnonzero(self._width > 1)  # the tree candidates' indices (their R entries)
         self.c = np.ones(self.max_depth)  # chain continuation per depth (index d-1); measured by the first step
-        self.R = np.ones(len(shapes))  # gain of each candidate over the chain of its depth (1 for chains)
+        # each candidate's expected drafts at each depth, over the chain's there (a chain: 1 down to its depth)
+        self.R = (np.arange(1, self.max_depth + 1)[None] <= self._depth[:, None]).astype(float)
         self._seen_c, self._seen_R = np.zeros(self.max_depth), np.zeros(len(shapes))  # measurements of each entry
-        self.rho_obs = self.rho_exp = 0.0  # EMAs of observed and of expected accepted drafts (prior: rho = 1)
+        self.observed, self.promised = np.zeros(self.max_depth), np.zeros(self.max_depth)  # rho's decayed sums
         deepest = max(range(len(shapes)), key=lambda i: (shapes[i][0] == 1, shapes[i][1]))
         widest = [min(self._tree, key=lambda i: (-shapes[i][1], shapes[i][2]))] if len(self._tree) else []
         self._plan = [deepest, *widest]  # the first steps: the deepest chain, then the deepest pool
@@ -94,20 +96,20 @@ class AutoPolicy(TreePolicy):
 
     # ------------------------------------------------------------------------------------- the rule
     @property
-    def rho(self) -> float:
-        return self.rho_obs / self.rho_exp if self.rho_exp > 0 else 1.0
+    def rho(self) -> np.ndarray:
+        """Per depth: rows observed reaching it over the calibrated scores' promise (1 until measured)."""
+        return np.where(self.promised > 0, self.observed / np.maximum(self.promised, 1e-12), 1.0)
 
     def expected(self) -> np.ndarray:
-        """Expected accepted drafts of every candidate (before ``rho``)."""
-        chain = np.concatenate([[0.0], np.cumsum(np.cumprod(self.c))])  # by depth, 0 for the root alone
-        return chain[self._depth] * self.R
+        """Expected accepted drafts of every candidate: its chain's reach per depth, times its gain, times rho."""
+        return self.R @ (self.rho * np.cumprod(self.c))
 
     def choose(self, rows: int) -> int:
         """The candidate index with the most expected tokens per predicted second at ``rows`` rows."""
         seconds = self.cost.seconds(rows)
         if self._plan:
             return self._plan.pop(0)
-        return int(np.argmax((1 + self.rho * self.expected()) / seconds))
+        return int(np.argmax((1 + self.expected()) / seconds))
 
     # ------------------------------------------------------------------------------------- the step
     def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Tree:
@@ -129,42 +131,46 @@ class AutoPolicy(TreePolicy):
             cum = tree.scores[:, 1:]  # [B, D] cumulative draft log-probs
             edge = cum - torch.nn.functional.pad(cum[:, :-1], (1, 0))
             p = self._log_accept(edge, torch.arange(1, D + 1, device=edge.device)).cumsum(-1).exp()
-            self._pending = (i, _host(p.mean(0)), _host(p.sum(-1)))
+            self._pending = (i, _host(p.mean(0)), _host(p))
             return tree
         pool = self.trees.pool(drafter, params, D, k)
         limits = torch.arange(2, D + 1, device=pool.score.device)[:, None, None]
         probs = torch.where(pool.depth[None] <= limits, pool.score[None].exp(), 0.0)  # [depth limits, B, n]
-        curve = probs.sort(-1, descending=True).values.cumsum(-1)
-        self._pending = (i, _host(curve.mean(1)), _host(curve[-1, :, T - 2]))
+        best = probs.sort(-1, descending=True)
+        where = pool.depth.expand_as(probs).gather(-1, best.indices)[..., None]  # the sorted nodes' depths
+        by_depth = torch.zeros(*probs.shape, D + 1, device=probs.device).scatter_(-1, where, best.values[..., None])
+        mass = by_depth.mean(1).cumsum(1)[..., 1:]  # [limit, T - 1, depth]: the best T-1 nodes' drafts per depth
+        self._pending = (i, _host(mass), _host(by_depth[-1, :, : T - 1, 1:].sum(1)))
         return self.trees.select(pool, T)
 
     def _log_accept(self, edge: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
         return edge if self.calibration is None else self.calibration.log_accept(edge, depth)
 
     def observe(self, info) -> None:
-        """Fold this step's drafted scores into the estimates, and what its rows accepted into ``rho``."""
+        """Fold this step's drafted scores into the estimates, and how deep its rows accepted into ``rho``."""
         if self._pending is None:
             return
-        i, mean, per_row = self._pending
+        i, drafted, per_row = self._pending
         self._pending = None
-        mean, per_row = mean.numpy(), per_row.numpy()
+        drafted, per_row = drafted.numpy(), per_row.numpy()  # per_row [B, D]: the verified tree's drafts per depth
         k, D, _ = self.shapes[i]
         if k == 1:  # continuation per depth: P(depth d) / P(depth d - 1), a ratio of batch means
-            reach = np.concatenate([[1.0], mean])
+            reach = np.concatenate([[1.0], drafted])
             _average(self.c, self._seen_c, slice(0, D), np.minimum(reach[1:] / np.maximum(reach[:-1], 1e-12), 1.0))
-        else:  # every tree shape this pool holds: its expected drafts over the chain estimate of its depth
+        else:  # every tree shape this pool holds, per depth: its expected drafts over the chain's reach
             held = self._tree[self._depth[self._tree] <= D]
-            chain = np.cumsum(np.cumprod(self.c))[self._depth[held] - 1]
             t = np.array([self.shapes[j][2] for j in held])
-            gain = mean[self._depth[held] - 2, t - 2] / np.maximum(chain, 1e-12)
+            gain = np.zeros((len(held), self.max_depth))
+            gain[:, :D] = drafted[self._depth[held] - 2, t - 2] / np.maximum(np.cumprod(self.c)[:D], 1e-12)
             _average(self.R, self._seen_R, held, gain)
         live = [b for b, a in enumerate(info.active) if a]
-        if live:
-            expected = float(per_row[live].mean())
-            if self.rho_exp == 0:  # the prior: rho = 1, worth about 1 / ALPHA steps
-                self.rho_obs = self.rho_exp = expected
-            self.rho_obs += ALPHA * (sum(info.n_accept[b] - 1 for b in live) / len(live) - self.rho_obs)
-            self.rho_exp += ALPHA * (expected - self.rho_exp)
+        if live:  # rows reaching each depth, observed and promised; the first sight of a depth is a prior of rho 1
+            reached = (np.array([info.n_accept[b] - 1 for b in live])[:, None] >= np.arange(1, D + 1)).mean(0)
+            promised = per_row[live].mean(0)
+            new = self.promised[:D] == 0
+            self.observed[:D][new] = self.promised[:D][new] = PRIOR * promised[new]
+            self.observed[:D] = (1 - ALPHA) * self.observed[:D] + reached
+            self.promised[:D] = (1 - ALPHA) * self.promised[:D] + promised
 
     def begin(self, prompts, first) -> None:
         self._clock_at = self._pending = None  # a new generation: the time since the last step is no step
@@ -176,7 +182,8 @@ class AutoPolicy(TreePolicy):
 def _average(values: np.ndarray, seen: np.ndarray, at, new: np.ndarray) -> None:
     """EMA of ``new`` into ``values[at]``; an entry's first measurements replace its prior (a running mean)."""
     seen[at] += 1
-    values[at] += np.maximum(ALPHA, 1 / seen[at]) * (new - values[at])
+    w = np.maximum(ALPHA, 1 / seen[at])
+    values[at] += (w[:, None] if values.ndim > 1 else w) * (new - values[at])
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
