@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -96,3 +97,179 @@ def test_renamed_key_on_the_command_line_is_one_error_line():
     done = subprocess.run([sys.executable, "-m", "treedec.train", "target=/models/x"], capture_output=True, text=True,
                           timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("Error: target is now model.path")
+
+
+# ------------------------------------------------------------------ user mistakes: one line, before any work
+def compose_cfg(name: str, overrides: list[str]):
+    """A composed entry-point config with its hydra node (the choices name the group, as in a real run)."""
+    from hydra import compose, initialize_config_dir
+
+    from treedec.models.paths import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name=name, overrides=overrides, return_hydra_config=True)
+
+
+def entry_run(name: str):
+    """The task body an entry point wraps in :func:`entry` (its ``run``)."""
+    import importlib
+
+    return importlib.import_module("treedec.bench.__main__" if name == "bench" else f"treedec.{name}").run
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("not a directory\n")
+    return path
+
+
+def no_gpu(monkeypatch):
+    from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
+
+    for acc in (CUDAAccelerator, MPSAccelerator):
+        monkeypatch.setattr(acc, "is_available", staticmethod(lambda: False))
+
+
+def stdin_of(data: bytes, cap: int | None = None):
+    """A setup piping ``data`` to stdin (under a prompt-size cap of ``cap`` bytes)."""
+    def setup(monkeypatch):
+        import io
+
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+        if cap is not None:
+            monkeypatch.setenv("TREEDEC_PROMPT_MAX_BYTES", str(cap))
+    return setup
+
+
+# the cases below, by issue 39's item numbers
+MISTAKES = ["17-draft.path", "17-model.path", "17-tree.path", "17-data.path", "17-out", "18a-no-gpu",
+            "18b-triton-on-cpu", "18d-run-dir-below-file", "18d-calibrate-out-below-file", "18d-calibrate-out-is-dir",
+            "18d-export-out-below-file", "18d-regenerate-out-dir", "18d-export-dir", "18d-pretrain-run-dir-is-file",
+            "10-dev-zero", "10-file-over-cap", "10-stdin-over-cap", "18c-stdin-not-utf8"]
+
+
+@pytest.mark.parametrize("name, overrides, setup, message", [
+    # item 17: a key the chosen group leaves ??? (30 lines of MissingMandatoryValue before)
+    ("generate", ["draft=path"], None, r"draft\.path is required with draft=path: pass draft\.path=DIR"),
+    ("generate", ["model=hf"], None, r"model\.path is required with model=hf: pass model\.path=DIR"),
+    ("generate", ["tree=learned"], None, r"tree\.path is required with tree=learned: pass tree\.path=FILE"),
+    ("train", ["data=jsonl"], None, r"data\.path is required with data=jsonl: pass data\.path=FILE"),
+    ("export_head", [], None, r"out is required: pass out=DIR"),
+    # item 18a: a GPU trainer without a GPU (Lightning's "No supported gpu backend found!" traceback before)
+    ("train", ["trainer=ddp"], no_gpu, r"trainer\.accelerator=gpu needs a GPU, .* trainer\.accelerator=cpu"),
+    # item 18b: the Triton kernel on a CPU outside Triton's interpreter
+    ("generate", ["kernel=triton", "model.device=cpu"], lambda mp: mp.delenv("TRITON_INTERPRET", raising=False),
+     r"model\.attn_backend=triton \(kernel=triton\) runs on CUDA, .*kernel=sdpa or kernel=auto.*TRITON_INTERPRET=1"),
+    # item 18d: an output path that is a file, or lies below one, for every entry point that writes one
+    ("generate", ["paths.run_dir={file}/run"], None, r"paths\.run_dir='{file}/run' lies below {file}, which is a file"),
+    ("calibrate", ["out={file}/tree.yaml"], None, r"out='{file}/tree\.yaml' lies below {file}, which is a file"),
+    ("calibrate", ["out={tmp}"], None, r"out='{tmp}' is a directory; pass the path of a file to write"),
+    ("export_head", ["out={file}/head"], None, r"out='{file}/head' lies below {file}, which is a file"),
+    ("regenerate", ["input={file}", "out_dir={file}/sub"], None, r"out_dir='{file}/sub' lies below {file}"),
+    ("train", ["export_dir={file}/head"], None, r"export_dir='{file}/head' lies below {file}, which is a file"),
+    ("pretrain", ["paths.run_dir={file}"], None, r"paths\.run_dir='{file}' is a file; pass a directory"),
+    # item 10: prompt text that never ends or is too large, from a file or stdin (item 18c: stdin not UTF-8)
+    ("generate", ["prompt_file=/dev/zero"], None, r"prompt_file='/dev/zero' is not a regular file"),
+    ("generate", ["prompt_file={file}"], lambda mp: mp.setenv("TREEDEC_PROMPT_MAX_BYTES", "8"),
+     r"prompt_file='{file}' holds 16 bytes, over the 8-byte cap on prompt text; .*TREEDEC_PROMPT_MAX_BYTES=<bytes>"),
+    ("generate", ["prompt_file=-"], stdin_of(b"def f(x):\n    return x\n" * 4, cap=80),
+     r"prompt_file=- \(stdin\) holds more than 80 bytes, over the 80-byte cap"),
+    ("generate", ["prompt_file=-"], stdin_of(b"def f():\n    return '\xff\xfe'\n"),
+     r"prompt_file=- \(stdin\) is not UTF-8 text \(binary data at byte 21\); pipe UTF-8 text in"),
+], ids=MISTAKES)
+def test_user_mistakes_are_one_error_line(name, overrides, setup, message, tmp_path, a_file, monkeypatch):
+    """Each mistake stops the entry point with one ``Error:`` line naming the key (or file) and the fix, before any
+    model loads or any file is written (the run dir is never made)."""
+    fill = {"file": a_file, "tmp": tmp_path}
+    overrides = [o.format(**fill) for o in overrides]
+    if not any(o.startswith("paths.run_dir=") for o in overrides):
+        overrides.append(f"paths.run_dir={tmp_path / 'run'}")
+    if setup is not None:
+        setup(monkeypatch)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    cfg = compose_cfg(name, overrides)
+    with pytest.raises(SystemExit) as e:
+        entry(entry_run(name))(cfg)
+    text = str(e.value.code)
+    assert "\n" not in text and text.startswith("Error: "), text
+    assert re.search(message.format(**{k: re.escape(str(v)) for k, v in fill.items()}), text), text
+    assert not (tmp_path / "run").exists()
+
+
+RAISING_TEMPLATE = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system turn comes first') }}{% endif %}"
+
+
+@pytest.mark.parametrize("render, fix", [
+    (lambda tok: __import__("treedec.data.chat", fromlist=["x"]).chat_prompt_ids(tok, "def f(x):", "pass chat=false"),
+     "pass chat=false"),  # generate / calibrate / bench with chat=true
+    (lambda tok: __import__("treedec.data.chat", fromlist=["x"]).ChatRenderer(tok, RAISING_TEMPLATE).render(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True), "set chat_template=fallback"),  # regenerate
+], ids=["18e-prompt", "18e-renderer"])
+def test_a_chat_template_that_raises_is_one_error_line(render, fix, monkeypatch):
+    """Item 18e: the template's own raise_exception (or any error in it) names the template and the fix."""
+    from treedec.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("tiny-code")
+    tok.chat_template = RAISING_TEMPLATE
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as e:
+        entry(render)(tok)
+    assert re.fullmatch(r"Error: the (tokenizer's|custom) chat template failed to render \(TemplateError: a system turn "
+                        rf"comes first\); fix the template, or {fix}.*", str(e.value.code)), e.value.code
+
+
+class FullDisk:
+    """``os.fdopen`` of a disk with no room: the first write fails with EFBIG (the fd is closed on exit)."""
+
+    def __init__(self, fd, *args, **kwargs):
+        self.fd = fd
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self.fd)
+
+    def write(self, text):
+        import errno
+
+        raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+
+
+def export_on_a_full_disk(path: Path) -> None:
+    import errno
+
+    from treedec.training.trainer import atomic_dir
+
+    def save(tmp: Path) -> None:
+        (tmp / "draft.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    atomic_dir(path, save)
+
+
+@pytest.mark.parametrize("name, write", [
+    ("metrics.json", lambda path: write_text_atomic(path, "{\"new\": 1}\n")),  # generate, calibrate, bench
+    ("metrics.json", lambda path: __import__("treedec.training.trainer", fromlist=["x"]).write_json(path, {"new": 1})),
+    ("export", export_on_a_full_disk),  # train / pretrain's exported head or model
+], ids=["18f-write_text_atomic", "18f-train-metrics", "18f-export"])
+def test_a_full_disk_is_one_error_line_and_keeps_what_was_there(name, write, tmp_path, monkeypatch):
+    """Item 18f: EFBIG / ENOSPC while writing an output: one line saying the disk is full, naming the output and
+    what was kept; the old file (or directory) is as it was and no temp file is left."""
+    path = tmp_path / name
+    if name == "export":
+        path.mkdir()
+        (path / "draft.safetensors").write_bytes(b"old")
+    else:
+        path.write_text("{\"old\": 1}\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    monkeypatch.setattr(os, "fdopen", FullDisk)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as e:
+        entry(write)(path)
+    assert re.fullmatch(rf"Error: the disk is full writing {re.escape(str(path))} \((File too large|No space left on "
+                        r"device)\): .*no file was left half-written and the files already there \(results, "
+                        r"checkpoints\) are kept; free some space .*", str(e.value.code)), e.value.code
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no temp file left
+    assert (path / "draft.safetensors").read_bytes() == b"old" if name == "export" else path.read_text() == "{\"old\": 1}\n"

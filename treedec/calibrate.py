@@ -60,9 +60,11 @@ def prompt_texts(cfg: DictConfig, tok) -> list[str]:
 
 
 def encode_prompts(cfg: DictConfig, tok, texts: list[str]) -> list[list[int]]:
+    from treedec.data.chat import chat_prompt_ids
+
     out = []
     for t in texts:
-        ids = tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True) if cfg.chat else tok.encode(t)
+        ids = chat_prompt_ids(tok, t, "pass chat=false") if cfg.chat else tok.encode(t)
         ids = ids[-int(cfg.prompts.prompt_tokens):]
         if ids:
             out.append(ids)

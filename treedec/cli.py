@@ -7,10 +7,12 @@ Hydra only passes ``SystemExit`` through (it turns other exceptions into traceba
 exceptions in callbacks into warnings), hence :func:`fail`.
 
 **Output files** are written atomically (:func:`write_text_atomic`: a temp file, then a rename), so
-a crash or a kill never leaves a half-written ``metrics.json`` for a sweep summary to trip over.
+a crash or a kill never leaves a half-written ``metrics.json`` for a sweep summary to trip over. A full
+disk is a user error too: one line saying so and that what was written before is kept (:func:`disk_full`).
 """
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import tempfile
@@ -20,6 +22,9 @@ from typing import Any, Callable, NoReturn, TypeVar
 # Errors whose message is written for the user (ConfigError, CheckpointError, TreeError are ValueErrors).
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, IsADirectoryError,
                                                 NotADirectoryError, PermissionError)
+
+# errno of a write that found no room: no space left, a file over the size limit, a quota exceeded.
+DISK_FULL = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 
 F = TypeVar("F", bound=Callable)
 
@@ -35,6 +40,38 @@ def fail(exc: BaseException | str) -> NoReturn:
     raise SystemExit(f"Error: {exc if isinstance(exc, str) else one_line(exc)}") from None
 
 
+def disk_full(exc: OSError) -> str | None:
+    """The one-line message for a write that found the disk (or the quota, or the file size limit) full; None
+    for any other OSError."""
+    if exc.errno not in DISK_FULL:
+        return None
+    where = f" writing {exc.filename}" if exc.filename else ""
+    return (f"the disk is full{where} ({exc.strerror or os.strerror(exc.errno)}): every output is written to a "
+            f"temp file and renamed, so no file was left half-written and the files already there (results, "
+            f"checkpoints) are kept; free some space (or write elsewhere: hydra.run.dir=DIR) and run again (a "
+            f"training job resumes from its newest checkpoint)")
+
+
+def naming(exc: OSError, path: str | os.PathLike) -> OSError | None:
+    """A full disk's error naming the output ``path`` (a failed ``write()`` names no file, an ``open()`` the temp
+    file), for :func:`disk_full`'s message; None for any other error."""
+    return OSError(exc.errno, exc.strerror, str(path)) if exc.errno in DISK_FULL else None
+
+
+def user_message(exc: BaseException) -> str | None:
+    """The one line a user's mistake prints (a user error, a required key left ``???``, a full disk); None for
+    a bug, which keeps its traceback."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    if isinstance(exc, USER_ERRORS):
+        return one_line(exc)
+    if isinstance(exc, MissingMandatoryValue) and exc.full_key:  # a ??? key read before (or without) the schema check
+        from treedec.config_schema import group_choices, required_error
+
+        return one_line(required_error(str(exc.full_key), group_choices()))
+    return disk_full(exc) if isinstance(exc, OSError) else None
+
+
 def entry(fn: F) -> F:
     """Decorate a Hydra task function (under ``@hydra.main``): user errors become one ``Error:`` line."""
 
@@ -42,26 +79,38 @@ def entry(fn: F) -> F:
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except USER_ERRORS as exc:
-            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        except Exception as exc:
+            msg = user_message(exc)
+            if msg is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
-            fail(exc)
+            fail(msg)
 
     return wrapper  # type: ignore[return-value]
+
+
+RUN_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir")  # made by Hydra before any task code runs
 
 
 def refuse_renamed(name: str, argv: list[str] | None = None) -> None:
     """Before Hydra parses the command line: an override of a renamed key (``target=``, ``kernel.backend=``,
     ``+experiment=``...) of entry point ``name`` stops with one ``Error:`` line naming the new key (Hydra would only
-    say "not in struct")."""
+    say "not in struct"), and so does a ``hydra.run.dir`` that is a file or lies below one (Hydra would make it
+    with a traceback, before the task's own checks)."""
     import sys
 
     from treedec.errors import renamed
 
     for arg in (sys.argv[1:] if argv is None else argv):
-        key = arg.lstrip("+~").split("=", 1)[0]
+        key, _, value = arg.lstrip("+~").partition("=")
         if "=" in arg and not arg.startswith("hydra") and (msg := renamed(key, name)):
             fail(msg)
+        if key in RUN_DIR_KEYS:
+            from treedec.config_schema import ConfigError, check_out_path
+
+            try:
+                check_out_path(value, key)
+            except ConfigError as exc:
+                fail(exc)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
@@ -76,6 +125,11 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 
         follow_umask(tmp)  # mkstemp creates 0600
         os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if (full := naming(exc, path)) is not None:
+            raise full from exc
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

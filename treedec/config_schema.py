@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from treedec.errors import ConfigError  # in its own module: the data layer raises it too
@@ -455,6 +455,25 @@ def _get(cfg, key: str):
     return OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
 
 
+def _check_triton(backend: Any, device: Any) -> None:
+    """The Triton kernel runs on CUDA tensors, or on CPU ones only in Triton's interpreter (``TRITON_INTERPRET=1``,
+    read when the kernel is defined): refused here, not with a RuntimeError at the first decoding step."""
+    import os
+
+    from treedec.models.checkpoint import resolve_device
+
+    if backend != "triton" or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    try:
+        dev = resolve_device(device)
+    except ValueError:
+        return  # _check_model names the bad device
+    if dev.type != "cuda":
+        raise ConfigError(f"model.attn_backend=triton (kernel=triton) runs on CUDA, and model.device is {dev.type}: "
+                          f"use kernel=sdpa or kernel=auto on a CPU, or set TRITON_INTERPRET=1 in the environment "
+                          f"to run the Triton kernel in its (slow) interpreter")
+
+
 def _check_model(cfg) -> None:
     from treedec.models.checkpoint import resolve_device, resolve_dtype
 
@@ -585,12 +604,89 @@ _RULES["regenerate"] = [(k, _ge(1), ">= 1") for k in ("prompt_tokens", "max_new_
 _CHECKS["regenerate"] = _check_regenerate
 
 
+# ------------------------------------------------------------------- required keys and output paths
+# What to pass for a key a config group leaves unset (``???``), e.g. draft.path after draft=path.
+REQUIRED_HINTS: dict[str, str] = {
+    "model.path": "DIR (a local Hugging Face model directory, or tiny-code)",
+    "draft.path": "DIR (a draft head directory, e.g. the export of python -m treedec.train)",
+    "tree.path": "FILE (the learned_tree.yaml that python -m treedec.calibrate wrote)",
+    "data.path": "FILE (a .jsonl of {\"text\": ...} lines or chats)",
+    "input": "FILE (a .jsonl of {\"text\": ...} lines or chats)",
+    "out": "DIR (the directory to create)",
+}
+
+
+def missing_keys(node: Any, prefix: str = "") -> list[str]:
+    """The full keys of ``node`` left ``???`` (interpolations are not resolved; the ``hydra`` node is skipped)."""
+    if not isinstance(node, (DictConfig, ListConfig)) or node._is_none() or node._is_missing():
+        return []
+    out: list[str] = []
+    for key in (node.keys() if isinstance(node, DictConfig) else range(len(node))):
+        if not prefix and key == "hydra":
+            continue
+        child, path = node._get_node(key), f"{prefix}.{key}" if prefix else str(key)
+        if child._is_missing():
+            out.append(path)
+        elif isinstance(child, (DictConfig, ListConfig)) and not child._is_interpolation():
+            out += missing_keys(child, path)
+    return out
+
+
+def group_choices(cfg: Any = None) -> dict[str, str]:
+    """Hydra's config-group choices of this job (``draft`` -> ``path``), from ``cfg.hydra`` or the running job."""
+    node = OmegaConf.select(cfg, "hydra.runtime.choices") if isinstance(cfg, DictConfig) else None
+    if node is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        node = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    return {str(k): str(v) for k, v in dict(node).items() if v is not None}
+
+
+def required_error(key: str, choices: dict[str, str] | None = None) -> ConfigError:
+    """``<key> is required with <group>=<choice>: pass <key>=<what>``, the one line for an unset ``???`` key."""
+    group = key.split(".", 1)[0]
+    choice = (choices or {}).get(group) if "." in key else None
+    leaf = key.rsplit(".", 1)[-1]
+    hint = REQUIRED_HINTS.get(key) or (REQUIRED_HINTS.get(f"tree.{leaf}") if ".trees." in key else None) or "VALUE"
+    return ConfigError(f"{key} is required{f' with {group}={choice}' if choice else ''}: pass {key}={hint}")
+
+
+def check_required(cfg: DictConfig) -> None:
+    """A key left ``???`` (``draft=path`` without ``draft.path``) is one clear error before anything loads,
+    not OmegaConf's MissingMandatoryValue traceback when the key is first read."""
+    missing = missing_keys(cfg)
+    if missing:
+        raise required_error(missing[0], group_choices(cfg))
+
+
+def check_out_path(path: Any, key: str, is_dir: bool = True) -> None:
+    """An output ``path`` that cannot be written fails now, naming ``key``, not with an OSError after the work:
+    a directory to create or fill (``is_dir``; a file to write otherwise) must not be a file (a directory),
+    nor lie below a file."""
+    if path is None or "${" in str(path):
+        return
+    p = Path(str(path)).expanduser()
+    if p.exists() and p.is_dir() != is_dir:
+        what, want = ("a file", "a directory") if is_dir else ("a directory", "the path of a file to write")
+        raise ConfigError(f"{key}={str(path)!r} is {what}; pass {want}")
+    above = next((q for q in p.parents if q.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ConfigError(f"{key}={str(path)!r} lies below {above}, which is a file; pass a path outside it")
+
+
+OUT_PATHS: dict[str, list[tuple[str, bool]]] = {  # per entry point: (key, is a directory) of what it writes
+    "generate": [], "bench": [], "calibrate": [("out", False)], "export_head": [("out", True)],
+    "regenerate": [("out_dir", True)]}
+
+
 def validate(cfg: DictConfig, kind: str = "generate") -> None:
     """Raise :class:`ConfigError` if ``cfg`` (a composed ``generate``/``calibrate``/``bench`` config) has an
-    unknown key, a value of the wrong type or out of range, an unknown kernel backend or device, or a prompt
-    file that cannot be read: every option is checked before any model loads."""
+    unset required key, an unknown key, a value of the wrong type or out of range, an unknown kernel backend or
+    device, an output path below a file, or a prompt file that cannot be read: every option is checked before
+    any model loads."""
     if kind not in SCHEMAS:
         raise ValueError(f"unknown schema {kind!r}; known: {', '.join(SCHEMAS)}")
+    check_required(cfg)
     node = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     node.pop("hydra", None)
     _merge(SCHEMAS[kind], node, kind, f"Known top-level keys: {', '.join(_fields(SCHEMAS[kind]))} "
@@ -608,10 +704,13 @@ def validate(cfg: DictConfig, kind: str = "generate") -> None:
     if backend is not None and backend not in KERNEL_BACKENDS:
         raise ConfigError(f"invalid {kind} config: model.attn_backend={backend!r}; "
                           f"choose one of {', '.join(KERNEL_BACKENDS)} (or kernel=<one of them>)")
+    _check_triton(backend, _get(cfg, "model.device"))
     for key, ok, need in _RULES[kind]:
         value = _get(cfg, key)
         if value is not None and not ok(value):
             raise ConfigError(f"{key}={value!r}: must be {need}")
     _check_model(cfg)
+    for key, is_dir in [("paths.run_dir", True), *OUT_PATHS[kind]]:
+        check_out_path(_get(cfg, key), key, is_dir)
     _CHECKS[kind](cfg)
 

@@ -31,10 +31,11 @@ def _warm_up(dec, ids: list[int], max_new_tokens: int) -> float:
 
 
 def read_prompt(cfg: DictConfig) -> str:
+    """``prompt``, or the text of ``prompt_file`` (``-``: stdin), both read up to the prompt-size cap."""
     if cfg.prompt_file:
-        from treedec.data.prompts import read_text
+        from treedec.data.prompts import read_stdin, read_text
 
-        return sys.stdin.read() if cfg.prompt_file == "-" else read_text(cfg.prompt_file, "prompt_file")
+        return read_stdin("prompt_file") if cfg.prompt_file == "-" else read_text(cfg.prompt_file, "prompt_file")
     return str(cfg.prompt)
 
 
@@ -68,6 +69,7 @@ def run(cfg: DictConfig) -> dict:
 
     import torch
 
+    from treedec.data.chat import chat_prompt_ids
     from treedec.decoding import vanilla
     from treedec.decoding.speculative import SpeculativeDecoder
 
@@ -75,7 +77,7 @@ def run(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.num_threads))
     torch.manual_seed(int(cfg.seed))
     target, tok, draft = load_stack(cfg)
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True) if cfg.chat else tok.encode(text)
+    ids = chat_prompt_ids(tok, text, "pass chat=false") if cfg.chat else tok.encode(text)
     if not ids:
         raise ConfigError("the prompt encodes to no tokens; pass a non-empty prompt= or prompt_file=")
     eos, n_new = tok.eos_ids or None, int(cfg.max_new_tokens)

@@ -1,4 +1,4 @@
-"""Stand-ins for a preemption (block a fresh run at a given step until killed) and for a crash."""
+"""Stand-ins for a preemption (block a fresh run at a given step until killed or SIGTERMed) and for a crash."""
 from __future__ import annotations
 
 import time
@@ -34,3 +34,18 @@ class CrashOnce(L.Callback):
         if trainer.global_step >= self.at and not self.marker.exists():
             self.marker.write_text(str(trainer.global_step))
             raise RuntimeError(f"simulated crash at step {trainer.global_step}")
+
+
+class WaitForSigterm(L.Callback):
+    """At ``global_step >= at`` write ``marker`` and wait (at most ``seconds``) until Lightning has seen a SIGTERM,
+    so that the test's signal lands at a known step. Once: a re-run with the marker there trains through."""
+
+    def __init__(self, at: int, marker: str, seconds: float = 120.0):
+        self.at, self.marker, self.seconds = int(at), Path(marker), float(seconds)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.at and not self.marker.exists():
+            self.marker.write_text(str(trainer.global_step))
+            deadline = time.time() + self.seconds
+            while not trainer.received_sigterm and time.time() < deadline:
+                time.sleep(0.02)

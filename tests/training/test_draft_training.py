@@ -26,7 +26,8 @@ def target_dir(tokenizer, tmp_path_factory):  # noqa: F811
     return out
 
 
-def train_cfg(target_dir, corpus, tmp_path, steps, *extra):  # noqa: F811
+def train_overrides(target_dir, corpus, tmp_path, steps, *extra) -> list[str]:  # noqa: F811
+    """The overrides of a short draft job on the tiny target (``extra`` replaces a key or adds one)."""
     overrides = [f"model.path={target_dir}", "model.dtype=float32", f"export_dir={tmp_path / 'draft'}",
                  f"paths.run_dir={tmp_path / 'run'}", f"data.root={corpus}", "data.seq_len=32", "data.batch_size=8",
                  "data.val_fraction=0.2", f"data.cache_dir={tmp_path / 'cache'}", "data.max_val_windows=2",
@@ -35,9 +36,12 @@ def train_cfg(target_dir, corpus, tmp_path, steps, *extra):  # noqa: F811
                  "eval.n_prompts=2", "eval.prompt_tokens=24", "eval.max_new_tokens=8", "eval.every_n_steps=10",
                  "ckpt_every_n_steps=5", "log_every=5", "export_dtype=float32"]
     keys = {e.split("=", 1)[0] for e in extra}
-    overrides = [o for o in overrides if o.split("=", 1)[0] not in keys] + list(extra)
+    return [o for o in overrides if o.split("=", 1)[0] not in keys] + list(extra)
+
+
+def train_cfg(target_dir, corpus, tmp_path, steps, *extra):  # noqa: F811
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+        return compose(config_name="train", overrides=train_overrides(target_dir, corpus, tmp_path, steps, *extra))
 
 
 def test_train_resume_and_export(target_dir, corpus, tmp_path):  # noqa: F811
@@ -83,6 +87,49 @@ def test_crash_then_rerun_is_bit_identical(target_dir, corpus, tmp_path):  # noq
     got, want = head_weights(a / "draft"), head_weights(b / "draft")
     assert all(torch.equal(got[k], want[k]) for k in want)  # bit for bit
     assert resumed["val"] == ref["val"] and resumed["tau_history"] == ref["tau_history"]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_exits_143_and_the_rerun_resumes(target_dir, corpus, tmp_path):  # noqa: F811
+    """A SIGTERM'd job (kill, scancel, a preemption) must not exit 0 as a finished one does: it saves
+    last.ckpt of the step it was on, writes no export or metrics.json, exits 143; the same command resumes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from treedec.training.trainer import PREEMPTED
+
+    repo, marker = Path(__file__).resolve().parents[2], tmp_path / "waiting"
+    wait = f"+callbacks.wait={{_target_:tests.training._pause.WaitForSigterm,at:7,marker:'{marker}'}}"
+    cmd = [sys.executable, "-m", "treedec.train", f"hydra.run.dir={tmp_path / 'run'}", "num_threads=1",
+           *[o for o in train_overrides(target_dir, corpus, tmp_path, 12, wait, "eval.every_n_steps=0")
+             if not o.startswith("paths.run_dir=")]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    with open(tmp_path / "first.log", "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.time() + 240
+        while not marker.exists():
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                tail = (tmp_path / "first.log").read_text()[-3000:]
+                pytest.fail(f"the job never reached step 7 (rc {proc.wait()}):\n{tail}")
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    log = (tmp_path / "first.log").read_text()
+    assert rc == PREEMPTED == 143, log[-3000:]
+    run = tmp_path / "run"
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 7  # not step 5's
+    assert not (run / "metrics.json").exists() and not (tmp_path / "draft").exists() and not (run / ".lock").exists()
+    assert "SIGTERM: saved step 7" in log and "Traceback" not in log
+    again = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["steps"] == 12 and metrics["resumed_from"].endswith("last.ckpt")
 
 
 def test_draft_loss_decreases(target_dir):

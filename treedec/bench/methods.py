@@ -31,6 +31,7 @@ def prompt_source_name(bench: DictConfig) -> str:
 
 def load_prompts(bench: DictConfig, tokenizer) -> list[Prompt]:
     """The prompt set: ``bench.prompts`` (a file) or ``bench.n_prompts`` prompts of ``bench.prompt_source``."""
+    from treedec.data.chat import chat_prompt_ids
     from treedec.data.prompts import load_prompt_set, read_prompt_file
 
     if bench.prompts:
@@ -44,7 +45,7 @@ def load_prompts(bench: DictConfig, tokenizer) -> list[Prompt]:
     prompts = []
     for t in texts:
         if bench.get("chat"):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": t.text}], tokenize=True)
+            ids = chat_prompt_ids(tokenizer, t.text, "pass bench.chat=false")
         else:
             ids = tokenizer.encode(t.text)
         if not ids:

@@ -56,12 +56,17 @@ class ChatRenderer:
         return hashlib.sha1(f"{self.source}\0{self.template or ''}\0{self.bos}\0{self.eos}".encode()).hexdigest()
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation's text; a template that raises is a ValueError (one line: its message and the fix)."""
         if self.template is None:
             return self._fallback(messages, add_generation_prompt)[0]
         from treedec.models.tokenizer import render_chat_template
 
-        return render_chat_template(self.template, messages, add_generation_prompt=add_generation_prompt,
-                                    **self.tok._special_tokens())
+        try:
+            return render_chat_template(self.template, messages, add_generation_prompt=add_generation_prompt,
+                                        **self.tok._special_tokens())
+        except Exception as exc:  # the template's own raise_exception, a jinja error, a filter's TypeError
+            raise template_error(exc, f"the {self.source} chat template",
+                                 "set chat_template=fallback (data.chat_template=fallback to train)") from exc
 
     def _fallback(self, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
         parts, spans, pos = [self.bos], [], len(self.bos)
@@ -82,9 +87,8 @@ class ChatRenderer:
             return self._fallback(messages, False)
         try:
             full = self.render(messages)
-        except Exception as exc:
-            raise ValueError(f"{where}: the chat template failed on this conversation ({exc}); "
-                             f"fix the data or set data.chat_template=fallback") from exc
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
         spans, cursor = [], 0
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
@@ -107,6 +111,23 @@ class ChatRenderer:
         return full, spans
 
 
+def template_error(exc: Exception, what: str, fix: str) -> ValueError:
+    """The one-line error of a chat template that raised while rendering: what raised, its message, the fix."""
+    msg = " ".join(str(exc).split()) or type(exc).__name__
+    return ValueError(f"{what} failed to render ({type(exc).__name__}: {msg}); fix the template, or {fix}")
+
+
+def chat_prompt_ids(tok, text: str, fix: str) -> list[int]:
+    """The ids of ``text`` as one user turn through ``tok``'s chat template (generate, calibrate, bench with
+    ``chat=true``); a template that raises is a ValueError naming ``fix``."""
+    try:
+        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
+    except ValueError:
+        raise  # no template at all: the tokenizer's own message
+    except Exception as exc:
+        raise template_error(exc, "the tokenizer's chat template", fix) from exc
+
+
 def spans_to_mask(offsets, spans: Sequence[tuple[int, int]]) -> np.ndarray:
     """Per-token bool: the token's characters ``[start, end)`` overlap an assistant span."""
     off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
@@ -116,4 +137,4 @@ def spans_to_mask(offsets, spans: Sequence[tuple[int, int]]) -> np.ndarray:
     return mask
 
 
-__all__ = ["FALLBACK_HEADERS", "ChatRenderer", "spans_to_mask"]
+__all__ = ["FALLBACK_HEADERS", "ChatRenderer", "chat_prompt_ids", "spans_to_mask", "template_error"]

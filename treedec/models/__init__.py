@@ -7,9 +7,17 @@ from treedec.models import eagle3  # noqa: F401,E402  (registers DraftHead's kin
 
 def load_model(path, **kw):
     """Load "tiny-code" (the bundled model) or a local Hugging Face directory; see checkpoint.load_model.
-    The ``_target_`` of conf/model/*.yaml (``path``, ``dtype``, ``device``, ``attn_backend``)."""
-    from treedec.models.checkpoint import load_model as _load
+    The ``_target_`` of conf/model/*.yaml (``path``, ``dtype``, ``device``, ``attn_backend``). A ``dtype`` a
+    model cannot compute in (``torch.int8``) is a ValueError naming the allowed ones, before anything is read."""
+    import torch
 
+    from treedec.models.checkpoint import _DTYPES, load_model as _load
+
+    dtype = kw.get("dtype")
+    if isinstance(dtype, torch.dtype) and dtype not in _DTYPES.values():
+        allowed = sorted({str(d) for d in _DTYPES.values()})
+        raise ValueError(f"load_model(dtype={dtype}): a model loads in {', '.join(allowed)} (or by name: fp32, "
+                         f"bf16, fp16, or auto: the checkpoint's own)")
     return _load(path, **kw)
 
 

@@ -17,6 +17,14 @@ killed and resumed ends with the same weights, bit for bit, as one that ran thro
 process). A run dir whose job finished (``metrics.json``) is left alone when the command is re-run
 (:func:`finished_metrics`); one live job per run dir (:class:`RunDirLock`).
 
+SIGTERM (a kill, ``scancel``, a preemption): the step being trained finishes, ``checkpoints/last.ckpt`` is
+saved (:class:`SaveOnSigterm`), and the job exits with status 143 (128 + SIGTERM, as if the signal had
+killed it), without an export or ``metrics.json``, so ``train && bench`` and schedulers see a job that did
+not finish; re-running the same command resumes. Exit status 0 only when Lightning requeued the SLURM job
+(its ``hpc_ckpt_*.ckpt`` was written during this job): the job goes on in its requeued run, and SLURM
+ignores a requeued run's status (:func:`preempted_status`). A job that submitit requeues is ended by
+submitit's own handler.
+
 Config keys read here: ``trainer`` (instantiated), ``ckpt_every_n_steps``, ``log_every``,
 ``logger`` (a mapping of logger configs, see ``conf/logger/``; absent: CSV in the run dir),
 ``callbacks`` (a mapping of extra callback configs), ``requeue`` (who requeues a SLURM job:
@@ -34,6 +42,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -121,11 +130,18 @@ def atomic_dir(dest: str | os.PathLike, write: Callable[[Path], object]) -> Path
     A reader or a kill sees the old directory or the complete new one, never a half-written
     one: a failing ``write`` leaves ``dest`` as it was. Files follow the umask.
     """
+    from treedec.cli import naming
+
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except OSError as exc:
+            if (full := naming(exc, dest)) is None:
+                raise
+            raise full from exc
         follow_umask(tmp)
         if not dest.exists():
             os.rename(tmp, dest)
@@ -143,11 +159,11 @@ def atomic_dir(dest: str | os.PathLike, write: Callable[[Path], object]) -> Path
 
 
 def write_json(path: str | os.PathLike, data: dict) -> None:
-    """``json.dumps(data)`` to ``path`` through a temporary file and a rename (never half written)."""
-    from treedec.data.files import atomic_file
+    """``json.dumps(data)`` to ``path`` through a temporary file and a rename (never half written; a full disk
+    names the file)."""
+    from treedec.cli import write_text_atomic
 
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 # ------------------------------------------------------------------------------------ run-dir lock
@@ -305,6 +321,63 @@ class ResumeState(L.Callback):
             self._pending = None
 
 
+PREEMPTED = 128 + signal.SIGTERM  # 143: the status a shell reports for a process that SIGTERM ended
+
+
+class SaveOnSigterm(L.Callback):
+    """On SIGTERM, ``checkpoints/last.ckpt`` of the step just trained, so the re-run resumes from it rather than
+    from the last periodic checkpoint (up to ``ckpt_every_n_steps`` earlier).
+
+    Saved at the end of the training batch, where ModelCheckpoint saves, so the resume is as exact as from any
+    checkpoint (Lightning then stops the fit with its SIGTERMException); a SIGTERM during validation saves when
+    that exception stops it. One process only: DDP ranks do not see the signal at the same step, and a save is
+    a collective, so there the periodic checkpoints (and Lightning's requeue checkpoint) stay the resume point.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path, self.saved_step = Path(path), None
+
+    def _save(self, trainer: L.Trainer) -> None:
+        if self.saved_step is None and trainer.world_size == 1:
+            trainer.save_checkpoint(self.path)
+            self.saved_step = trainer.global_step
+            log.warning("SIGTERM: saved step %d to %s (re-run the same command to resume from it)",
+                        trainer.global_step, self.path)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.received_sigterm:
+            self._save(trainer)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(exception, SIGTERMException):
+            self._save(trainer)
+
+
+def preempted_status(run_dir: str | os.PathLike, since: float) -> int:
+    """The exit status of a job that SIGTERM stopped: 0 when Lightning requeued it (on SLURM's requeue signal it
+    writes ``hpc_ckpt_<n>.ckpt`` into the run dir, then runs ``scontrol requeue``): the job goes on in its
+    requeued run, and SLURM ignores the status of a run it requeued. Else 143 (128 + SIGTERM), so that
+    ``train && bench`` and schedulers see a job that did not finish."""
+    requeued = any(p.stat().st_mtime >= since for p in Path(run_dir).glob("hpc_ckpt_*.ckpt"))
+    return 0 if requeued else PREEMPTED
+
+
+def check_accelerator(trainer_cfg: DictConfig) -> None:
+    """A GPU trainer (``trainer=gpu | ddp | fsdp``) on a machine without one is one clear error before any data or
+    model loads (Lightning would say "No supported gpu backend found!" with a traceback, after both)."""
+    from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
+
+    acc = str(trainer_cfg.get("accelerator") or "auto")
+    needs = {"gpu": (CUDAAccelerator, MPSAccelerator), "cuda": (CUDAAccelerator,), "mps": (MPSAccelerator,)}
+    if acc in needs and not any(a.is_available() for a in needs[acc]):
+        raise JobError(f"trainer.accelerator={acc} needs a GPU, and this machine has none that Lightning can use "
+                       f"(no {acc if acc != 'gpu' else 'CUDA or MPS'} device): run on the CPU with "
+                       f"trainer.accelerator=cpu (trainer=cpu for one process; trainer=ddp trainer.accelerator=cpu "
+                       f"trainer.devices=2 for DDP over CPU processes)")
+
+
 def stop_reason(trainer: L.Trainer) -> str:
     """Why ``fit`` returned: ``max_steps``, ``max_time`` or ``other`` (max_epochs, early stopping, ...)."""
     from lightning.pytorch.callbacks import Timer
@@ -321,7 +394,10 @@ def run_job(cfg: DictConfig, name: str, body: Callable[[DictConfig, Path], dict]
     """Check every option, hold the run dir, and run ``body(cfg, run_dir)`` unless the job there already finished."""
     from treedec.training.schema import check_job_config
 
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     check_job_config(cfg, name)  # every key and value, before anything loads
+    check_accelerator(cfg.trainer)
     with job(cfg) as run_dir:
         done = finished_metrics(run_dir, cfg.trainer)
         if done is not None:
@@ -329,7 +405,15 @@ def run_job(cfg: DictConfig, name: str, body: Callable[[DictConfig, Path], dict]
                         "stay as they are (raise trainer.max_steps to train on, or pick a new hydra.run.dir)",
                         run_dir, done.get("steps"), run_dir / "metrics.json")
             return done
-        return body(cfg, run_dir)
+        started = time.time()
+        try:
+            return body(cfg, run_dir)
+        except SIGTERMException:  # Lightning's, a SystemExit of status 0: a preempted job must not read as done
+            status = preempted_status(run_dir, started)
+            log.warning("stopped by SIGTERM before the end: no export and no metrics.json; the checkpoints in %s are "
+                        "kept, and the same command (same hydra.run.dir) resumes. Exit status %d%s", run_dir,
+                        status, " (Lightning requeued this SLURM job)" if status == 0 else " (128 + SIGTERM)")
+            raise SystemExit(status) from None
 
 
 def finished_metrics(run_dir: str | os.PathLike, trainer_cfg: DictConfig) -> dict | None:
@@ -447,8 +531,10 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *callbacks: L.Callback) -> tup
     added = requeue_plugins(cfg, trainer_plugins)
     if added:
         kwargs["plugins"] = trainer_plugins + added
+    on_sigterm = SaveOnSigterm(run_dir / "checkpoints" / "last.ckpt")  # last: after every other batch-end hook
     trainer = hydra.utils.instantiate(
-        cfg.trainer, default_root_dir=str(run_dir), callbacks=[ckpt, ResumeState(), *callbacks, *extra, LogProgress(every)],
+        cfg.trainer, default_root_dir=str(run_dir),
+        callbacks=[ckpt, ResumeState(), *callbacks, *extra, LogProgress(every), on_sigterm],
         logger=build_loggers(cfg, run_dir), **kwargs)
     resume = find_resume_checkpoint(run_dir)
     if resume:
