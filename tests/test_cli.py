@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from treedec.cli import entry, write_text_atomic
 from treedec.config_schema import ConfigError
@@ -19,13 +20,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_entry_turns_user_errors_into_one_line(monkeypatch):
     @entry
     def job(exc):
-        raise exc
+        raise exc if isinstance(exc, BaseException) else exc()
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     for exc in (ConfigError("bad value;\n  fix it"), FileNotFoundError("no such file"), ValueError("corrupt")):
         with pytest.raises(SystemExit) as e:
             job(exc)
         assert e.value.code == f"Error: {' '.join(str(exc).split())}"  # a str code: printed on stderr, exit status 1
+    with pytest.raises(SystemExit, match=r"^Error: draft\.path is required: pass draft\.path=DIR"):  # item 17
+        job(lambda: OmegaConf.create({"draft": {"path": "???"}}).draft.path)  # a ??? read without the schema check
     with pytest.raises(TypeError):  # a bug keeps its traceback
         job(TypeError("unsupported format string passed to NoneType.__format__"))
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
@@ -91,6 +94,40 @@ def test_renamed_keys_fail_naming_the_new_key(entry, arg, new):
         refuse_renamed(entry, ["max_new_tokens=4", arg])
     refuse_renamed(entry, ["draft=path", "draft_arch=eagle3", "kernel=sdpa", "hparams_search=optuna_tree"] if entry
                    == "generate" else ["model.path=/x", "draft_arch=eagle3", "hydra.run.dir=x"])  # the new names pass
+
+
+def test_a_run_dir_below_a_file_is_refused_before_hydra_makes_it(a_file):
+    """Item 18d: Hydra makes ``hydra.run.dir`` (with a traceback) before any task code runs, so the command line is
+    checked first, as for renamed keys."""
+    from treedec.cli import refuse_renamed
+
+    for key in ("hydra.run.dir", "hydra.sweep.dir"):
+        with pytest.raises(SystemExit, match=rf"^Error: {key}='{re.escape(str(a_file))}/run' lies below "
+                                             rf"{re.escape(str(a_file))}, which is a file; pass a path outside it$"):
+            refuse_renamed("train", ["max_steps=4", f"{key}={a_file}/run"])
+    with pytest.raises(SystemExit, match=r"is a file; pass a directory"):
+        refuse_renamed("generate", [f"hydra.run.dir={a_file}"])
+    refuse_renamed("generate", [f"hydra.run.dir={a_file.parent}/run", "hydra.run.dir=${oc.env:HOME}/x"])  # fine
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module, args, stdin, needle", [
+    ("treedec.generate", ["draft=path"], None, "Error: draft.path is required with draft=path: pass draft.path=DIR"),
+    ("treedec.generate", ["prompt_file=-"], b"def f():\n    return '\xff'\n",
+     "Error: prompt_file=- (stdin) is not UTF-8 text (binary data at byte 21); pipe UTF-8 text in"),
+    ("treedec.train", ["hydra.run.dir={file}/run"], None, "Error: hydra.run.dir='{file}/run' lies below {file}"),
+], ids=["17-draft.path", "18c-stdin", "18d-hydra.run.dir"])
+def test_the_one_line_errors_end_to_end(module, args, stdin, needle, a_file, tmp_path):
+    """The real command: exit status 1, the last stderr line the error, no traceback (Hydra's own run dir too)."""
+    args = [a.format(file=a_file) for a in args]
+    run_dir = [] if any(a.startswith("hydra.run.dir") for a in args) else [f"hydra.run.dir={tmp_path / 'run'}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    done = subprocess.run([sys.executable, "-m", module, *args, *run_dir], input=stdin or b"", capture_output=True,
+                          timeout=120, cwd=ROOT, env=env)
+    err = done.stderr.decode()
+    assert done.returncode == 1 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(needle.format(file=a_file)), err[-2000:]
 
 
 def test_renamed_key_on_the_command_line_is_one_error_line():
