@@ -265,13 +265,13 @@ def test_one_query_decode_folds_at_every_batch(dtype):
     """A decoding step (one query per row, no mask) folds its query heads whatever the batch, and computes the
     attention enable_gqa computes (to rounding): the folded kernel is the fast one at one query."""
     from treedec.attention import query_fold
-    from treedec.models.llama import _sdpa_plain
+    from treedec.attention.dispatch import sdpa_plain
 
     assert query_fold(1, 8, 2, 1) == 4 and query_fold(1, 8, 2, 2) == 1 and query_fold(1, 4, 4, 1) == 1
     g = torch.Generator().manual_seed(0)
     q = torch.randn(3, 8, 1, 16, generator=g).to(dtype)
     k, v = (torch.randn(3, 2, 37, 16, generator=g).to(dtype) for _ in range(2))
-    out = _sdpa_plain(q, k, v, causal=False)
+    out = sdpa_plain(q, k, v, causal=False)
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(4, 1),
                                                            v.double().repeat_interleave(4, 1))
     assert out.shape == q.shape

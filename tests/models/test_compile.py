@@ -46,7 +46,7 @@ def test_static_forward_equals_dynamic(backend, tree):
     with torch.inference_mode():
         want = model(ids, dyn, **kw)
         with count_ops() as c:
-            got = model(ids, sta, static=True, **kw)
+            got = model(ids, sta, for_compile=True, **kw)
     assert c.host_reads == 0
     torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
     assert_same_writes(dyn, sta, T)

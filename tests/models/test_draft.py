@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from treedec.models import LlamaConfig, Transformer
-from treedec.models.draft import DRAFT_CONFIG, DRAFT_WEIGHTS, DraftConfig, DraftHead, target_fingerprint
+from treedec.models.draft import DraftConfig, DraftHead, target_fingerprint
+from treedec.models.draft_config import DRAFT_CONFIG, DRAFT_WEIGHTS
 from treedec.models.packed import PackedLinear
 
 
@@ -73,13 +74,13 @@ def test_a_head_of_another_dtype_than_its_target_drafts(head_dtype, target_dtype
 def test_auto_dtype_is_the_faster_of_fp32_and_packed_bf16_on_a_cpu(tmp_path, monkeypatch):
     """``dtype="auto"`` for a bf16 target on a CPU is what this machine runs a head's few-row matmuls faster in
     (measured once per process), fp32 for an fp32 target; a bf16 head is packed, its LM rows too."""
-    from treedec.models import draft as draft_mod
+    from treedec.models import draft_dtype
 
     target = small_target().to(torch.bfloat16)
     DraftHead(DraftConfig.for_target(target.config)).to(torch.bfloat16).bind(target).save(tmp_path)
     assert DraftHead.load(tmp_path, target=target).fc.weight.dtype == torch.bfloat16  # None: the file's dtype
     for faster, dtype in ((False, torch.float32), (True, torch.bfloat16)):
-        monkeypatch.setattr(draft_mod, "packed_bf16_is_faster", lambda shapes, rows=4, f=faster: f)
+        monkeypatch.setattr(draft_dtype, "packed_bf16_is_faster", lambda shapes, rows=4, f=faster: f)
         head = DraftHead.load(tmp_path, target=target, dtype="auto")
         lm = target.lm_head.weight if head._lm_weight is None else head._lm_weight  # (the target's own, shared)
         assert head.fc.weight.dtype == dtype and lm.dtype == dtype

@@ -5,6 +5,9 @@ k, v [B, Hkv, S, D] where row b holds its prefix keys at [0, prefix_lens[b]) and
 tree keys at [prefix_lens[b], prefix_lens[b] + T); ancestor_bits [T, W] or [B, T, W];
 returns [B, Hq, T, D]. Keys past prefix_lens[b] + T never affect the output (the
 triton kernel does not load them; eager/sdpa mask them, so they must be finite: caches are zero-filled).
+
+A model forward picks the backend and builds the mask once, then attends in every layer: :mod:`.dispatch`.
+The tree's packed form (ancestor bits): :mod:`.layout`.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A compiled static-shape forward (gpt-fast style) for ``compile=true``.
 
-``Transformer.forward(..., static=True)`` attends over the whole preallocated cache with a
+``Transformer.forward(..., for_compile=True)`` attends over the whole preallocated cache with a
 mask built on the device and writes K/V with index ops at the device-side lengths, so for a
 fixed number of new tokens T its graph never changes: ``torch.compile(fullgraph=True,
 dynamic=False)`` traces it once per T (pad trees to a fixed size per policy) and every later
@@ -23,7 +23,7 @@ def compile_forward(model: Transformer, mode: str | None = None) -> StaticForwar
     """``fn(input_ids, cache, position_ids, tree_mask=None, logits="all", layer_inputs=()) -> ModelOutput``, compiled.
 
     Equivalent to ``model(input_ids, cache, position_ids=..., tree_mask=..., logits=..., layer_inputs=...,
-    static=True)`` (``layer_inputs``: the layer ids an EAGLE-3 head reads; a constant per graph).
+    for_compile=True)`` (``layer_inputs``: the layer ids an EAGLE-3 head reads; a constant per graph).
     ``mode`` defaults to inductor's default on CPU and ``"reduce-overhead"`` on CUDA. The first
     call for each T (and each ``logits`` choice) compiles; time it apart from decoding. The
     caller keeps room in the cache (``cache.check_room``): the static path does not look.
@@ -34,7 +34,7 @@ def compile_forward(model: Transformer, mode: str | None = None) -> StaticForwar
 
     def step(input_ids, cache, position_ids, tree_mask=None, logits="all", layer_inputs=()):
         return model(input_ids, cache, position_ids=position_ids, tree_mask=tree_mask, logits=logits,
-                     layer_inputs=layer_inputs, static=True)
+                     layer_inputs=layer_inputs, for_compile=True)
 
     # On a CPU, inductor's weight freezing (pre-packed oneDNN weights, folded constants) and its C++
     # wrapper (no Python between kernels) are what make a compiled pass cheaper than eager: a 6-token

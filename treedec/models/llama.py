@@ -1,8 +1,9 @@
 """One compact Llama-family transformer (Llama 2/3, Mistral, Qwen2, Qwen3) with tree-aware attention.
 
 Every forward pass is "T new tokens after each row's cached prefix, arranged as a tree":
-a prompt or a plain decoding step is simply a chain. Attention goes through
-:func:`treedec.attention.tree_attention`, so the same code verifies a draft tree in one pass.
+a prompt or a plain decoding step is simply a chain. Which attention backend runs and in which form the
+tree's mask is built is decided once per forward by :mod:`treedec.attention.dispatch`, so the model only
+embeds, rotates, runs its layers and projects, and the same code verifies a draft tree in one pass.
 Parameter names follow Hugging Face's, so checkpoints load without renaming.
 """
 from __future__ import annotations
@@ -16,12 +17,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from treedec.attention import (default_backend, fold_query_groups, folded_sdpa, query_fold, tree_attention,
-                               tree_dense_mask)
+from treedec.attention import default_backend
+from treedec.attention.dispatch import attend, check_tree, forward_mask
 from treedec.models.cache import KVCache
 from treedec.models.config import LlamaConfig
+from treedec.models.fusable import Fusable
 from treedec.models.packed import pack_linears
-from treedec.attention.layout import chain_bits, pack_bits, unpack_bits
 
 
 class RMSNorm(nn.Module):
@@ -145,90 +146,7 @@ def one_row_matmuls(x: torch.Tensor, one_row: bool):
         torch.backends.mkldnn.enabled = True
 
 
-_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
-def _sdpa_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """SDPA for a chain whose keys are exactly [prefix, new tokens] in every row.
-
-    ``causal=False``: one new token that sees every key (a decode step), its query heads folded
-    into rows where :func:`query_fold` says so; ``causal=True``: T new tokens and no prefix (a
-    prefill from empty). GQA without copying K/V where torch allows it.
-    """
-    G = q.shape[1] // k.shape[1]
-    if not causal and query_fold(q.shape[0], q.shape[1], k.shape[1], q.shape[2]) > 1:
-        return folded_sdpa(q, k, v)
-    if G > 1 and not _SDPA_GQA:
-        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    elif G > 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-
-def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
-    """One Linear whose output is the concatenation of ``parts``' outputs (weights and biases stacked)."""
-    w = torch.cat([p.weight.detach() for p in parts])
-    lin = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device="meta")
-    lin.weight = nn.Parameter(w, requires_grad=parts[0].weight.requires_grad)
-    if lin.bias is not None:
-        lin.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=parts[0].bias.requires_grad)
-    return lin
-
-
-class _Fusable(nn.Module):
-    """A module whose Linear projections named ``_parts`` may be fused into one Linear named ``_fused``.
-
-    One matmul instead of three (q/k/v) or two (gate/up) saves launches and re-reads of x. The
-    state dict keeps the Hugging Face names either way: a post-hook splits the fused tensors on
-    save and a load pre-hook concatenates HF tensors on load, so checkpoints never change.
-    """
-
-    _fused: str
-    _parts: tuple[str, ...]
-
-    def _init_hooks(self) -> None:
-        self.register_state_dict_post_hook(_split_fused_state)
-        self.register_load_state_dict_pre_hook(_cat_fused_state)
-
-    @property
-    def fused(self) -> bool:
-        return self._fused in self._modules
-
-    def fuse(self) -> "_Fusable":
-        if not self.fused:
-            parts = [getattr(self, n) for n in self._parts]
-            self._fused_widths = [p.out_features for p in parts]
-            setattr(self, self._fused, _fused_linear(parts))
-            for n in self._parts:
-                delattr(self, n)
-        return self
-
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.fused:
-            return getattr(self, self._fused)(x).split(self._fused_widths, dim=-1)
-        return tuple(getattr(self, n)(x) for n in self._parts)
-
-
-def _split_fused_state(module: _Fusable, state: dict, prefix: str, local_metadata) -> None:
-    if not module.fused:
-        return
-    for suffix in ("weight", "bias"):
-        t = state.pop(f"{prefix}{module._fused}.{suffix}", None)
-        if t is not None:  # clones: safetensors refuses tensors that share storage
-            for name, piece in zip(module._parts, t.split(module._fused_widths)):
-                state[f"{prefix}{name}.{suffix}"] = piece.clone()
-
-
-def _cat_fused_state(module: _Fusable, state: dict, prefix: str, *args) -> None:
-    if not module.fused:
-        return
-    for suffix in ("weight", "bias"):
-        keys = [f"{prefix}{name}.{suffix}" for name in module._parts]
-        if all(k in state for k in keys):
-            state[f"{prefix}{module._fused}.{suffix}"] = torch.cat([state.pop(k) for k in keys])
-
-
-class Attention(_Fusable):
+class Attention(Fusable):
     _fused, _parts = "qkv_proj", ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, cfg: LlamaConfig, in_features: int | None = None):
@@ -264,10 +182,7 @@ class Attention(_Fusable):
         B, T, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
         keys, values = cache.write(layer, k, v)
-        if isinstance(mask, str):  # a plain chain over rows of equal length: SDPA needs no mask ("full" | "causal")
-            out = _sdpa_plain(q, keys, values, causal=mask == "causal")
-        else:
-            out = tree_attention(q, keys, values, bits, cache.lengths, backend=backend, mask=mask, check=False)
+        out = attend(q, keys, values, cache.lengths, bits, mask, backend)  # (bits, mask, backend: forward_mask's)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
     def forward_causal(self, x, cos, sin):
@@ -281,7 +196,7 @@ class Attention(_Fusable):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
-class MLP(_Fusable):
+class MLP(Fusable):
     _fused, _parts = "gate_up_proj", ("gate_proj", "up_proj")
 
     def __init__(self, cfg: LlamaConfig):
@@ -332,21 +247,6 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-def _check_tree(tree_mask: torch.Tensor | None, bits: torch.Tensor | None, B: int, T: int) -> None:
-    """Shape and dtype checks of a forward's tree (host-side metadata only, never the values)."""
-    if tree_mask is not None and bits is not None:
-        raise ValueError("give tree_mask or ancestor_bits, not both")
-    t, name, dtype = (tree_mask, "tree_mask", torch.bool) if tree_mask is not None else (bits, "ancestor_bits", torch.long)
-    if t is None:
-        return
-    cols = t.shape[-1] == T if tree_mask is not None else t.shape[-1] * 64 >= T
-    ok = t.dim() in (2, 3) and t.shape[-2] == T and cols and (t.dim() == 2 or t.shape[0] == B)
-    if t.dtype != dtype or not ok:
-        width = "T" if tree_mask is not None else f"W >= {(T + 63) // 64}"
-        raise ValueError(f"{name} must be {dtype} [T, {width}] or [B, T, {width}] with B={B}, T={T}; "
-                         f"got {t.dtype} {tuple(t.shape)}")
 
 
 class Transformer(nn.Module):
@@ -400,7 +300,7 @@ class Transformer(nn.Module):
         logits: str | torch.Tensor = "all",
         layer_inputs: tuple[int, ...] = (),
         inputs_embeds: torch.Tensor | None = None,
-        static: bool = False,
+        for_compile: bool = False,
     ) -> ModelOutput:
         """Run T new tokens per row after the cached prefix; the cache length does not move.
 
@@ -412,68 +312,60 @@ class Transformer(nn.Module):
         ``cache.commit``.
 
         No host reads: shapes come from ``cache.host_lengths`` and the mask is built once, in the
-        backend's form (dense bool [B, 1, T, S] for eager/sdpa, bits for triton). ``static=True``
-        is the torch.compile path: attention spans the whole cache (S = ``cache.max_len``, the
-        mask from the device lengths), writes are device-side index ops and nothing depends on
-        a Python-side length, so one graph serves every step of a given T; it uses a dense mask
-        (sdpa, or eager when that is the backend) and does not check room or context.
+        backend's form (:func:`treedec.attention.dispatch.forward_mask`). ``for_compile=True``
+        is the torch.compile path (:mod:`treedec.models.compile`): attention spans the whole cache
+        (S = ``cache.max_len``, the mask from the device lengths), writes are device-side index ops and
+        nothing depends on a Python-side length, so one graph serves every step of a given T; it uses a
+        dense mask (sdpa, or eager when that is the backend) and does not check room or context.
         """
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
-        _check_tree(tree_mask, ancestor_bits, B, T)
-        if static:
-            kv, host = cache.static(), None
-        else:
-            cache.check_room(T)
-            kv, host = cache, cache.host_lengths
+        check_tree(tree_mask, ancestor_bits, B, T)
+        host = None if for_compile else self._room(cache, T)
+        position_ids = self._positions(position_ids, cache, x, host)
+        c = self.config
+        bits, mask, backend = forward_mask(self.backend(), x, cache.lengths, host, cache.max_len,
+                                           (c.num_attention_heads, c.num_key_value_heads), tree_mask, ancestor_bits)
+        cos, sin = rope_lookup(self, position_ids, c.max_position_embeddings, x.dtype)
+        kv, saved = cache.static() if for_compile else cache, {}
+        with one_row_matmuls(x, B * T == 1 and not for_compile):
+            for i, layer in enumerate(self.model.layers):
+                if i in layer_inputs:
+                    saved[i] = x
+                x = layer(x, cos, sin, kv, i, bits, mask, backend)
+        h = self.model.norm(x)
+        return ModelOutput(self._logits(h, logits), h, saved)
+
+    @staticmethod
+    def _room(cache: KVCache, T: int) -> list[int]:
+        """The cache's host lengths, once it is checked to hold T more tokens in every row."""
+        cache.check_room(T)
+        return cache.host_lengths
+
+    def _positions(self, position_ids: torch.Tensor | None, cache: KVCache, x: torch.Tensor,
+                   host: list[int] | None) -> torch.Tensor:
+        """Position ids [B, T] of the new tokens ``x`` [B, T, H]; a default one checked against the context where the
+        host lengths are given (the compile path reads none)."""
+        B, T = x.shape[:2]
         if position_ids is None:
             if host is not None and max(host) + T > self.config.context_length:
                 raise ValueError(
                     f"position {max(host) + T - 1} is beyond the model's context of "
                     f"{self.config.context_length} tokens; shorten the prompt or max_new_tokens"
                 )
-            position_ids = cache.lengths[:, None] + torch.arange(T, device=x.device)
-        elif position_ids.dim() == 1:
-            position_ids = position_ids[None].expand(B, T)
-        backend = self.backend()
-        if static and backend == "triton":
-            backend = "sdpa"
-        mask = bits = None
-        chain = tree_mask is None and ancestor_bits is None
-        if chain and not static and backend == "sdpa" and min(host) == max(host) and (T == 1 or host[0] == 0):
-            # A plain chain where every row holds the same length needs no mask: decode steps
-            # (T == 1) see every key, a prefill from an empty cache is causal.
-            mask = "full" if T == 1 else "causal"
-        elif backend == "triton":
-            bits = ancestor_bits if ancestor_bits is not None else \
-                chain_bits(T, x.device) if chain else pack_bits(tree_mask)
-        else:
-            if chain:
-                tree_mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            elif tree_mask is None:
-                tree_mask = unpack_bits(ancestor_bits, T)
-            S = cache.max_len if static else max(host) + T
-            mask = tree_dense_mask(tree_mask, cache.lengths, S, host_lens=host)
-            if backend == "sdpa":  # folded for grouped queries once per forward (sdpa_tree_attention); SDPA's CPU
-                #                    kernel takes an additive mask ~15 % faster than a bool one, bit-identical
-                cfg = self.config
-                mask = fold_query_groups(mask, query_fold(B, cfg.num_attention_heads, cfg.num_key_value_heads, T))
-                mask = torch.full_like(mask, -torch.inf, dtype=x.dtype).masked_fill_(mask, 0.0)
-        cos, sin = rope_lookup(self, position_ids, self.config.max_position_embeddings, x.dtype)
-        saved = {}
-        with one_row_matmuls(x, B * T == 1 and not static):
-            for i, layer in enumerate(self.model.layers):
-                if i in layer_inputs:
-                    saved[i] = x
-                x = layer(x, cos, sin, kv, i, bits, mask, backend)
-        # The LM head keeps oneDNN even for one row: at 8192 outputs its packed kernel is as fast as ATen's on
-        # one CPU (Xeon) and 3x faster on another (AMD EPYC, 70 vs 210 us; docs/benchmarks.md), same outputs.
-        h = self.model.norm(x)
-        if isinstance(logits, str):
-            out = {"all": lambda: self.lm_head(h), "last": lambda: self.lm_head(h[:, -1:]), "none": lambda: None}[logits]()
-        else:
-            out = self.lm_head(h[:, logits] if logits.dim() == 1 else h.gather(1, logits[..., None].expand(-1, -1, h.shape[-1])))
-        return ModelOutput(out, h, saved)
+            return cache.lengths[:, None] + torch.arange(T, device=x.device)
+        return position_ids[None].expand(B, T) if position_ids.dim() == 1 else position_ids
+
+    def _logits(self, h: torch.Tensor, which: str | torch.Tensor) -> torch.Tensor | None:
+        """The LM head over ``h``'s positions: "all", "last", "none" (None) or an index tensor ([T] or [B, k]).
+
+        It keeps oneDNN even for one row: at 8192 outputs its packed kernel is as fast as ATen's on one CPU
+        (Xeon) and 3x faster on another (AMD EPYC, 70 vs 210 us; docs/benchmarks.md), same outputs.
+        """
+        if isinstance(which, str):
+            return {"all": lambda: self.lm_head(h), "last": lambda: self.lm_head(h[:, -1:]), "none": lambda: None}[which]()
+        rows = h[:, which] if which.dim() == 1 else h.gather(1, which[..., None].expand(-1, -1, h.shape[-1]))
+        return self.lm_head(rows)
 
     def forward_train(self, input_ids: torch.Tensor, return_hidden: bool = False, layer_inputs: tuple[int, ...] = ()):
         """Logits [B, T, V] of a plain causal pass from position 0, without a KV cache (pretraining).

@@ -1,4 +1,4 @@
-"""A head's wide-batch twin: an fp32 head keeps a packed bf16 copy for the batches where that drafts faster."""
+"""A head's bf16 copy for wide batches: an fp32 head keeps a packed bf16 copy for the batches where that drafts faster."""
 from __future__ import annotations
 
 import pytest
@@ -6,60 +6,60 @@ import torch
 
 from tests.helpers import eagle3_pair, make_pair
 from treedec.decoding.vanilla import VanillaDecoder
-from treedec.models import draft as draft_mod
+from treedec.models import draft_dtype
 from treedec.models.draft import DraftHead
 from treedec.models.packed import PackedLinear
 from treedec.training.predict import CompactingDecoder
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy
 
 
-def test_auto_dtype_gives_an_fp32_head_a_bf16_twin_from_the_measured_batch(tmp_path, monkeypatch):
+def test_auto_dtype_gives_an_fp32_head_a_bf16_copy_from_the_measured_batch(tmp_path, monkeypatch):
     target, head = make_pair(seed=3)
     target = target.to(torch.bfloat16)
     head.bind(target).save(tmp_path)
-    monkeypatch.setattr(draft_mod, "packed_bf16_is_faster", lambda shapes, rows=4: rows >= 16)
+    monkeypatch.setattr(draft_dtype, "packed_bf16_is_faster", lambda shapes, rows=4: rows >= 16)
     loaded = DraftHead.load(tmp_path, target=target, dtype="auto")
     assert loaded.dtype == torch.float32
     assert loaded.for_batch(8) is loaded and loaded.for_batch(15) is loaded
-    twin = loaded.for_batch(16)
-    assert twin is loaded.for_batch(64) and twin is not loaded
-    assert twin.dtype == torch.bfloat16 and isinstance(twin.fc, PackedLinear) and twin.target is target
-    # the same weights, rounded; the twin is no part of the head's state or files
-    for (name, a), (_, b) in zip(loaded.state_dict().items(), twin.state_dict().items()):
+    copy = loaded.for_batch(16)
+    assert copy is loaded.for_batch(64) and copy is not loaded
+    assert copy.dtype == torch.bfloat16 and isinstance(copy.fc, PackedLinear) and copy.target is target
+    # the same weights, rounded; the copy is no part of the head's state or files
+    for (name, a), (_, b) in zip(loaded.state_dict().items(), copy.state_dict().items()):
         assert torch.equal(a.to(torch.bfloat16), b), name
     assert not any("wide" in k for k in loaded.state_dict())
     loaded.save(tmp_path / "again")
     assert DraftHead.load(tmp_path / "again", target=target).dtype == torch.float32
-    # a rebound head rebinds its twin
+    # a rebound head rebinds its copy
     other = make_pair(seed=4)[0].to(torch.bfloat16)
     with pytest.warns(UserWarning, match="fingerprint"):
         loaded.bind(other)
     assert loaded.for_batch(16).target is other
-    # measured slower at every batch tried, explicit dtypes, fp32 targets: no twin
-    monkeypatch.setattr(draft_mod, "packed_bf16_is_faster", lambda shapes, rows=4: False)
+    # measured slower at every batch tried, explicit dtypes, fp32 targets: no copy
+    monkeypatch.setattr(draft_dtype, "packed_bf16_is_faster", lambda shapes, rows=4: False)
     assert DraftHead.load(tmp_path, target=target, dtype="auto").for_batch(1024).dtype == torch.float32
-    monkeypatch.setattr(draft_mod, "packed_bf16_is_faster", lambda shapes, rows=4: rows >= 16)
+    monkeypatch.setattr(draft_dtype, "packed_bf16_is_faster", lambda shapes, rows=4: rows >= 16)
     assert DraftHead.load(tmp_path, target=target, dtype="fp32").for_batch(1024).dtype == torch.float32
     assert DraftHead.load(tmp_path, target=target.float(), dtype="auto").for_batch(1024).dtype == torch.float32
 
 
-def test_a_quantized_head_refuses_a_twin(tmp_path):
+def test_a_quantized_head_refuses_a_bf16_copy(tmp_path):
     target, head = make_pair(seed=3)
     head.save(tmp_path)
     q = DraftHead.load(tmp_path, target=target, quantize="int8")
     with pytest.raises(ValueError, match="int8"):
-        q.add_wide_twin(2)
+        q.add_bf16_for_wide_batches(2)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("policy", [lambda: ChainPolicy(4), lambda: DynamicPolicy(10, 3, 3),
                                     lambda: AutoPolicy(max_depth=4, top_k=3)])
-def test_wide_batches_draft_with_the_twin_and_stay_lossless(policy, kind):
-    """fp32 target: batches of 3+ rows draft with the bf16 twin, narrower ones with the head, every output exactly
+def test_wide_batches_draft_with_the_bf16_copy_and_stay_lossless(policy, kind):
+    """fp32 target: batches of 3+ rows draft with the bf16 copy, narrower ones with the head, every output exactly
     vanilla's; prompts admitted into a served batch's slots draft with the batch's head. EAGLE-3 heads too (their
     own LM head and draft vocabulary come along)."""
     target, head = make_pair(seed=5, vocab=96) if kind == "eagle" else eagle3_pair(5, vocab=96, k=40)
-    head.add_wide_twin(3)
+    head.add_bf16_for_wide_batches(3)
     assert type(head.for_batch(3)) is type(head)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(4, 96, (int(n),), generator=g).tolist() for n in torch.randint(2, 30, (7,), generator=g)]
