@@ -98,7 +98,9 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
     head directory a method's ``+NAME`` loads."""
     mod = lambda m: importlib.import_module(f"{pkg}.{m}")  # noqa: E731
     models, vanilla = mod("models"), mod("decoding.vanilla")
-    DraftHead, CompactingDecoder = mod("models.draft").DraftHead, mod("training.predict").CompactingDecoder
+    DraftHead = mod("models.draft").DraftHead
+    CompactingDecoder = getattr(mod("decoding.speculative"), "CompactingDecoder", None) or mod(
+        "training.predict").CompactingDecoder  # (an older REV kept it there)
     target = models.load_model("tiny-code", dtype=torch.bfloat16)
     heads, runs = {}, {}
     for spec in methods:

@@ -83,7 +83,7 @@ def test_probe_recovers_oracle_acceptance():
     """With an oracle that makes each drafted child correct with probability 0.7 (independently), the probe
     measures p[rank] ~ 0.7 at every rank, and the DP's expected tau for the probe tree matches the run's."""
     from treedec.calibrate import probe_acceptance
-    from treedec.decoding.sampling import SamplingParams
+    from treedec.sampling import SamplingParams
     from treedec.tree.sequoia import AcceptanceCounts, comb_probe, expected_accepted
 
     from tests.helpers import OraclePolicy, greedy_reference, make_pair

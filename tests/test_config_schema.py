@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import treedec.config_schema as schema
-from treedec.decoding.sampling import SamplingParams
+from treedec.sampling import SamplingParams
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, LearnedPolicy, LookupPolicy, StaticPolicy
 from treedec.tree.policies.learned import save_learned
 from treedec.tree.shapes import SHAPE_DIR, list_shapes

@@ -3,7 +3,8 @@
 The import graph of ``treedec/`` is read from the source (every ``import``, module-level or inside a
 function, since a lazy import is still a dependency), and checked for
 
-* cycles among treedec modules (a cycle means two modules are one, split in two files);
+* cycles among treedec modules (a cycle means two modules are one, split in two files), and among its
+  packages (``treedec.tree``, ``treedec.models``, ... and top-level modules): layers only point down;
 * library layers importing entry points (``python -m`` modules, ``treedec.bench``), or the data layer
   importing the training, decoding or tree layers above it.
 
@@ -111,9 +112,28 @@ def test_the_graph_sees_lazy_and_relative_imports(tmp_path):
     assert cycles(g) == [frozenset({"treedec.sub.a", "treedec.sub.b"})]
 
 
+def packages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph between treedec's packages and top-level modules (``treedec.tree.policies.auto`` -> ``treedec.tree``)."""
+    top = lambda m: ".".join(m.split(".")[:2])  # noqa: E731
+    out: dict[str, set[str]] = {top(m): set() for m in graph if m != "treedec"}
+    for a, bs in graph.items():
+        if a != "treedec":
+            out[top(a)] |= {top(b) for b in bs if b != "treedec" and top(b) != top(a)}
+    return out
+
+
 def test_no_import_cycles(graph):
     found = cycles(graph)
     assert not found, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in found)
+
+
+def test_packages_import_only_downward(graph):
+    """The package-level graph, lazy imports included, has no cycle."""
+    g = packages(graph)
+    found = cycles(g)
+    assert not found, "package cycles: " + "; ".join(
+        " <-> ".join(sorted(c)) + " (" + ", ".join(_edges({a: g[a] & c for a in c}, tuple(c), tuple(c))) + ")"
+        for c in found)
 
 
 def test_the_library_never_imports_an_entry_point(graph):
@@ -127,9 +147,9 @@ def test_the_data_layer_sits_below_training_decoding_and_trees(graph):
 
 if __name__ == "__main__":
     g = import_graph()
-    for c in cycles(g):
-        print("cycle:", " <-> ".join(sorted(c)), "(known)" if c in KNOWN_CYCLES else "")
-        for e in _edges({a: g[a] & c for a in c}, tuple(c), tuple(c)):
+    for c in cycles(g) + cycles(packages(g)):
+        print("cycle:", " <-> ".join(sorted(c)))
+        for e in _edges({a: g.get(a, set()) & c for a in c}, tuple(c), tuple(c)):
             print("   ", e)
     top = lambda m: ".".join(m.split(".")[:2])  # noqa: E731
     pairs = sorted({(top(a), top(b)) for a, bs in g.items() for b in bs if top(a) != top(b)})

@@ -83,7 +83,7 @@ def edge_labels(step, sampling):
     """
     import torch
 
-    from treedec.decoding.sampling import target_probs
+    from treedec.sampling import target_probs
 
     tree = step.tree
     B, T = tree.tokens.shape

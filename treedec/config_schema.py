@@ -57,7 +57,7 @@ class DraftSchema:  # conf/draft: the draft head to load
 
 @dataclass
 class SamplingSchema:  # conf/sampling/*.yaml give every value
-    _target_: str = MISSING  # treedec.decoding.sampling.SamplingParams
+    _target_: str = MISSING  # treedec.sampling.SamplingParams
     temperature: float = MISSING
     top_k: int = MISSING
     top_p: float = MISSING

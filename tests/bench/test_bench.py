@@ -468,7 +468,7 @@ def test_vanilla_fp32_auto_runs_only_for_a_low_precision_cpu_target():
     assert not bm.fp32_reference(auto, t)  # already fp32
     assert bm.fp32_reference(auto, t.to(torch.bfloat16))
     assert not bm.fp32_reference(OmegaConf.create({"vanilla_fp32": False}), t)
-    from treedec.decoding.sampling import SamplingParams
+    from treedec.sampling import SamplingParams
 
     ref = bm.vanilla_fp32_method(t, 4, SamplingParams(), [0])
     assert ref.lossless is False and ref.info["dtype"] == "float32"

@@ -7,10 +7,10 @@ from collections import Counter
 import pytest
 import torch
 
-from treedec.decoding.sampling import RowSeededGenerator, SamplingParams
+from treedec.sampling import RowSeededGenerator, SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.decoding.vanilla import VanillaDecoder
-from treedec.training.predict import CompactingDecoder
+from treedec.decoding.speculative import CompactingDecoder
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, LookupPolicy, StaticPolicy
 
 POLICIES = {

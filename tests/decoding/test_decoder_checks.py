@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from treedec.decoding.sampling import SamplingParams
+from treedec.sampling import SamplingParams
 from treedec.decoding.speculative import SANE_DEPTH, SpeculativeDecoder
 from treedec.errors import ConfigError
 from treedec.tree.policies import ChainPolicy

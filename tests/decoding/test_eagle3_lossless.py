@@ -6,7 +6,7 @@ appends many verified positions with their fused layer inputs, which the last te
 import pytest
 import torch
 
-from treedec.decoding.sampling import SamplingParams
+from treedec.sampling import SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, LearnedPolicy, StaticPolicy
 from treedec.tree.policies.learned import save_learned

@@ -7,7 +7,7 @@ import torch
 
 from treedec.decoding import vanilla
 from treedec.decoding.loop import DecodeStats
-from treedec.decoding.sampling import SamplingParams
+from treedec.sampling import SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.profiling import count_ops
 from treedec.tree import TreeError

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from treedec.decoding import speculative, vanilla
-from treedec.decoding.sampling import SamplingParams, target_probs
+from treedec.sampling import SamplingParams, target_probs
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.decoding.verify import Verdict
 from treedec.profiling import count_ops

@@ -13,10 +13,10 @@ import torch
 
 from treedec.decoding import vanilla
 from treedec.decoding.drafter import Drafter
-from treedec.decoding.sampling import SamplingParams
+from treedec.sampling import SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.profiling import count_ops
-from treedec.training.predict import CompactingDecoder
+from treedec.decoding.speculative import CompactingDecoder
 from treedec.tree import Tree
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
 from treedec.tree.policies.base import TreePolicy

@@ -138,7 +138,7 @@ def test_draft_tree_equals_draft_branches(policy, monkeypatch):
 def test_dynamic_scores_follow_the_sampling_temperature():
     """Scores are draft log-probs at the sampling temperature: cold sampling keeps the top path's
     score near 0, hot sampling spreads it; the drafted tokens of the root's children do not change."""
-    from treedec.decoding.sampling import SamplingParams
+    from treedec.sampling import SamplingParams
 
     d = primed_drafter(3)
     with torch.inference_mode():

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from treedec.decoding import sampling
-from treedec.decoding.sampling import (RowStreams, SamplingParams, draw, inverse_cdf, next_token, nucleus, settle,
+from treedec import sampling
+from treedec.sampling import (RowStreams, SamplingParams, draw, inverse_cdf, next_token, nucleus, settle,
                                        target_probs)
 
 from .stats import as_dict, fits, two_sample_fits

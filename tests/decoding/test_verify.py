@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from treedec.decoding.sampling import SamplingParams, target_probs
+from treedec.sampling import SamplingParams, target_probs
 from treedec.decoding.verify import verify_greedy, verify_sampling
 
 from .stats import as_dict, fits

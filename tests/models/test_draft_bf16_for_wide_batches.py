@@ -9,7 +9,7 @@ from treedec.decoding.vanilla import VanillaDecoder
 from treedec.models import draft_dtype
 from treedec.models.draft import DraftHead
 from treedec.models.packed import PackedLinear
-from treedec.training.predict import CompactingDecoder
+from treedec.decoding.speculative import CompactingDecoder
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy
 
 

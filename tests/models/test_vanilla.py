@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.helpers import full_logits, tiny_model
-from treedec.decoding.sampling import SamplingParams
+from treedec.sampling import SamplingParams
 from treedec.decoding.vanilla import generate
 
 SAMPLE = SamplingParams(temperature=1.0)

@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from treedec.decoding.sampling import RowSeededGenerator, RowStreams, SamplingParams
+from treedec.sampling import RowSeededGenerator, RowStreams, SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
-from treedec.training.predict import CompactingDecoder, Prompt, SpeculativeGenerationModule, row_seed
+from treedec.decoding.speculative import CompactingDecoder
+from treedec.training.predict import Prompt, SpeculativeGenerationModule, row_seed
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, StaticPolicy
 
 MAX_NEW, EOS = 14, [5]

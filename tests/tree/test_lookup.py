@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from treedec.decoding.sampling import SamplingParams
+from treedec.sampling import SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.decoding.vanilla import VanillaDecoder
-from treedec.training.predict import CompactingDecoder
+from treedec.decoding.speculative import CompactingDecoder
 from treedec.attention.layout import ancestor_matrix
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, LookupPolicy, StaticPolicy, TreePolicy
 from treedec.tree.policies.lookup import NgramIndex

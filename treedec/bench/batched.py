@@ -80,7 +80,7 @@ def _from_stats(res) -> BatchRun:
 def build(cfg: DictConfig, target, draft, eos_ids: list[int], policies: dict) -> tuple[list[BatchMethod], dict]:
     """The batched methods (vanilla, the tree methods that have a policy, hf_greedy); returns (methods, skipped)."""
     from treedec.decoding.vanilla import VanillaDecoder
-    from treedec.training.predict import CompactingDecoder
+    from treedec.decoding.speculative import CompactingDecoder
 
     bench, n = cfg.bench, int(cfg.bench.max_new_tokens)
     plain = VanillaDecoder(target, eos_ids=eos_ids)

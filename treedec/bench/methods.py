@@ -289,7 +289,7 @@ def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None
                   why: dict[str, str] | None = None) -> tuple[list[Method], dict[str, str]]:
     """treedec's methods from ``bench.methods`` (and their sampled variants); returns (methods, skipped)."""
     from treedec.config_schema import instantiate_checked
-    from treedec.decoding.sampling import SamplingParams
+    from treedec.sampling import SamplingParams
 
     why = {**resolve_auto(cfg), **(why or {})}  # the reasons of the first resolution, when given
     bench = cfg.bench

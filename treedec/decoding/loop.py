@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from treedec.decoding.sampling import RowSeededGenerator, SamplingParams, row_seeds
+from treedec.sampling import RowSeededGenerator, SamplingParams, row_seeds
 
 TIME_KEYS = ("prefill", "draft", "verify", "accept", "commit")
 
@@ -381,7 +381,7 @@ class Decoder:
 
         A prompt's tokens do not depend on ``slots`` (rows of a batched pass do not interact; greedy fp32
         and seeded sampling are tested token for token): a sampled row draws from its own stream, named
-        by the generator's row seeds (:class:`~treedec.decoding.sampling.RowSeededGenerator`, one per
+        by the generator's row seeds (:class:`~treedec.sampling.RowSeededGenerator`, one per
         prompt) or derived from one base draw and the prompt's index. (Sampled: with a tree of fixed
         shape per row; tree=auto's T depends on the batch, sampled drafts share the generator, and
         in bf16 another batch shape may round a near-tie the other way.) ``compact`` (default: the class's

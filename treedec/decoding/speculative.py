@@ -22,7 +22,7 @@ import torch
 
 from treedec.decoding.drafter import Drafter
 from treedec.decoding.loop import Decoder, DecodeStats, StepInfo, Timer, normalize_eos, pad_prompts, static_room
-from treedec.decoding.sampling import RowStreams, SamplingParams, as_sampling, next_token, settle
+from treedec.sampling import RowStreams, SamplingParams, as_sampling, next_token, settle
 from treedec.decoding.vanilla import pick
 from treedec.decoding.profile import step_cost
 from treedec.decoding.verify import (Acceptance, accept_chain, accept_paths, acceptance_counts, add_chain_counts,
@@ -267,3 +267,19 @@ class SpeculativeDecoder(Decoder):
         self.drafter.flush()  # the end state is eager catch-up's (one head forward per generate, for whoever reads it)
         c = self._counts.tolist()
         stats.add_counts(*[[x + y for x, y in zip(row, host)] for row, host in zip(c, self._chain_counts)])
+
+
+class CompactingDecoder(SpeculativeDecoder):
+    """Speculative decoding that drops a row from the batch once it is done, so the draft and verify
+    passes run over the live rows only (``serve(..., compact=True)``; ``serve(..., slots=k)`` also refills
+    a finished row's slot with the next prompt).
+
+    When the live set changes, the per-row state (both KV caches, the drafter's root token / feature /
+    logits and the row's random stream) is cut down to the live rows (a live row from past the new width
+    fills a finished row's slot, so the rows' order in the batch changes); each step's tokens are mapped
+    back to the prompts. A ``hook``'s ``StepInfo`` carries no tree, path or logits (their rows would be the
+    live ones). Every row still decodes exactly as in a full batch (the rows of a batched pass do not
+    interact; greedy fp32 is compared token for token in the tests).
+    """
+
+    compact = True

@@ -1,7 +1,7 @@
 """Vanilla autoregressive decoding: the baseline every speedup is measured against.
 
 One prefill pass, then one target forward per token, over a static KV cache allocated
-once. Token choice goes through :func:`treedec.decoding.sampling.next_token`, the same
+once. Token choice goes through :func:`treedec.sampling.next_token`, the same
 distribution the speculative verifier uses, so "lossless" has one definition. The loop, the
 prompt checks, EOS / budget rules, stats and hooks are :class:`treedec.decoding.loop.Decoder`'s.
 
@@ -18,7 +18,7 @@ import torch
 
 from treedec.decoding.loop import (Decoder, GenerateResult, StepInfo, Timer, check_context, normalize_eos,
                                    normalize_prompts, pad_prompts, static_room)
-from treedec.decoding.sampling import RowStreams, SamplingParams, draw_from, next_token, read_settled, settle
+from treedec.sampling import RowStreams, SamplingParams, draw_from, next_token, read_settled, settle
 from treedec.models.cache import KVCache
 
 GREEDY = SamplingParams()

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from treedec.decoding.sampling import Draws, RowStreams, SamplingParams, draw_from, sample, target_probs
+from treedec.sampling import Draws, RowStreams, SamplingParams, draw_from, sample, target_probs
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Acceptance:
 def node_choices(logits: torch.Tensor, params: SamplingParams, streams: RowStreams | None = None) -> Draws:
     """The target's pick at every node [B, T]: argmax (greedy) or one draw from p (sampling), batched.
 
-    Each node draws from the same :func:`~treedec.decoding.sampling.draw` as vanilla decoding,
+    Each node draws from the same :func:`~treedec.sampling.draw` as vanilla decoding,
     row b's uniforms from row b's stream.
     """
     return draw_from(logits, params, streams)

@@ -17,7 +17,7 @@ rows, and a freed slot takes the next prompt at once (continuous batching); with
 are not refilled until the next batch.
 
 Randomness is per request: row b of a round draws from a stream seeded by (``seed``, request key,
-round; a request's round is its own prompt count, as requests only ever leave) (:class:`~treedec.decoding.sampling.RowSeededGenerator`), so a sampled record decodes the
+round; a request's round is its own prompt count, as requests only ever leave) (:class:`~treedec.sampling.RowSeededGenerator`), so a sampled record decodes the
 same whatever batch, position or process it lands in; greedy fp32 is batch-independent as long as
 the batches are (the float sums of a batched pass depend on the batch's shape).
 """
@@ -32,8 +32,8 @@ import lightning as L
 import torch
 
 from treedec.decoding.loop import DecodeStats, check_slots
-from treedec.decoding.sampling import RowSeededGenerator, SamplingParams
-from treedec.decoding.speculative import SpeculativeDecoder
+from treedec.sampling import RowSeededGenerator, SamplingParams
+from treedec.decoding.speculative import CompactingDecoder, SpeculativeDecoder
 from treedec.models.draft import DraftHead
 from treedec.models.llama import Transformer
 from treedec.tree.policies.base import TreePolicy
@@ -62,22 +62,6 @@ class Prompt:
 
     def take(self, tokens: list[int]) -> None:
         self.tokens = list(tokens)
-
-
-class CompactingDecoder(SpeculativeDecoder):
-    """Speculative decoding that drops a row from the batch once it is done, so the draft and verify
-    passes run over the live rows only (``serve(..., compact=True)``; ``serve(..., slots=k)`` also refills
-    a finished row's slot with the next prompt).
-
-    When the live set changes, the per-row state (both KV caches, the drafter's root token / feature /
-    logits and the row's random stream) is cut down to the live rows (a live row from past the new width
-    fills a finished row's slot, so the rows' order in the batch changes); each step's tokens are mapped
-    back to the prompts. A ``hook``'s ``StepInfo`` carries no tree, path or logits (their rows would be the
-    live ones). Every row still decodes exactly as in a full batch (the rows of a batched pass do not
-    interact; greedy fp32 is compared token for token in the tests).
-    """
-
-    compact = True
 
 
 def row_seed(seed: int, key: object, turn: int) -> int:
@@ -142,4 +126,4 @@ class SpeculativeGenerationModule(L.LightningModule):
         return {"requests": batch, "stats": stats, "seconds": time.perf_counter() - t0}
 
 
-__all__ = ["CompactingDecoder", "Prompt", "Request", "SpeculativeGenerationModule", "row_seed"]
+__all__ = ["Prompt", "Request", "SpeculativeGenerationModule", "row_seed"]

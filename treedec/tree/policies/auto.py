@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from treedec.decoding.sampling import SamplingParams
+from treedec.sampling import SamplingParams
 from treedec.tree.policies.base import TreePolicy
 from treedec.tree.policies.dynamic import DynamicPolicy, n_drafted, whole
 from treedec.tree.tree import Tree, TreeError

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from treedec.decoding.sampling import SamplingParams
+from treedec.sampling import SamplingParams
 from treedec.tree import calibration as calib
 from treedec.tree.policies.base import ForestAncestry, TreePolicy, ancestry
 from treedec.tree.policies.static import ChainPolicy

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from treedec.decoding.sampling import SamplingParams
+from treedec.sampling import SamplingParams
 from treedec.tree.policies.base import TreePolicy
 from treedec.tree.tree import Tree, TreeError
 

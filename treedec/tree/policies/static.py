@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from treedec.decoding.sampling import SamplingParams, greedy_pick, target_probs
+from treedec.sampling import SamplingParams, greedy_pick, target_probs
 from treedec.attention.layout import ancestor_matrix
 from treedec.tree.policies.base import TreePolicy
 from treedec.tree.shapes import load_shape
