@@ -154,7 +154,7 @@ def test_malformed_prompts_file_names_path_and_line(stack, tmp_path):  # noqa: F
 
     f = tmp_path / "prompts.jsonl"
     f.write_text('"def f(x):\\n"\n{"prompt": "def g(\n')
-    with pytest.raises(ConfigError, match=r"prompts\.jsonl:2: not valid JSON \(.* at column \d+\)"):
+    with pytest.raises(ConfigError, match=r"prompts\.jsonl:2: not valid JSON \(.*column \d+.*\); write one prompt per line"):
         run(compose_calibrate(calib_overrides(stack, tmp_path, "model.path=/nonexistent/model",
                                               "prompts.source=file", f"prompts.file={f}")))
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from treedec.cli import entry, write_text_atomic
+from treedec.atomic import write_text_atomic
+from treedec.cli import entry
 from treedec.config_schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,7 +278,7 @@ class FullDisk:
 def export_on_a_full_disk(path: Path) -> None:
     import errno
 
-    from treedec.training.trainer import atomic_dir
+    from treedec.atomic import atomic_dir
 
     def save(tmp: Path) -> None:
         (tmp / "draft.safetensors").write_bytes(b"half")
@@ -288,7 +289,7 @@ def export_on_a_full_disk(path: Path) -> None:
 
 @pytest.mark.parametrize("name, write", [
     ("metrics.json", lambda path: write_text_atomic(path, "{\"new\": 1}\n")),  # generate, calibrate, bench
-    ("metrics.json", lambda path: __import__("treedec.training.trainer", fromlist=["x"]).write_json(path, {"new": 1})),
+    ("metrics.json", lambda path: __import__("treedec.atomic", fromlist=["x"]).write_json(path, {"new": 1})),
     ("export", export_on_a_full_disk),  # train / pretrain's exported head or model
 ], ids=["18f-write_text_atomic", "18f-train-metrics", "18f-export"])
 def test_a_full_disk_is_one_error_line_and_keeps_what_was_there(name, write, tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 import treedec.config_schema as schema
 from treedec.sampling import SamplingParams
-from treedec.tree.policies import ChainPolicy, DynamicPolicy, LearnedPolicy, LookupPolicy, StaticPolicy
+from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, LearnedPolicy, LookupPolicy, StaticPolicy
 from treedec.tree.policies.learned import save_learned
 from treedec.tree.shapes import SHAPE_DIR, list_shapes
 
@@ -21,7 +21,7 @@ CONF = SHAPE_DIR.parents[1]
 GROUPS = ("tree", "sampling", "kernel", "model", "draft")
 OPTIONS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in GROUPS}
 POLICY = {"static": StaticPolicy, "dynamic": DynamicPolicy, "chain": ChainPolicy, "learned": LearnedPolicy,
-          "dynamic_sample": DynamicPolicy, "lookup": LookupPolicy}
+          "dynamic_sample": DynamicPolicy, "lookup": LookupPolicy, "auto": AutoPolicy}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,8 @@ def test_group_options_exist():
 def test_schemas_registered():
     repo = ConfigStore.instance().repo
     assert {"generate.yaml", "calibrate.yaml", "bench.yaml", "model.yaml", "draft.yaml"} <= set(repo["schema"])
-    assert {"static.yaml", "dynamic.yaml", "chain.yaml", "learned.yaml", "shape.yaml"} <= set(repo["schema"]["tree"])
+    assert {"static.yaml", "dynamic.yaml", "chain.yaml", "learned.yaml", "auto.yaml", "shape.yaml"} <= set(
+        repo["schema"]["tree"])
 
 
 @pytest.mark.parametrize("tree", OPTIONS["tree"])
@@ -130,11 +131,13 @@ def test_optuna_search_composes():
 
 def test_bench_config_validates_and_rejects_wrong_types():
     """conf/bench.yaml composes against schema/bench; a wrong type fails while composing, an appended typo in validate."""
-    schema.validate(gen([], "bench"), "bench")
+    from treedec.bench.config import validate_bench
+
+    validate_bench(gen([], "bench"))
     with pytest.raises(Exception, match="bench.repeats"):
         gen(["bench.repeats=many"], "bench")
     with pytest.raises(schema.ConfigError, match=r"Did you mean bench\.trees\.chain\.depth\?"):
-        schema.validate(gen(["+bench.trees.chain.dept=3"], "bench"), "bench")
+        validate_bench(gen(["+bench.trees.chain.dept=3"], "bench"))
 
 
 def test_tree_schemas_are_looked_up_by_class():

@@ -75,7 +75,7 @@ def test_zero_new_tokens_with_compare_writes_metrics(stack, tmp_path, capsys):
     ("+optimized_metric=speedup", r"optimized_metric='speedup' .*\(speedup needs compare=true\)"),
     ("+model.devcie=cpu", r"model\.devcie.*Did you mean model\.device\? Keys of model: path, dtype, device"),
     ("model.device=tpu", r"invalid model\.device: unknown device 'tpu'"),
-    ("tree.total_tokens=1", r"invalid tree config: total_tokens=1"),
+    ("tree.total_tokens=1", r"invalid tree config: tree\.total_tokens=1 must be a whole number >= 2"),
 ])
 def test_bad_options_fail_before_the_model_loads(tmp_path, override, needle):
     from treedec.config_schema import ConfigError

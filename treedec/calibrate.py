@@ -34,7 +34,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import treedec.config_schema  # noqa: F401  (registers schema/calibrate before Hydra composes)
-from treedec.cli import entry, load_stack, refuse_renamed, write_text_atomic
+from treedec.atomic import write_text_atomic
+from treedec.cli import entry, load_stack, refuse_renamed
 
 log = logging.getLogger(__name__)
 

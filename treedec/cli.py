@@ -6,25 +6,23 @@ status 1, instead of Hydra's traceback. ``HYDRA_FULL_ERROR=1`` shows the traceba
 Hydra only passes ``SystemExit`` through (it turns other exceptions into tracebacks, and
 exceptions in callbacks into warnings), hence :func:`fail`.
 
-**Output files** are written atomically (:func:`write_text_atomic`: a temp file, then a rename), so
+**Output files** are written atomically (:mod:`treedec.atomic`: a temp file, then a rename), so
 a crash or a kill never leaves a half-written ``metrics.json`` for a sweep summary to trip over. A full
 disk is a user error too: one line saying so and that what was written before is kept (:func:`disk_full`).
 """
 from __future__ import annotations
 
-import errno
 import functools
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, NoReturn, TypeVar
+
+from treedec.atomic import DISK_FULL
 
 # Errors whose message is written for the user (ConfigError, CheckpointError, TreeError are ValueErrors).
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, IsADirectoryError,
                                                 NotADirectoryError, PermissionError)
 
-# errno of a write that found no room: no space left, a file over the size limit, a quota exceeded.
-DISK_FULL = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 
 F = TypeVar("F", bound=Callable)
 
@@ -50,12 +48,6 @@ def disk_full(exc: OSError) -> str | None:
             f"temp file and renamed, so no file was left half-written and the files already there (results, "
             f"checkpoints) are kept; free some space (or write elsewhere: hydra.run.dir=DIR) and run again (a "
             f"training job resumes from its newest checkpoint)")
-
-
-def naming(exc: OSError, path: str | os.PathLike) -> OSError | None:
-    """A full disk's error naming the output ``path`` (a failed ``write()`` names no file, an ``open()`` the temp
-    file), for :func:`disk_full`'s message; None for any other error."""
-    return OSError(exc.errno, exc.strerror, str(path)) if exc.errno in DISK_FULL else None
 
 
 def user_message(exc: BaseException) -> str | None:
@@ -111,29 +103,6 @@ def refuse_renamed(name: str, argv: list[str] | None = None) -> None:
                 check_out_path(value, key)
             except ConfigError as exc:
                 fail(exc)
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temp file in the same folder and a rename (readable as umask allows)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        from treedec.models.checkpoint import follow_umask
-
-        follow_umask(tmp)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        if (full := naming(exc, path)) is not None:
-            raise full from exc
-        raise
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def load_stack(cfg: Any):

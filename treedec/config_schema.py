@@ -451,7 +451,8 @@ OPTIMIZABLE = ("tau", "tokens_per_s", "new_tokens", "steps", "prompt_tokens")  #
 CALIBRATE_SOURCES = ("heldout", "third_party", "file")
 
 
-def _get(cfg, key: str):
+def value_at(cfg, key: str):
+    """The value at dotted ``key`` (None when absent; an interpolation that does not resolve: None)."""
     return OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
 
 
@@ -478,7 +479,7 @@ def _check_model(cfg) -> None:
     from treedec.models.checkpoint import resolve_device, resolve_dtype
 
     for key, fn in (("model.device", resolve_device), ("model.dtype", resolve_dtype)):
-        value = _get(cfg, key)
+        value = value_at(cfg, key)
         try:
             fn(value)
         except ValueError as e:
@@ -488,10 +489,10 @@ def _check_model(cfg) -> None:
 def _check_generate(cfg) -> None:
     from treedec.data.prompts import read_text
 
-    if _get(cfg, "prompt_file") not in (None, "-"):
-        read_text(_get(cfg, "prompt_file"), "prompt_file")
-    metric = _get(cfg, "optimized_metric")
-    known = OPTIMIZABLE + (("speedup",) if _get(cfg, "compare") else ())
+    if value_at(cfg, "prompt_file") not in (None, "-"):
+        read_text(value_at(cfg, "prompt_file"), "prompt_file")
+    metric = value_at(cfg, "optimized_metric")
+    known = OPTIMIZABLE + (("speedup",) if value_at(cfg, "compare") else ())
     if metric is not None and metric not in known:
         hint = " (speedup needs compare=true)" if metric == "speedup" else ""
         raise ConfigError(f"optimized_metric={metric!r} is not a numeric metric of generate{hint}; "
@@ -501,102 +502,56 @@ def _check_generate(cfg) -> None:
 def _check_calibrate(cfg) -> None:
     from treedec.data.prompts import read_prompt_file
 
-    source = _get(cfg, "prompts.source")
+    source = value_at(cfg, "prompts.source")
     if source not in CALIBRATE_SOURCES:
         raise ConfigError(f"prompts.source={source!r}; choose one of {', '.join(CALIBRATE_SOURCES)}")
     if source == "file":
-        if not _get(cfg, "prompts.file"):
+        if not value_at(cfg, "prompts.file"):
             raise ConfigError("prompts.source=file needs prompts.file=<a .jsonl with one prompt per line, "
                               "or a text file>")
-        read_prompt_file(_get(cfg, "prompts.file"), "prompts.file")
-    root = _get(cfg, "prompts.root")
+        read_prompt_file(value_at(cfg, "prompts.file"), "prompts.file")
+    root = value_at(cfg, "prompts.root")
     if source == "heldout" and root is not None and not Path(root).expanduser().is_dir():
         raise ConfigError(f"prompts.root={root!r} is not a directory; pass a folder of .py files (null: the stdlib)")
-    top, depth = _get(cfg, "dp.max_budget"), _get(cfg, "dp.max_depth")
-    budget, fixed_depth = _get(cfg, "dp.budget"), _get(cfg, "dp.depth")
+    top, depth = value_at(cfg, "dp.max_budget"), value_at(cfg, "dp.max_depth")
+    budget, fixed_depth = value_at(cfg, "dp.budget"), value_at(cfg, "dp.depth")
     if budget is not None and not 2 <= budget <= top:
         raise ConfigError(f"dp.budget={budget} must be in [2, dp.max_budget={top}] (or null: chosen by timing)")
     if fixed_depth is not None and not 1 <= fixed_depth <= depth:
         raise ConfigError(f"dp.depth={fixed_depth} must be in [1, dp.max_depth={depth}] (or null: the best)")
-    bad = [b for b in (_get(cfg, "timing.budgets") or []) if not 2 <= b <= top]
+    bad = [b for b in (value_at(cfg, "timing.budgets") or []) if not 2 <= b <= top]
     if bad:
         raise ConfigError(f"timing.budgets has {bad[0]}: every budget must be in [2, dp.max_budget={top}]")
-
-
-def _check_bench(cfg) -> None:
-    from treedec.data.prompts import SOURCES, read_prompt_file
-
-    b = "bench."
-    source = _get(cfg, b + "prompt_source")
-    if source not in SOURCES:
-        raise ConfigError(f"bench.prompt_source={source!r}; choose one of {', '.join(SOURCES)} "
-                          f"(or bench.prompts=<file.jsonl>)")
-    if _get(cfg, b + "prompts"):
-        read_prompt_file(_get(cfg, b + "prompts"), "bench.prompts")
-    from treedec.bench import bundled
-
-    learned = _get(cfg, b + "learned_path")
-    if learned not in (None, bundled.AUTO) and not Path(learned).expanduser().is_file():
-        raise ConfigError(f"bench.learned_path={learned!r}: no such file; pass the learned_tree.yaml that "
-                          f"`python -m treedec.calibrate` wrote (auto: the tree shipped for the bundled head; "
-                          f"null: skip the `learned` method)")
-    assistant = _get(cfg, b + "assistant_path")
-    if assistant not in (None, bundled.AUTO, bundled.ASSISTANT) and not Path(assistant).expanduser().is_dir():
-        raise ConfigError(f"bench.assistant_path={assistant!r} is not a model directory (auto: {bundled.ASSISTANT} "
-                          f"for the bundled target; null: skip hf_assisted)")
-    trees = _get(cfg, b + "trees") or {}
-    for name in trees:
-        validate_tree(trees[name], f"bench.trees.{name}")
-    for name in _get(cfg, b + "methods") or []:
-        if name != "vanilla" and name not in trees:
-            raise ConfigError(f"bench.methods names {name!r}, which has no tree config under bench.trees (add "
-                              f"bench.trees.{name} with a _target_). "
-                              f"{unknown_key_hint(name, ['vanilla', *trees], label='Methods')}")
-    temps = _get(cfg, b + "sample_temperatures")
-    if temps is not None:
-        if not temps:
-            raise ConfigError("bench.sample_temperatures=[]: list at least one temperature (or null: the sampling "
-                              "group's own)")
-        bad = [t for t in temps if not 0 < t < float("inf")]
-        if bad:
-            raise ConfigError(f"bench.sample_temperatures has {bad[0]}: every temperature must be > 0 "
-                              f"(0 is greedy decoding, which the greedy rows already cover)")
-        if len({f"{t:g}" for t in temps}) != len(temps):  # as metrics.json names the groups
-            raise ConfigError(f"bench.sample_temperatures={list(temps)} repeats a temperature")
-    from treedec.bench import PEERS
-
-    for name in _get(cfg, b + "peers") or []:
-        if name not in PEERS:
-            raise ConfigError(f"bench.peers names {name!r}. {unknown_key_hint(name, PEERS, label='Peers')}")
 
 
 def _check_export_head(cfg) -> None:
     from treedec.models.checkpoint import resolve_dtype
 
-    if _get(cfg, "format") not in ("eagle", "eagle3"):
-        raise ConfigError(f"format={_get(cfg, 'format')!r}; choose eagle (an EAGLE-1/2 head) or eagle3 (an EAGLE-3 head)")
-    if _get(cfg, "dtype") is not None:
+    if value_at(cfg, "format") not in ("eagle", "eagle3"):
+        raise ConfigError(f"format={value_at(cfg, 'format')!r}; choose eagle (an EAGLE-1/2 head) or eagle3 (an EAGLE-3 head)")
+    if value_at(cfg, "dtype") is not None:
         try:
-            resolve_dtype(_get(cfg, "dtype"))
+            resolve_dtype(value_at(cfg, "dtype"))
         except ValueError as e:
             raise ConfigError(f"invalid dtype: {e}") from None
 
 
-_CHECKS = {"generate": _check_generate, "calibrate": _check_calibrate, "bench": _check_bench,
+# (bench's own options are checked by treedec.bench.config: the benchmark sits above the configs)
+_CHECKS = {"generate": _check_generate, "calibrate": _check_calibrate, "bench": lambda cfg: None,
            "export_head": _check_export_head}
 
 
 def _check_regenerate(cfg) -> None:
     for key, known in (("format", ("auto", "text", "chat")), ("on_error", ("fail", "skip"))):
-        if _get(cfg, key) not in known:
-            raise ConfigError(f"{key}={_get(cfg, key)!r}; choose one of {', '.join(known)}")
-    src = _get(cfg, "input")
+        if value_at(cfg, key) not in known:
+            raise ConfigError(f"{key}={value_at(cfg, key)!r}; choose one of {', '.join(known)}")
+    src = value_at(cfg, "input")
     if not src:
         raise ConfigError("input is required: input=<records.jsonl> ({\"text\": ...} lines or chats)")
     if not Path(src).expanduser().is_file():
         raise ConfigError(f"input={src!r} is not a file; pass input=<records.jsonl> ({{\"text\": ...}} lines or chats)")
-    if not 0 <= _get(cfg, "part") < _get(cfg, "parts"):
-        raise ConfigError(f"part={_get(cfg, 'part')} must be in [0, parts={_get(cfg, 'parts')})")
+    if not 0 <= value_at(cfg, "part") < value_at(cfg, "parts"):
+        raise ConfigError(f"part={value_at(cfg, 'part')} must be in [0, parts={value_at(cfg, 'parts')})")
 
 
 _RULES["regenerate"] = [(k, _ge(1), ">= 1") for k in ("prompt_tokens", "max_new_tokens", "batch_size", "shard_size",
@@ -704,13 +659,13 @@ def validate(cfg: DictConfig, kind: str = "generate") -> None:
     if backend is not None and backend not in KERNEL_BACKENDS:
         raise ConfigError(f"invalid {kind} config: model.attn_backend={backend!r}; "
                           f"choose one of {', '.join(KERNEL_BACKENDS)} (or kernel=<one of them>)")
-    _check_triton(backend, _get(cfg, "model.device"))
+    _check_triton(backend, value_at(cfg, "model.device"))
     for key, ok, need in _RULES[kind]:
-        value = _get(cfg, key)
+        value = value_at(cfg, key)
         if value is not None and not ok(value):
             raise ConfigError(f"{key}={value!r}: must be {need}")
     _check_model(cfg)
     for key, is_dir in [("paths.run_dir", True), *OUT_PATHS[kind]]:
-        check_out_path(_get(cfg, key), key, is_dir)
+        check_out_path(value_at(cfg, key), key, is_dir)
     _CHECKS[kind](cfg)
 

@@ -100,7 +100,8 @@ def export_head(head, out: str | os.PathLike, fmt: str, dtype: torch.dtype | Non
     """Write ``head`` (a :class:`~treedec.models.draft.DraftHead`) to ``out`` in layout ``fmt`` (eagle | eagle3)."""
     from safetensors.torch import save_file
 
-    from treedec.models.checkpoint import WEIGHTS, follow_umask
+    from treedec.atomic import follow_umask
+    from treedec.models.checkpoint import WEIGHTS
     from treedec.models.head_formats import to_published
 
     out = Path(out).expanduser()

@@ -32,10 +32,10 @@ log = logging.getLogger(__name__)
 def export_hf(module, tokenizer_path: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Write ``module.model`` as a Hugging Face directory with its tokenizer and generation config.
 
-    Atomic (:func:`treedec.training.trainer.atomic_dir`): ``out_dir`` is the old directory or the
+    Atomic (:func:`treedec.atomic.atomic_dir`): ``out_dir`` is the old directory or the
     complete new one, never a half-written one; the files follow the umask."""
     from treedec.models.checkpoint import save_pretrained
-    from treedec.training.trainer import atomic_dir
+    from treedec.atomic import atomic_dir
 
     model = module.model
     cfg = model.config
@@ -63,7 +63,8 @@ def _pretrain(cfg: DictConfig, run_dir: Path) -> dict:
     from treedec.data.tokenizer_train import tokenizer_file
     from treedec.models.paths import bundled_dir, export_path
     from treedec.training.schedule import seconds, time_budget
-    from treedec.training.trainer import build_trainer, stop_reason, use_hint, write_json
+    from treedec.atomic import write_json
+    from treedec.training.trainer import build_trainer, stop_reason, use_hint
 
     t0 = time.time()
     arch = OmegaConf.to_container(cfg.model_arch, resolve=True)

@@ -63,7 +63,8 @@ import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
 import treedec.config_schema  # noqa: F401  (registers the structured schema before Hydra composes)
-from treedec.cli import entry, load_stack, refuse_renamed, write_text_atomic
+from treedec.atomic import write_text_atomic
+from treedec.cli import entry, load_stack, refuse_renamed
 from treedec.training.predict import Prompt
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     from treedec.models.tokenizer import load_tokenizer
     from treedec.training.draft import SpeculativeEvalCallback
     from treedec.training.schedule import seconds, time_budget
-    from treedec.training.trainer import atomic_dir, build_trainer, stop_reason, use_hint, write_json
+    from treedec.atomic import atomic_dir, write_json
+    from treedec.training.trainer import build_trainer, stop_reason, use_hint
 
     t0 = time.time()
     kind = (cfg.draft_arch or {}).get("kind", "eagle")

@@ -79,6 +79,8 @@ def test_prompt_file_errors_name_path_and_line(tmp_path):
         '{"idx": 1}\n': r"p.jsonl:1: a prompt object needs a string field prompt / text / content / input",
         '[1, 2]\n': r"p.jsonl:1: expected a JSON string or an object with a prompt, got list",
         '\n\n': r"p.jsonl holds no prompts",
+        '{"prompt": "a\\ud800b"}\n': r"p.jsonl:1: holds a lone UTF-16 surrogate",  # (issue 39.15: calibrate's prompts)
+        "[" * 100000 + "\n": r"p.jsonl:1: nested too deeply to read",
     }
     for text, needle in cases.items():
         f.write_text(text)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from treedec.data.datamodules import EpochSampler
-from treedec.data.files import atomic_file
+from treedec.atomic import atomic_file
 from treedec.data.token_cache import TokenWriter, open_tokens, tokenize_corpus
 
 

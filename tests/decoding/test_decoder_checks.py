@@ -9,7 +9,8 @@ import torch
 from treedec.sampling import SamplingParams
 from treedec.decoding.speculative import SANE_DEPTH, SpeculativeDecoder
 from treedec.errors import ConfigError
-from treedec.tree.policies import ChainPolicy
+from treedec.tree.policies import ChainPolicy, DynamicPolicy
+from treedec.tree.tree import TreeError
 
 
 def test_a_dict_of_sampling_fields_is_converted_and_anything_else_names_sampling_params(tiny_pair):
@@ -51,3 +52,14 @@ def test_load_model_names_the_dtypes_a_model_loads_in():
     with pytest.raises(ValueError, match=r"load_model\(dtype=torch\.int8\): a model loads in torch\.bfloat16, "
                                          r"torch\.float16, torch\.float32"):
         load_model("tiny-code", dtype=torch.int8)
+
+
+@pytest.mark.parametrize("make", [lambda: ChainPolicy(2.5), lambda: ChainPolicy("3"), lambda: ChainPolicy(True),
+                                  lambda: DynamicPolicy(16, depth="6"), lambda: DynamicPolicy(16, 6, top_k=2.5),
+                                  lambda: DynamicPolicy(16.0, 6)], ids=["chain-float", "chain-str", "chain-bool",
+                                                                         "dynamic-depth", "dynamic-top_k", "dynamic-T"])
+def test_a_policy_refuses_settings_that_are_not_whole_numbers_at_construction(make):
+    """Issue 39.19b: one clear line naming the key, not a TypeError deep in the constructor or the first step."""
+    with pytest.raises(TreeError, match=r"tree\.\w+=.* must be a whole number"):
+        make()
+

@@ -20,7 +20,8 @@ from hydra import compose, initialize_config_dir
 from treedec.config_schema import ConfigError
 from treedec.data.datamodules import EpochSampler, ResumableLoader
 from treedec.models.paths import export_path
-from treedec.training.trainer import (JobError, ResumeState, RunDirLock, atomic_dir, finished_metrics, rng_states,
+from treedec.atomic import atomic_dir
+from treedec.training.trainer import (JobError, ResumeState, RunDirLock, finished_metrics, rng_states,
                                       set_rng_states)
 from treedec.tree.shapes import SHAPE_DIR
 

@@ -33,10 +33,10 @@ def started(cost_fn, c=0.8, gain=0.0, **kw) -> AutoPolicy:
     accepts 1 + ``gain`` * (T - D - 1) times the D-deep chain (each node beyond the chain's adds ``gain``)."""
     pol = AutoPolicy(calibration=None, **kw)
     pol.cost, pol._plan = FakeCost(pol, cost_fn), []
-    pol.c[:] = c
+    pol.promise[:] = c
     for i in pol._tree:
         _, d, t = pol.shapes[i]
-        pol.R[i, :d] = 1 + gain * (t - d - 1)
+        pol.G[i] = 1 + gain * (t - d - 1)
     return pol
 
 
@@ -82,34 +82,44 @@ def info(n_accept):
     return SimpleNamespace(active=[True] * len(n_accept), n_accept=n_accept)
 
 
-def test_rho_converges_per_depth_on_a_biased_calibration():
-    """The calibration promises rows reach depths 1-3 with 0.5 / 0.25 / 0.1; every row accepts all 3 drafts:
-    rho goes to 2 / 4 / 10 within a few dozen steps, and a chain's expected drafts to the 3 it gets."""
+def test_the_chain_estimate_converges_on_a_biased_calibration():
+    """The scores promise a continuation of 0.5 a depth; every row accepts all 3 drafts: within a few dozen steps
+    the continuation is near 1, and the 3-deep chain's estimate near the 3 drafts it gets."""
     pol = started(lambda *a: 1.0)
     chain = pol.shapes.index((1, 3, 4))
     for step in range(60):
-        pol._pending = (chain, torch.tensor([0.5, 0.25, 0.1]), torch.tensor([[0.5, 0.25, 0.1]] * 2))
+        pol._pending = (chain, torch.tensor([0.5, 0.25, 0.125]))
         pol.observe(info([4, 4]))
-        if step == 30:
-            assert pol.rho[:3] == pytest.approx([2, 4, 10], rel=0.05)
-    assert pol.rho[:3] == pytest.approx([2, 4, 10], rel=1e-3) and (pol.rho[3:] == 1).all()
-    assert pol.expected()[chain] == pytest.approx(3, rel=1e-3)
+        if step == 0:
+            assert pol.continuation[:3] == pytest.approx([0.75, 0.75, 0.75])  # 2 prior rows at 0.5, 2 observed at 1
+    assert pol.continuation[:3] == pytest.approx([1, 1, 1], abs=0.03) and pol.continuation[3:] == pytest.approx(0.8)  # (never counted: the prior)
+    assert pol.expected()[chain] == pytest.approx(3, abs=0.15)
 
 
-def test_chain_and_tree_steps_update_their_own_estimates():
+def test_rows_that_stop_early_lower_the_continuation_only_where_they_stop():
+    pol = started(lambda *a: 1.0, c=0.5)
+    chain = pol.shapes.index((1, 4, 5))
+    pol._pending = (chain, torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+    pol.observe(info([3, 5, 1]))  # accepted 2, 4 and 0 drafts
+    hits, trials = np.array([2, 2, 1, 1]), np.array([3, 2, 2, 1])
+    assert pol.continuation[:4] == pytest.approx((2 * 0.5 + hits) / (2 + trials))
+
+
+def test_tree_gains_and_gamma():
     pol = AutoPolicy(max_depth=3, top_k=2, calibration=None)
     pol.cost = FakeCost(pol, lambda *a: 1.0)
     chain = pol.shapes.index((1, 3, 4))
-    pol._pending = (chain, torch.tensor([0.8, 0.4, 0.1]), torch.tensor([[0.8, 0.4, 0.1]]))
-    pol.observe(info([2]))
-    assert pol.c == pytest.approx([0.8, 0.5, 0.25])  # the first measurement replaces the prior
+    pol._pending = (chain, torch.tensor([0.8, 0.4, 0.1]))
+    pol.observe(info([1]))
+    assert pol.promise[:3] == pytest.approx([0.8, 0.5, 0.25])  # the first measurement replaces the prior
     tree = pol.shapes.index((2, 3, 4))
-    mass = torch.zeros(2, 10, 3)  # [depth limits 2..3, T - 1, depth]: expected drafts of the best T - 1 nodes
-    mass[1, 2] = torch.tensor([1.2, 0.4, 0.05])  # two children of the root, one grandchild
-    pol._pending = (tree, mass, torch.tensor([[1.2, 0.4, 0.05]]))
-    pol.observe(info([2]))
-    assert pol.R[tree] == pytest.approx([1.5, 1.0, 0.5]) and pol.c == pytest.approx([0.8, 0.5, 0.25])
-    assert pol.R[chain] == pytest.approx([1, 1, 1])
+    curve = torch.zeros(2, 10)  # [depth limits 2..3, T - 1]: expected drafts of the best T - 1 nodes
+    curve[1, 2] = 1.5 * (0.8 + 0.4 + 0.1)
+    before = pol.expected()[tree] / pol.G[tree]
+    pol._pending = (tree, curve)
+    pol.observe(info([2]))  # it promised 1.5 x the chain's estimate; one draft was accepted
+    assert pol.G[tree] == pytest.approx(1.5) and pol.G[chain] == 1
+    assert pol.gamma == pytest.approx((0.9 * 2 + 1) / (0.9 * 2 + before * 1.5))
 
 
 def test_every_candidate_drafts_a_valid_tree_of_its_own_size_and_depth():
@@ -143,9 +153,9 @@ def test_profile_round_trip_interpolates_and_refines(tmp_path):
     assert calls == [1, 4] and cost.path.is_file()  # rows 2: between the measured 1 and 4
     again = StepCost(SHAPES, {"device": "x"}, lambda rows: pytest.fail("measured again"), tmp_path)
     assert again.seconds(2) == pytest.approx(cost.seconds(2))  # a later process loads it
-    again.observe(1, 2, 10.8)  # twice the prediction: the cell moves a third of the way, the others by the ratio
+    again.observe(1, 2, 10.8)  # 5.4 s over the profile: the cell moves 0.3 of the way, the others by the step's rest
     assert again.seconds(1)[2] == pytest.approx(5.4 + 0.3 * 5.4)
-    assert again.seconds(1)[0] == pytest.approx(1.0 * 1.3)
+    assert again.seconds(1)[0] == pytest.approx(1.0 + 0.3 * 5.4)
 
 
 def test_a_corrupt_or_stale_profile_is_measured_again_with_a_warning(tmp_path, caplog):

@@ -215,10 +215,11 @@ def run(cfg: DictConfig) -> dict:
     """Run the benchmark described by a composed ``bench`` config; write metrics.json, results.md, plots."""
     from treedec.bench import peers as peer_mod
     from treedec.bench import report
-    from treedec.cli import load_stack, write_text_atomic
-    from treedec.config_schema import validate
+    from treedec.atomic import write_text_atomic
+    from treedec.cli import load_stack
+    from treedec.bench.config import validate_bench
 
-    validate(cfg, "bench")
+    validate_bench(cfg)
     bench = cfg.bench
     why = resolve_auto(cfg)  # bench.learned_path / assistant_path = auto -> what they mean here
     policies = build_policies(cfg)

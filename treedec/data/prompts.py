@@ -15,7 +15,6 @@ header included, cut to at most ``prompt_tokens`` tokens on a line boundary.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from treedec.data.corpus import read_source, split_files, stdlib_root
+from treedec.data.corpus import parse_json_line, read_source, split_files, stdlib_root
 from treedec.errors import ConfigError
 
 SOURCES = ("stdlib", "third_party")
@@ -126,11 +125,11 @@ def read_prompt_file(path: str | os.PathLike, key: str = "prompts") -> list[Prom
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{p}:{n}: not valid JSON ({exc.msg} at column {exc.colno}); write one prompt per "
-                              '''line: a JSON string, or an object like {"id": "a", "prompt": "def f(x):"}''') from None
+        try:  # (invalid JSON, nesting too deep and lone surrogates are each one line naming p:n)
+            obj = parse_json_line(line, f"{p}:{n}")
+        except ValueError as exc:
+            raise ConfigError(f"{exc}; write one prompt per line: a JSON string, or an object like "
+                              '''{"id": "a", "prompt": "def f(x):"}''') from None
         pid = None
         if isinstance(obj, dict):
             key_ = next((k for k in PROMPT_KEYS if isinstance(obj.get(k), str)), None)

@@ -6,7 +6,7 @@
   (documents back to back), ``<split>.mask.bin`` (chat: 1 per assistant token) and
   ``<split>.offsets.npy`` (document starts).
 
-Both write through one :class:`TokenWriter` (every file via :func:`treedec.data.files.atomic_file`) and
+Both write through one :class:`TokenWriter` (every file via :func:`treedec.atomic.atomic_file`) and
 write ``meta.json`` last: its presence marks a complete cache, so an interrupted build is redone and
 later epochs, resumed jobs and other runs never re-tokenise.
 """
@@ -24,7 +24,8 @@ import numpy as np
 from treedec.data.chat import ChatRenderer, spans_to_mask
 from treedec.data.corpus import (corpus_fingerprint, jsonl_files, line_split, read_jsonl, read_source, split_files,
                                  stdlib_root)
-from treedec.data.files import atomic_file, file_fingerprint
+from treedec.atomic import atomic_file
+from treedec.data.files import file_fingerprint
 from treedec.data.tokenizer_train import EOS, as_tokenizer, tokenizer_hash
 
 DEFAULT_CACHE = Path(os.environ.get("TREEDEC_CACHE", Path.home() / ".cache" / "treedec"))

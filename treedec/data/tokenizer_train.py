@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterable
 
 from treedec.data.corpus import read_source, split_files, stdlib_root
-from treedec.data.files import atomic_file
+from treedec.atomic import atomic_file
 
 EOS = "<|endoftext|>"
 

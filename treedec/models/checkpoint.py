@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from treedec.atomic import follow_umask
 from treedec.models.config import SUPPORTED_ARCHITECTURES, LlamaConfig
 from treedec.models.llama import Transformer, rope_inv_freq
 from treedec.models.packed import should_pack
@@ -275,34 +276,6 @@ def _tensors_for_save(model: Transformer, dtype: torch.dtype | None) -> dict[str
             t = t.to(dtype)
         out[name] = t.to("cpu").contiguous()
     return out
-
-
-def current_umask() -> int:
-    """The process umask (read without changing it where /proc tells it)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def follow_umask(path: str | os.PathLike) -> None:
-    """Give a file, or a directory and everything in it, the modes a plain ``open``/``mkdir`` would have.
-
-    safetensors, ``mkstemp`` and ``mkdtemp`` create owner-only files, unreadable on a shared cluster.
-    """
-    mask, path = current_umask(), Path(path)
-    if not path.is_dir():
-        os.chmod(path, 0o666 & ~mask)
-        return
-    for d, _, files in os.walk(path):
-        os.chmod(d, 0o777 & ~mask)
-        for f in files:
-            os.chmod(os.path.join(d, f), 0o666 & ~mask)
 
 
 def save_pretrained(model: Transformer, path: str | os.PathLike, tokenizer=None, dtype: torch.dtype | str | None = None) -> Path:

@@ -28,7 +28,7 @@ def save_head(head: nn.Module, path: str | Path) -> None:
     """Write draft_config.json + draft.safetensors; a bound head records its target's fingerprint."""
     from safetensors.torch import save_file
 
-    from treedec.models.checkpoint import follow_umask
+    from treedec.atomic import follow_umask
 
     if is_quantized(head):
         raise ValueError("this draft head's weights are int8 (draft.quantize=int8): a file of them would not load; "

@@ -33,19 +33,15 @@ see :func:`requeue_plugins`).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
-import errno
 import importlib.util
 import json
 import logging
 import os
 import random
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -56,7 +52,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgre
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 
-from treedec.models.checkpoint import follow_umask
 from treedec.training.schedule import seconds
 
 log = logging.getLogger("treedec.training")
@@ -106,64 +101,6 @@ class LogProgress(L.Callback):
     def on_validation_epoch_end(self, trainer, pl_module):
         if "val/loss" in trainer.callback_metrics and not trainer.sanity_checking and trainer.is_global_zero:
             log.info("step %d  val/loss %.4f", trainer.global_step, float(trainer.callback_metrics["val/loss"]))
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    at_fdcwd, rename_exchange = -100, 2
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
-def atomic_dir(dest: str | os.PathLike, write: Callable[[Path], object]) -> Path:
-    """Build directory ``dest`` by ``write(tmp)`` in a temporary sibling, then swap it in.
-
-    A reader or a kill sees the old directory or the complete new one, never a half-written
-    one: a failing ``write`` leaves ``dest`` as it was. Files follow the umask.
-    """
-    from treedec.cli import naming
-
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
-        try:
-            write(tmp)
-        except OSError as exc:
-            if (full := naming(exc, dest)) is None:
-                raise
-            raise full from exc
-        follow_umask(tmp)
-        if not dest.exists():
-            os.rename(tmp, dest)
-        elif _exchange(tmp, dest):
-            shutil.rmtree(tmp)  # now the old directory
-        else:  # no atomic exchange here: two renames, the old copy kept until the new one is in place
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-            os.rename(dest, old / dest.name)
-            os.rename(tmp, dest)
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
-
-
-def write_json(path: str | os.PathLike, data: dict) -> None:
-    """``json.dumps(data)`` to ``path`` through a temporary file and a rename (never half written; a full disk
-    names the file)."""
-    from treedec.cli import write_text_atomic
-
-    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 # ------------------------------------------------------------------------------------ run-dir lock

@@ -202,7 +202,7 @@ class Calibration:
 
 def save_calibration(path: str | Path, cal: Calibration) -> Path:
     """Write ``cal`` as YAML (atomic: temp file + rename)."""
-    from treedec.cli import write_text_atomic
+    from treedec.atomic import write_text_atomic
     from treedec.tree.policies.learned import _Dumper
 
     return write_text_atomic(path, HEADER + yaml.dump(cal.to_dict(), Dumper=_Dumper, sort_keys=False, width=140))

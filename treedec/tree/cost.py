@@ -6,9 +6,9 @@ draft(B, k, D) + verify(B, T) (T = 1: a plain decoding step, no draft). Both are
 (powers of 4) around B (:func:`treedec.decoding.profile.measure`, a few tenths of a second each, logged with their
 duration), and kept in a JSON file in :func:`cache_dir`, so later processes load them. Between measured points
 the cost is linear in T, in D and in B. Online, every measured step refines its own (B, shape) cell (an EMA
-started at the prediction) and, for the shapes not yet played at B, one measured-over-predicted ratio per row
-count. A corrupt or stale file is measured again with a warning. The cost only sizes trees: it never changes
-the output.
+started at the prediction) and, for the shapes not yet played at B, the step's rest (measured minus profiled
+seconds: acceptance, commit, the loop) per row count. A corrupt or stale file is measured again with a
+warning. The cost only sizes trees: it never changes the output.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from treedec.atomic import write_text_atomic
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2  # 2: drafts timed with their catch-up, after a verify; the online rest is additive
 ALPHA = 0.3  # weight of one measured step in its cell's EMA (a one-off hiccup moves a cell by a third at most)
 Shape = tuple[int, int, int]  # (width k, depth D, verified tokens T); (1, 0, 1) is a plain decoding step
 
@@ -80,9 +80,9 @@ class StepCost:
         self.rows: dict[int, dict] = self._load()
         self.profile_s = 0.0  # seconds spent measuring in this process (reported apart from decoding)
         self._raw: dict[int, np.ndarray] = {}
-        self._ratio: dict[int, float] = {}
+        self._overhead: dict[int, float] = {}  # rows -> EMA of measured minus profiled seconds (the step's rest)
         self._cells: dict[int, dict[int, float]] = {}  # rows -> shape index -> EMA of measured seconds
-        self._last_ratio = 1.0
+        self._last_overhead = 0.0
 
     def _load(self) -> dict[int, dict]:
         if not self.path.exists():
@@ -143,8 +143,9 @@ class StepCost:
         return self._raw[rows]
 
     def seconds(self, rows: int) -> np.ndarray:
-        """Predicted seconds of every shape at ``rows`` rows: measured cells, else the profile times the ratio."""
-        out = self.profiled(rows) * self._ratio.get(rows, self._last_ratio)
+        """Predicted seconds of every shape at ``rows`` rows: measured cells, else the profile plus the step's rest
+        (acceptance, commit, the loop: what no pass of the profile holds)."""
+        out = self.profiled(rows) + self._overhead.get(rows, self._last_overhead)
         for i, s in self._cells.get(rows, {}).items():
             out[i] = s
         return out
@@ -152,8 +153,8 @@ class StepCost:
     def observe(self, rows: int, shape: int, seconds: float) -> None:
         """A step of shape index ``shape`` at ``rows`` rows took ``seconds``."""
         predicted = self.seconds(rows)[shape]
-        ratio = self._ratio.get(rows, self._last_ratio)
-        self._ratio[rows] = self._last_ratio = ratio + ALPHA * (seconds / self.profiled(rows)[shape] - ratio)
+        rest = self._overhead.get(rows, self._last_overhead)
+        self._overhead[rows] = self._last_overhead = rest + ALPHA * (seconds - self.profiled(rows)[shape] - rest)
         cells = self._cells.setdefault(rows, {})
         cells[shape] = predicted + ALPHA * (seconds - predicted)
 

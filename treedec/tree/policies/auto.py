@@ -4,18 +4,19 @@ The candidates are plain decoding (T = 1), a top-1 chain of every depth up to ``
 trees (:class:`DynamicPolicy`'s pool of width ``top_k``) of every depth and a few node budgets T up to
 ``max_total_tokens``. Each step takes the one that maximises
 
-    (1 + rho * expected accepted drafts) / predicted step seconds.
+    (1 + expected accepted drafts) / predicted step seconds.
 
-**Expected accepted drafts** come from the drafted trees' own calibrated scores. A node's score estimates
-log P(its path is accepted), so a tree accepts sum(exp(score)) drafts on average, and the best T-node tree
-of a pool holds its T-1 best scores: prefix sums of the sorted scores give every T at once, and a depth
-limit masks deeper nodes out (a pool's first d levels are the pool of depth d). Two EMAs over steps keep
-them: per depth d the chain's continuation c_d = P(depth d accepted | depth d-1), so a D-deep chain accepts
-sum_j prod_{i<=j} c_i; and per tree candidate its gain over the chain of the same depth,
-R = E[tree] / E[chain]. A chain step updates c up to its depth, a tree step R for every shape its pool
-holds. A fresh policy drafts the deepest chain, then the deepest pool, once each: from then on every
-candidate has an estimate and no step explores. ``rho`` (an EMA of observed / expected accepted drafts)
-takes a calibration fitted on other text to the user's within a few dozen steps.
+**Expected accepted drafts.** A chain of depth D accepts sum_{j<=D} prod_{i<=j} c_i, where c_d is the chance a
+row accepts depth d given it accepted depth d-1. c_d is counted on chain steps (rows reaching d over rows
+reaching d-1, over the last ~30 steps), with a prior of :data:`PRIOR` rows at the continuation the drafted chains' calibrated
+scores promise, so a calibration fitted on other text (or on an older head) gives way to the user's text
+within a few dozen steps. A tree's estimate is its chain's times its gain G: a node's calibrated score
+estimates log P(its path is accepted), so a tree accepts sum(exp(score)) drafts, and the best T-node tree of
+a pool holds its T-1 best scores (prefix sums of the sorted scores give every T at once; a pool's first d
+levels are the pool of depth d). G is that over the same sum for the chain of the tree's depth, kept per
+candidate as an EMA over pool steps, times one correction gamma (rows' accepted drafts over the estimate, on
+tree steps, decayed, prior 1). A fresh policy drafts the deepest chain, then the deepest pool: from then on
+every candidate has an estimate, and no step explores.
 
 **Step seconds** come from :class:`~treedec.tree.cost.StepCost`: measured once per machine, refined by
 the measured time of every step; the decoder hands it over (:meth:`use_cost`).
@@ -33,13 +34,14 @@ import numpy as np
 import torch
 
 from treedec.sampling import SamplingParams
-from treedec.tree.policies.base import TreePolicy
-from treedec.tree.policies.dynamic import DynamicPolicy, n_drafted, whole
+from treedec.tree.policies.base import TreePolicy, whole
+from treedec.tree.policies.dynamic import DynamicPolicy, n_drafted
 from treedec.tree.tree import Tree, TreeError
 
 SIZES = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # node budgets a tree candidate may verify (few verify shapes)
-ALPHA = 0.1  # weight of one step in the acceptance estimates and in rho (a time constant of ~10 steps)
-PRIOR = 2.0  # rho starts at 1 with the weight of this many steps
+ALPHA = 0.1  # weight of one step in the decayed estimates (a time constant of ~10 steps)
+PRIOR = 2.0  # rows of evidence the calibrated scores' promise weighs as, against the rows observed
+COUNT_DECAY = 0.03  # the chain counts' per-step decay (they weigh the last ~30 steps: text changes as it goes)
 
 
 class AutoPolicy(TreePolicy):
@@ -67,11 +69,11 @@ class AutoPolicy(TreePolicy):
         a = np.array(shapes)
         self._width, self._depth = a[:, 0], a[:, 1]
         self._tree = np.flatnonzero(self._width > 1)  # the tree candidates' indices (their R entries)
-        self.c = np.ones(self.max_depth)  # chain continuation per depth (index d-1); measured by the first step
-        # each candidate's expected drafts at each depth, over the chain's there (a chain: 1 down to its depth)
-        self.R = (np.arange(1, self.max_depth + 1)[None] <= self._depth[:, None]).astype(float)
-        self._seen_c, self._seen_R = np.zeros(self.max_depth), np.zeros(len(shapes))  # measurements of each entry
-        self.observed, self.promised = np.zeros(self.max_depth), np.zeros(self.max_depth)  # rho's decayed sums
+        self.promise = np.full(self.max_depth, 0.5)  # calibrated continuation per depth (index d-1)
+        self.hits, self.trials = np.zeros(self.max_depth), np.zeros(self.max_depth)  # decayed chain-step counts
+        self.G = np.ones(len(shapes))  # each candidate's calibrated gain over the chain of its depth (chains: 1)
+        self._seen_promise, self._seen_G = np.zeros(self.max_depth), np.zeros(len(shapes))
+        self.gamma_obs = self.gamma_exp = PRIOR  # trees: decayed sums of accepted and estimated drafts (gamma 1)
         deepest = max(range(len(shapes)), key=lambda i: (shapes[i][0] == 1, shapes[i][1]))
         widest = [min(self._tree, key=lambda i: (-shapes[i][1], shapes[i][2]))] if len(self._tree) else []
         self._plan = [deepest, *widest]  # the first steps: the deepest chain, then the deepest pool
@@ -96,13 +98,18 @@ class AutoPolicy(TreePolicy):
 
     # ------------------------------------------------------------------------------------- the rule
     @property
-    def rho(self) -> np.ndarray:
-        """Per depth: rows observed reaching it over the calibrated scores' promise (1 until measured)."""
-        return np.where(self.promised > 0, self.observed / np.maximum(self.promised, 1e-12), 1.0)
+    def continuation(self) -> np.ndarray:
+        """c_d per depth: chain steps' counts with a prior of :data:`PRIOR` rows at the calibrated promise."""
+        return (PRIOR * self.promise + self.hits) / (PRIOR + self.trials)
+
+    @property
+    def gamma(self) -> float:
+        return self.gamma_obs / self.gamma_exp
 
     def expected(self) -> np.ndarray:
-        """Expected accepted drafts of every candidate: its chain's reach per depth, times its gain, times rho."""
-        return self.R @ (self.rho * np.cumprod(self.c))
+        """Expected accepted drafts of every candidate."""
+        chain = np.concatenate([[0.0], np.cumsum(np.cumprod(self.continuation))])[self._depth]
+        return chain * np.where(self._width > 1, self.G * self.gamma, 1.0)
 
     def choose(self, rows: int) -> int:
         """The candidate index with the most expected tokens per predicted second at ``rows`` rows."""
@@ -131,46 +138,42 @@ class AutoPolicy(TreePolicy):
             cum = tree.scores[:, 1:]  # [B, D] cumulative draft log-probs
             edge = cum - torch.nn.functional.pad(cum[:, :-1], (1, 0))
             p = self._log_accept(edge, torch.arange(1, D + 1, device=edge.device)).cumsum(-1).exp()
-            self._pending = (i, _host(p.mean(0)), _host(p))
+            self._pending = (i, _host(p.mean(0)))  # [D] the calibrated reach of each depth
             return tree
         pool = self.trees.pool(drafter, params, D, k)
         limits = torch.arange(2, D + 1, device=pool.score.device)[:, None, None]
         probs = torch.where(pool.depth[None] <= limits, pool.score[None].exp(), 0.0)  # [depth limits, B, n]
-        best = probs.sort(-1, descending=True)
-        where = pool.depth.expand_as(probs).gather(-1, best.indices)[..., None]  # the sorted nodes' depths
-        by_depth = torch.zeros(*probs.shape, D + 1, device=probs.device).scatter_(-1, where, best.values[..., None])
-        mass = by_depth.mean(1).cumsum(1)[..., 1:]  # [limit, T - 1, depth]: the best T-1 nodes' drafts per depth
-        self._pending = (i, _host(mass), _host(by_depth[-1, :, : T - 1, 1:].sum(1)))
+        curve = probs.sort(-1, descending=True).values.cumsum(-1).mean(1)  # [limit, T - 1]: best T-1 nodes' drafts
+        self._pending = (i, _host(curve))
         return self.trees.select(pool, T)
 
     def _log_accept(self, edge: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
         return edge if self.calibration is None else self.calibration.log_accept(edge, depth)
 
     def observe(self, info) -> None:
-        """Fold this step's drafted scores into the estimates, and how deep its rows accepted into ``rho``."""
+        """Fold this step's calibrated scores and what its rows accepted into the estimates."""
         if self._pending is None:
             return
-        i, drafted, per_row = self._pending
-        self._pending = None
-        drafted, per_row = drafted.numpy(), per_row.numpy()  # per_row [B, D]: the verified tree's drafts per depth
-        k, D, _ = self.shapes[i]
-        if k == 1:  # continuation per depth: P(depth d) / P(depth d - 1), a ratio of batch means
+        (i, drafted), self._pending = self._pending, None
+        drafted, (k, D, _) = drafted.numpy(), self.shapes[i]
+        live = [info.n_accept[b] - 1 for b, a in enumerate(info.active) if a]  # accepted drafts per live row
+        promised = np.cumprod(self.promise)
+        if k == 1:  # the continuation the scores promise, and the rows' own: reaching d over reaching d - 1
             reach = np.concatenate([[1.0], drafted])
-            _average(self.c, self._seen_c, slice(0, D), np.minimum(reach[1:] / np.maximum(reach[:-1], 1e-12), 1.0))
-        else:  # every tree shape this pool holds, per depth: its expected drafts over the chain's reach
-            held = self._tree[self._depth[self._tree] <= D]
-            t = np.array([self.shapes[j][2] for j in held])
-            gain = np.zeros((len(held), self.max_depth))
-            gain[:, :D] = drafted[self._depth[held] - 2, t - 2] / np.maximum(np.cumprod(self.c)[:D], 1e-12)
-            _average(self.R, self._seen_R, held, gain)
-        live = [b for b, a in enumerate(info.active) if a]
-        if live:  # rows reaching each depth, observed and promised; the first sight of a depth is a prior of rho 1
-            reached = (np.array([info.n_accept[b] - 1 for b in live])[:, None] >= np.arange(1, D + 1)).mean(0)
-            promised = per_row[live].mean(0)
-            new = self.promised[:D] == 0
-            self.observed[:D][new] = self.promised[:D][new] = PRIOR * promised[new]
-            self.observed[:D] = (1 - ALPHA) * self.observed[:D] + reached
-            self.promised[:D] = (1 - ALPHA) * self.promised[:D] + promised
+            _average(self.promise, self._seen_promise, slice(0, D),
+                     np.minimum(reach[1:] / np.maximum(reach[:-1], 1e-12), 1.0))
+            acc = np.array(live)[:, None]
+            depths = np.arange(1, D + 1)
+            for counts, new in ((self.hits, (acc >= depths).sum(0)), (self.trials, (acc >= depths - 1).sum(0))):
+                counts[:D] = (1 - COUNT_DECAY) * counts[:D] + new
+            return
+        held = self._tree[self._depth[self._tree] <= D]  # every tree this pool holds: its gain over its chain
+        t = np.array([self.shapes[j][2] for j in held])
+        chain = np.cumsum(promised)[self._depth[held] - 1]
+        _average(self.G, self._seen_G, held, drafted[self._depth[held] - 2, t - 2] / np.maximum(chain, 1e-12))
+        if live:
+            self.gamma_obs = (1 - ALPHA) * self.gamma_obs + float(np.mean(live))
+            self.gamma_exp = (1 - ALPHA) * self.gamma_exp + float(self.expected()[i] / self.gamma)
 
     def begin(self, prompts, first) -> None:
         self._clock_at = self._pending = None  # a new generation: the time since the last step is no step

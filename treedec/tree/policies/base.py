@@ -1,9 +1,18 @@
 """What every tree policy is: a drafter in, a batch of :class:`~treedec.tree.tree.Tree` of one size T out."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from treedec.tree.tree import TreeError
+
+
+def whole(value, key: str, least: int = 1) -> int:
+    """A tree setting that must be a whole number >= ``least`` (``2.5``, ``"3"`` and ``True`` are refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise TreeError(f"tree.{key}={value!r} must be a whole number >= {least}")
+    return int(value)
 
 
 def ancestry(parents: torch.Tensor, max_depth: int) -> torch.Tensor:

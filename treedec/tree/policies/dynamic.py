@@ -22,14 +22,13 @@ All per-step bookkeeping is batched tensor work on the device; nothing is read b
 from __future__ import annotations
 
 import logging
-import numbers
 from typing import NamedTuple
 
 import torch
 
 from treedec.sampling import SamplingParams
 from treedec.tree import calibration as calib
-from treedec.tree.policies.base import ForestAncestry, TreePolicy, ancestry
+from treedec.tree.policies.base import ForestAncestry, TreePolicy, ancestry, whole
 from treedec.tree.policies.static import ChainPolicy
 from treedec.tree.tree import Tree, TreeError
 
@@ -39,13 +38,6 @@ log = logging.getLogger(__name__)
 def n_drafted(top_k: int, depth: int) -> int:
     """Candidates a dynamic tree of ``top_k`` and ``depth`` drafts (root excluded)."""
     return top_k + (depth - 1) * top_k * top_k
-
-
-def whole(value, key: str, least: int = 1) -> int:
-    """A tree setting that must be a whole number >= ``least`` (``2.5``, ``"3"`` and ``True`` are refused)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-        raise TreeError(f"tree.{key}={value!r} must be a whole number >= {least}")
-    return int(value)
 
 
 def narrowest_top_k(total_tokens: int, depth: int) -> int:

@@ -13,15 +13,16 @@ import torch
 
 from treedec.sampling import SamplingParams, greedy_pick, target_probs
 from treedec.attention.layout import ancestor_matrix
-from treedec.tree.policies.base import TreePolicy
+from treedec.tree.policies.base import TreePolicy, whole
 from treedec.tree.shapes import load_shape
 from treedec.tree.tree import Tree, TreeError
 
 
 class StaticPolicy(TreePolicy):
-    def __init__(self, choices: Sequence[Sequence[int]] | None = None, shape: str | Mapping | None = None,
+    def __init__(self, choices: Sequence[Sequence[int]] | Tree | None = None, shape: str | Mapping | None = None,
                  sample_drafts: bool = False, scores: bool = False):
-        """``shape``: a shipped shape name, a YAML/JSON file, or a mapping with ``choices`` (a ``tree/shape`` config).
+        """``choices``: the paths of the nodes (or the :class:`Tree` itself); ``shape``: a shipped shape name, a
+        YAML/JSON file, or a mapping with ``choices`` (a ``tree/shape`` config).
 
         ``scores``: also record each node's cumulative draft log-prob (``Tree.scores``; calibration needs it).
         Decoding does not, and skipping the per-depth log-softmax saves ~10% of the drafting time.
@@ -30,7 +31,7 @@ class StaticPolicy(TreePolicy):
             raise TreeError("a static tree needs `choices` (path lists) or a `shape` name/file")
         if choices is None:
             choices = shape["choices"] if isinstance(shape, Mapping) else load_shape(shape)
-        self.shape = Tree.from_choices([list(c) for c in choices])
+        self.shape = choices if isinstance(choices, Tree) else Tree.from_choices([list(c) for c in choices])
         if len(self.shape) < 2:
             raise TreeError("a static tree needs at least one draft node besides the root")
         self.sample_drafts, self.scores = sample_drafts, scores
@@ -154,6 +155,4 @@ class ChainPolicy(StaticPolicy):
     """A single path of ``depth`` draft tokens: classic speculative decoding, the baseline a tree must beat."""
 
     def __init__(self, depth: int = 5, sample_drafts: bool = False, scores: bool = False):
-        if depth < 1:
-            raise TreeError(f"chain depth must be >= 1, got {depth}")
-        super().__init__(choices=[[0] * d for d in range(1, depth + 1)], sample_drafts=sample_drafts, scores=scores)
+        super().__init__(choices=Tree.chain(whole(depth, "depth") + 1), sample_drafts=sample_drafts, scores=scores)
