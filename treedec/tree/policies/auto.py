@@ -8,15 +8,18 @@ trees (:class:`DynamicPolicy`'s pool of width ``top_k``) of every depth and a fe
 
 **Expected accepted drafts.** A chain of depth D accepts sum_{j<=D} prod_{i<=j} c_i, where c_d is the chance a
 row accepts depth d given it accepted depth d-1. c_d is counted on chain steps (rows reaching d over rows
-reaching d-1, over the last ~30 steps), with a prior of :data:`PRIOR` rows at the continuation the drafted chains' calibrated
-scores promise, so a calibration fitted on other text (or on an older head) gives way to the user's text
-within a few dozen steps. A tree's estimate is its chain's times its gain G: a node's calibrated score
-estimates log P(its path is accepted), so a tree accepts sum(exp(score)) drafts, and the best T-node tree of
-a pool holds its T-1 best scores (prefix sums of the sorted scores give every T at once; a pool's first d
-levels are the pool of depth d). G is that over the same sum for the chain of the tree's depth, kept per
-candidate as an EMA over pool steps, times one correction gamma (rows' accepted drafts over the estimate, on
-tree steps, decayed, prior 1). A fresh policy drafts the deepest chain, then the deepest pool: from then on
-every candidate has an estimate, and no step explores.
+reaching d-1, over the last ~30 steps), with a prior of :data:`PRIOR` rows at the same count over all depths
+(which fades only as chain steps come, with a prior at the continuation the chains' calibrated scores promise),
+so a depth no step reaches any more, or a stretch of plain steps, falls back on what all depths showed, so a calibration fitted on other text (or on an older head) gives way to the user's text
+within a few dozen steps. A tree holds its chain and siblings beside it. A node's calibrated score estimates
+log P(its path is accepted), and at most one node per depth is on the accepted path, so a tree reaches depth d
+with the sum of exp(score) over its nodes there; the best T-node tree of a pool holds its T-1 best scores
+(prefix sums of the sorted scores, split by depth, give every T at once; a pool's first d levels are the pool
+of depth d). What that sum adds to the chain's calibrated reach, S_d (an EMA over pool steps, per candidate),
+is added to the chain's counted reach: the tree reaches d with min(1, reach_d + gamma * S_d), where gamma
+(the siblings' accepted drafts over their promise, on tree steps; prior 1) corrects the calibration for
+siblings. A fresh policy drafts the deepest chain, then the deepest pool: from then on every candidate has an
+estimate, and no step explores.
 
 **Step seconds** come from :class:`~treedec.tree.cost.StepCost`: measured once per machine, refined by
 the measured time of every step; the decoder hands it over (:meth:`use_cost`).
@@ -42,6 +45,7 @@ SIZES = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # node budgets a tree candidate
 ALPHA = 0.1  # weight of one step in the decayed estimates (a time constant of ~10 steps)
 PRIOR = 2.0  # rows of evidence the calibrated scores' promise weighs as, against the rows observed
 COUNT_DECAY = 0.03  # the chain counts' per-step decay (they weigh the last ~30 steps: text changes as it goes)
+MIN_ROWS = 4  # rows the deepest chain is counted on before the rule takes over (one step from 4 rows)
 
 
 class AutoPolicy(TreePolicy):
@@ -70,13 +74,14 @@ class AutoPolicy(TreePolicy):
         self._width, self._depth = a[:, 0], a[:, 1]
         self._tree = np.flatnonzero(self._width > 1)  # the tree candidates' indices (their R entries)
         self.promise = np.full(self.max_depth, 0.5)  # calibrated continuation per depth (index d-1)
-        self.hits, self.trials = np.zeros(self.max_depth), np.zeros(self.max_depth)  # decayed chain-step counts
-        self.G = np.ones(len(shapes))  # each candidate's calibrated gain over the chain of its depth (chains: 1)
-        self._seen_promise, self._seen_G = np.zeros(self.max_depth), np.zeros(len(shapes))
-        self.gamma_obs = self.gamma_exp = PRIOR  # trees: decayed sums of accepted and estimated drafts (gamma 1)
+        self.hits, self.trials = np.zeros(self.max_depth), np.zeros(self.max_depth)  # chain-step counts, per depth
+        self.pooled_hits = self.pooled_trials = 0.0  # the same over all depths, fading only as chain steps come
+        self.S = np.zeros((len(shapes), self.max_depth))  # each tree's calibrated reach beyond its chain's, per depth
+        self._seen_promise, self._seen_S = np.zeros(self.max_depth), np.zeros(len(shapes))
+        self.gamma_obs = self.gamma_exp = 1.0  # trees: decayed sums of the siblings' accepted and promised drafts
         deepest = max(range(len(shapes)), key=lambda i: (shapes[i][0] == 1, shapes[i][1]))
         widest = [min(self._tree, key=lambda i: (-shapes[i][1], shapes[i][2]))] if len(self._tree) else []
-        self._plan = [deepest, *widest]  # the first steps: the deepest chain, then the deepest pool
+        self._plan = [deepest, *widest]  # the first steps: the deepest chain (until MIN_ROWS rows), the deepest pool
         for _, d, _ in shapes[1:]:  # every chain planned now (a plan reads the host): no step pays for one
             self.trees.chain(d, scored=True)
         self.cost = None
@@ -99,23 +104,29 @@ class AutoPolicy(TreePolicy):
     # ------------------------------------------------------------------------------------- the rule
     @property
     def continuation(self) -> np.ndarray:
-        """c_d per depth: chain steps' counts with a prior of :data:`PRIOR` rows at the calibrated promise."""
-        return (PRIOR * self.promise + self.hits) / (PRIOR + self.trials)
+        """c_d per depth: chain steps' counts, with a prior of :data:`PRIOR` rows at the continuation counted over
+        every depth (itself with a prior of PRIOR rows at the calibrated promise): depths seen rarely lean on all."""
+        pooled = (PRIOR * self.promise + self.pooled_hits) / (PRIOR + self.pooled_trials)
+        return (PRIOR * pooled + self.hits) / (PRIOR + self.trials)
 
     @property
     def gamma(self) -> float:
         return self.gamma_obs / self.gamma_exp
 
+    def reach(self) -> np.ndarray:
+        """[candidate, depth]: the chance a row's accepted path reaches each depth."""
+        chain = np.cumprod(self.continuation)[None] * (np.arange(1, self.max_depth + 1)[None] <= self._depth[:, None])
+        return np.minimum(1.0, chain + self.gamma * self.S)
+
     def expected(self) -> np.ndarray:
         """Expected accepted drafts of every candidate."""
-        chain = np.concatenate([[0.0], np.cumsum(np.cumprod(self.continuation))])[self._depth]
-        return chain * np.where(self._width > 1, self.G * self.gamma, 1.0)
+        return self.reach().sum(1)
 
     def choose(self, rows: int) -> int:
         """The candidate index with the most expected tokens per predicted second at ``rows`` rows."""
         seconds = self.cost.seconds(rows)
         if self._plan:
-            return self._plan.pop(0)
+            return self._plan[0] if self.trials[0] < MIN_ROWS - 0.5 else self._plan.pop(0)
         return int(np.argmax((1 + self.expected()) / seconds))
 
     # ------------------------------------------------------------------------------------- the step
@@ -126,6 +137,8 @@ class AutoPolicy(TreePolicy):
         if self._clock_at is not None:  # the step before this one ran from its draft until now
             self.cost.observe(self._clock_at[0], self._clock_at[1], now - self._clock_at[2])
         self.cost.profiled(B)  # the first sight of a row count measures its costs: in no step's time
+        self.hits *= 1 - COUNT_DECAY  # every step, plain ones too: what depths the steps no longer reach fades
+        self.trials *= 1 - COUNT_DECAY  # back to the count over all depths
         i = self.choose(B)
         self._clock_at = (B, i, self.clock())
         k, D, T = self.shapes[i]
@@ -143,8 +156,10 @@ class AutoPolicy(TreePolicy):
         pool = self.trees.pool(drafter, params, D, k)
         limits = torch.arange(2, D + 1, device=pool.score.device)[:, None, None]
         probs = torch.where(pool.depth[None] <= limits, pool.score[None].exp(), 0.0)  # [depth limits, B, n]
-        curve = probs.sort(-1, descending=True).values.cumsum(-1).mean(1)  # [limit, T - 1]: best T-1 nodes' drafts
-        self._pending = (i, _host(curve))
+        best = probs.sort(-1, descending=True)
+        where = pool.depth.expand_as(probs).gather(-1, best.indices)[..., None]  # the sorted nodes' depths
+        by_depth = torch.zeros(*probs.shape, D + 1, device=probs.device).scatter_(-1, where, best.values[..., None])
+        self._pending = (i, _host(by_depth.mean(1).cumsum(1)[..., 1:]))  # [limit, T - 1, depth]: the best T - 1
         return self.trees.select(pool, T)
 
     def _log_accept(self, edge: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
@@ -164,16 +179,21 @@ class AutoPolicy(TreePolicy):
                      np.minimum(reach[1:] / np.maximum(reach[:-1], 1e-12), 1.0))
             acc = np.array(live)[:, None]
             depths = np.arange(1, D + 1)
-            for counts, new in ((self.hits, (acc >= depths).sum(0)), (self.trials, (acc >= depths - 1).sum(0))):
-                counts[:D] = (1 - COUNT_DECAY) * counts[:D] + new
+            hits, trials = (acc >= depths).sum(0), (acc >= depths - 1).sum(0)
+            self.hits[:D] += hits
+            self.trials[:D] += trials
+            self.pooled_hits = (1 - COUNT_DECAY) * self.pooled_hits + hits.sum()
+            self.pooled_trials = (1 - COUNT_DECAY) * self.pooled_trials + trials.sum()
             return
-        held = self._tree[self._depth[self._tree] <= D]  # every tree this pool holds: its gain over its chain
+        held = self._tree[self._depth[self._tree] <= D]  # every tree this pool holds: its reach beyond its chain's
         t = np.array([self.shapes[j][2] for j in held])
-        chain = np.cumsum(promised)[self._depth[held] - 1]
-        _average(self.G, self._seen_G, held, drafted[self._depth[held] - 2, t - 2] / np.maximum(chain, 1e-12))
-        if live:
-            self.gamma_obs = (1 - ALPHA) * self.gamma_obs + float(np.mean(live))
-            self.gamma_exp = (1 - ALPHA) * self.gamma_exp + float(self.expected()[i] / self.gamma)
+        beyond = np.zeros((len(held), self.max_depth))
+        beyond[:, :D] = np.maximum(drafted[self._depth[held] - 2, t - 2] - promised[:D], 0.0)
+        _average(self.S, self._seen_S, held, beyond)
+        if live:  # the siblings' share: what the rows accepted beyond the chain's estimate, over what they promised
+            chain = np.cumprod(self.continuation)[:D].sum()
+            self.gamma_obs = (1 - ALPHA) * self.gamma_obs + max(float(np.mean(live)) - chain, 0.0)
+            self.gamma_exp = (1 - ALPHA) * self.gamma_exp + float(self.S[i].sum())
 
     def begin(self, prompts, first) -> None:
         self._clock_at = self._pending = None  # a new generation: the time since the last step is no step
