@@ -29,14 +29,15 @@ class FakeCost:
 
 
 def started(cost_fn, c=0.8, gain=0.0, **kw) -> AutoPolicy:
-    """A policy past its two measuring steps: chain continuation ``c`` at every depth; a tree of T nodes and depth D
-    accepts 1 + ``gain`` * (T - D - 1) times the D-deep chain (each node beyond the chain's adds ``gain``)."""
+    """A policy past its measuring steps: chain continuation ``c`` at every depth; a tree of T nodes and depth D
+    reaches each of its depths with ``gain`` * (T - D - 1) more than its chain (each node beyond the chain's adds
+    ``gain``)."""
     pol = AutoPolicy(calibration=None, **kw)
     pol.cost, pol._plan = FakeCost(pol, cost_fn), []
     pol.promise[:] = c
     for i in pol._tree:
         _, d, t = pol.shapes[i]
-        pol.G[i] = 1 + gain * (t - d - 1)
+        pol.S[i, :d] = gain * (t - d - 1)
     return pol
 
 
@@ -71,11 +72,15 @@ def test_chains_only_with_top_k_one_and_bad_settings_are_refused():
             AutoPolicy(calibration=None, **bad)
 
 
-def test_the_first_steps_measure_the_deepest_chain_then_the_deepest_pool():
+def test_the_first_steps_count_the_deepest_chain_on_four_rows_then_draft_the_deepest_pool():
     pol = AutoPolicy(max_depth=5, top_k=3, calibration=None)
     pol.cost = FakeCost(pol, lambda *a: 1.0)
-    first, second = (pol.shapes[pol.choose(1)] for _ in range(2))
-    assert first == (1, 5, 6) and second[:2] == (3, 5)
+    chain = pol.shapes.index((1, 5, 6))
+    for _ in range(2):  # two rows a step: two steps
+        assert pol.choose(2) == chain
+        pol._pending = (chain, torch.full((5,), 0.5))
+        pol.observe(info([3, 6]))
+    assert pol.shapes[pol.choose(2)][:2] == (3, 5)
 
 
 def info(n_accept):
@@ -84,16 +89,17 @@ def info(n_accept):
 
 def test_the_chain_estimate_converges_on_a_biased_calibration():
     """The scores promise a continuation of 0.5 a depth; every row accepts all 3 drafts: within a few dozen steps
-    the continuation is near 1, and the 3-deep chain's estimate near the 3 drafts it gets."""
+    the continuation is near 1 at the depths counted, and the 3-deep chain's estimate near the 3 drafts it gets."""
     pol = started(lambda *a: 1.0)
     chain = pol.shapes.index((1, 3, 4))
-    for step in range(60):
+    for step in range(40):
         pol._pending = (chain, torch.tensor([0.5, 0.25, 0.125]))
         pol.observe(info([4, 4]))
-        if step == 0:
-            assert pol.continuation[:3] == pytest.approx([0.75, 0.75, 0.75])  # 2 prior rows at 0.5, 2 observed at 1
-    assert pol.continuation[:3] == pytest.approx([1, 1, 1], abs=0.03) and pol.continuation[3:] == pytest.approx(0.8)  # (never counted: the prior)
-    assert pol.expected()[chain] == pytest.approx(3, abs=0.15)
+        if step == 0:  # 2 prior rows at the pooled count (itself 2 rows at 0.5 and 6 at 1: 0.875), 2 observed at 1
+            assert pol.continuation[:3] == pytest.approx([0.9375] * 3)
+    assert pol.continuation[:3] == pytest.approx([1, 1, 1], abs=0.03)
+    assert pol.continuation[3:] == pytest.approx(pol.continuation[3])  # never counted: the count over all depths
+    assert pol.expected()[chain] == pytest.approx(3, abs=0.1)
 
 
 def test_rows_that_stop_early_lower_the_continuation_only_where_they_stop():
@@ -102,10 +108,25 @@ def test_rows_that_stop_early_lower_the_continuation_only_where_they_stop():
     pol._pending = (chain, torch.tensor([0.5, 0.25, 0.125, 0.0625]))
     pol.observe(info([3, 5, 1]))  # accepted 2, 4 and 0 drafts
     hits, trials = np.array([2, 2, 1, 1]), np.array([3, 2, 2, 1])
-    assert pol.continuation[:4] == pytest.approx((2 * 0.5 + hits) / (2 + trials))
+    pooled = (2 * 0.5 + hits.sum()) / (2 + trials.sum())
+    assert pol.continuation[:4] == pytest.approx((2 * pooled + hits) / (2 + trials))
 
 
-def test_tree_gains_and_gamma():
+def test_a_long_stretch_of_plain_steps_fades_back_to_the_count_over_all_depths():
+    pol = started(lambda rows, k, d, t: 1.0 if d == 0 else 1e9, c=0.5)  # drafting never pays: plain steps
+    chain = pol.shapes.index((1, 2, 3))
+    pol._pending = (chain, torch.tensor([0.5, 0.25]))
+    pol.observe(info([3] * 8 + [1] * 8))  # half the rows accept both drafts, half none
+    before = pol.continuation.copy()
+    drafter = type("D", (), {"batch": 1, "root_tokens": torch.zeros(1, dtype=torch.long)})()
+    for _ in range(200):
+        assert pol.draft(drafter).size == 1
+    pooled = (2 * 0.5 + 16) / (2 + 24)
+    assert before[0] == pytest.approx((2 * pooled + 8) / (2 + 16)) and pol.continuation[:2] == pytest.approx(
+        [pooled, pooled], abs=0.01)
+
+
+def test_tree_reach_and_gamma():
     pol = AutoPolicy(max_depth=3, top_k=2, calibration=None)
     pol.cost = FakeCost(pol, lambda *a: 1.0)
     chain = pol.shapes.index((1, 3, 4))
@@ -113,13 +134,14 @@ def test_tree_gains_and_gamma():
     pol.observe(info([1]))
     assert pol.promise[:3] == pytest.approx([0.8, 0.5, 0.25])  # the first measurement replaces the prior
     tree = pol.shapes.index((2, 3, 4))
-    curve = torch.zeros(2, 10)  # [depth limits 2..3, T - 1]: expected drafts of the best T - 1 nodes
-    curve[1, 2] = 1.5 * (0.8 + 0.4 + 0.1)
-    before = pol.expected()[tree] / pol.G[tree]
-    pol._pending = (tree, curve)
-    pol.observe(info([2]))  # it promised 1.5 x the chain's estimate; one draft was accepted
-    assert pol.G[tree] == pytest.approx(1.5) and pol.G[chain] == 1
-    assert pol.gamma == pytest.approx((0.9 * 2 + 1) / (0.9 * 2 + before * 1.5))
+    mass = torch.zeros(2, 10, 3)  # [depth limits 2..3, T - 1, depth]: the best T - 1 nodes' reach per depth
+    mass[1, 2] = torch.tensor([1.0, 0.5, 0.05])  # two children of the root, one grandchild
+    pol._pending = (tree, mass)
+    reach = np.cumprod(pol.continuation)[:3]
+    pol.observe(info([3]))  # two drafts accepted
+    assert pol.S[tree] == pytest.approx([0.2, 0.1, 0.0]) and not pol.S[chain].any()
+    assert pol.gamma == pytest.approx((0.9 + 2 - reach.sum()) / (0.9 + 0.3))
+    assert pol.reach()[tree] == pytest.approx(np.minimum(1, np.cumprod(pol.continuation)[:3] + pol.gamma * pol.S[tree]))
 
 
 def test_every_candidate_drafts_a_valid_tree_of_its_own_size_and_depth():

@@ -125,8 +125,10 @@ class AutoPolicy(TreePolicy):
     def choose(self, rows: int) -> int:
         """The candidate index with the most expected tokens per predicted second at ``rows`` rows."""
         seconds = self.cost.seconds(rows)
+        if self._plan and self.shapes[self._plan[0]][0] == 1 and self.trials[0] >= MIN_ROWS - 0.5:
+            self._plan.pop(0)  # the deepest chain has its rows
         if self._plan:
-            return self._plan[0] if self.trials[0] < MIN_ROWS - 0.5 else self._plan.pop(0)
+            return self._plan[0] if self.shapes[self._plan[0]][0] == 1 else self._plan.pop(0)  # (the pool: once)
         return int(np.argmax((1 + self.expected()) / seconds))
 
     # ------------------------------------------------------------------------------------- the step
