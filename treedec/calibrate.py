@@ -238,7 +238,7 @@ def time_hardware(target, draft, table, budgets, depth_limit: int, prefix_len: i
 # ---------------------------------------------------------------------------------------------- run
 def run(cfg: DictConfig) -> dict:
     """Probe, time, solve and write the learned tree; every option is checked before the model loads."""
-    from treedec.config_schema import instantiate_checked, validate
+    from treedec.config_checks import instantiate_checked, validate
 
     validate(cfg, "calibrate")  # also the probe node by its _target_, before anything loads
     probe = instantiate_checked(cfg.probe, "probe")
@@ -370,7 +370,7 @@ def run(cfg: DictConfig) -> dict:
     return metrics
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="calibrate")
+@hydra.main(version_base="1.3", config_path="pkg://treedec.conf", config_name="calibrate")
 @entry
 def main(cfg: DictConfig) -> None:
     run(cfg)

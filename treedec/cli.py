@@ -18,10 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn, TypeVar
 
 from treedec.atomic import DISK_FULL
-
-# Errors whose message is written for the user (ConfigError, CheckpointError, TreeError are ValueErrors).
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, IsADirectoryError,
-                                                NotADirectoryError, PermissionError)
+from treedec.errors import USER_ERRORS  # (ConfigError, CheckpointError, TreeError are ValueErrors)
 
 
 F = TypeVar("F", bound=Callable)
@@ -58,7 +55,7 @@ def user_message(exc: BaseException) -> str | None:
     if isinstance(exc, USER_ERRORS):
         return one_line(exc)
     if isinstance(exc, MissingMandatoryValue) and exc.full_key:  # a ??? key read before (or without) the schema check
-        from treedec.config_schema import group_choices, required_error
+        from treedec.config_checks import group_choices, required_error
 
         return one_line(required_error(str(exc.full_key), group_choices()))
     return disk_full(exc) if isinstance(exc, OSError) else None
@@ -97,7 +94,7 @@ def refuse_renamed(name: str, argv: list[str] | None = None) -> None:
         if "=" in arg and not arg.startswith("hydra") and (msg := renamed(key, name)):
             fail(msg)
         if key in RUN_DIR_KEYS:
-            from treedec.config_schema import ConfigError, check_out_path
+            from treedec.config_checks import ConfigError, check_out_path
 
             try:
                 check_out_path(value, key)
@@ -111,6 +108,7 @@ def load_stack(cfg: Any):
     Each group names its loader with ``_target_`` (``treedec.models.load_model``,
     ``treedec.models.draft.DraftHead.load``), so a checkpoint format of your own is a config, not a code change.
     """
+    from treedec.config_checks import instantiate_checked as load
     from treedec.models.tokenizer import load_tokenizer
 
     target = load(cfg.model).eval()
@@ -119,16 +117,3 @@ def load_stack(cfg: Any):
     draft = load(cfg.draft, target=target, dtype=dtype, device=target.device).eval()
     return target, tok, draft
 
-
-def load(node: Any, **kwargs: Any) -> Any:
-    """``hydra.utils.instantiate(node, **kwargs)``, with the loader's own user error (a missing checkpoint, a bad
-    config.json) raised as it is, not wrapped in Hydra's InstantiationException: the one-line ``Error:`` stays."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
-    try:
-        return instantiate(node, **kwargs)
-    except InstantiationException as e:
-        if isinstance(e.__cause__, USER_ERRORS):
-            raise e.__cause__ from None
-        raise

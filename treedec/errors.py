@@ -6,6 +6,11 @@ class ConfigError(ValueError):
     """A config that does not match its schema (unknown key, wrong type, bad value)."""
 
 
+# Errors whose message is written for the user (ConfigError, CheckpointError, TreeError are ValueErrors).
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, IsADirectoryError,
+                                                NotADirectoryError, PermissionError)
+
+
 # Keys the config layout renamed (issue 13): an old command or config fails with the new name, never silently.
 # old key -> (its new name, the entry points where it was renamed; () = all of them)
 RENAMED: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -14,7 +19,6 @@ RENAMED: dict[str, tuple[str, tuple[str, ...]]] = {
     "draft": ("draft_arch (the head to train; draft is a head to load, as in generate)", ("train",)),
     "head": ("draft.path (the head to export: draft.path=DIR, or the bundled draft=tiny_code)", ("export_head",)),
     "kernel.backend": ("model.attn_backend (or kernel=NAME)", ()),
-    "experiment": ("hparams_search (hparams_search=optuna_tree)", ()),
 }
 
 
@@ -26,4 +30,4 @@ def renamed(key: str, entry: str) -> str | None:
     return None
 
 
-__all__ = ["ConfigError", "RENAMED", "renamed"]
+__all__ = ["ConfigError", "RENAMED", "USER_ERRORS", "renamed"]

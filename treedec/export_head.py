@@ -29,7 +29,7 @@ import torch
 from omegaconf import DictConfig
 
 import treedec.config_schema  # noqa: F401  (registers the structured schema before Hydra composes)
-from treedec.cli import entry, load, refuse_renamed
+from treedec.cli import entry, refuse_renamed
 
 log = logging.getLogger(__name__)
 MARKER = ".treedec-export"
@@ -139,19 +139,20 @@ def export_head(head, out: str | os.PathLike, fmt: str, dtype: torch.dtype | Non
 
 
 def run(cfg: DictConfig) -> Path:
-    from treedec.config_schema import validate
+    from treedec.config_checks import instantiate_checked, validate
     from treedec.models.checkpoint import resolve_dtype
 
     validate(cfg, "export_head")
     _check_out(Path(cfg.out).expanduser())  # before loading anything
-    head = load(cfg.draft, dtype=None, quantize=None)  # the file's own dtype and weights: export writes what was trained
+    # the file's own dtype and weights: export writes what was trained
+    head = instantiate_checked(cfg.draft, dtype=None, quantize=None)
     out = export_head(head, cfg.out, cfg.format, resolve_dtype(cfg.dtype) if cfg.dtype else None)
     log.info("wrote the %s head %s as format=%s to %s (load it with draft.path=%s)",
              head.config.kind, cfg.draft.path, cfg.format, out, out)
     return out
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="export_head")
+@hydra.main(version_base="1.3", config_path="pkg://treedec.conf", config_name="export_head")
 @entry
 def main(cfg: DictConfig) -> None:
     run(cfg)

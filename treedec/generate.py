@@ -61,7 +61,7 @@ class TextStream:
 
 def run(cfg: DictConfig) -> dict:
     """Generate from the configured prompt; every option is checked before the model loads."""
-    from treedec.config_schema import ConfigError, instantiate_checked, validate
+    from treedec.config_checks import ConfigError, instantiate_checked, validate
 
     validate(cfg, "generate")
     policy = instantiate_checked(cfg.tree, "tree")
@@ -124,7 +124,7 @@ def objective(metrics: dict, key: str | None) -> float | None:
     return float(value)
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="generate")
+@hydra.main(version_base="1.3", config_path="pkg://treedec.conf", config_name="generate")
 @entry
 def main(cfg: DictConfig) -> float | None:
     return objective(run(cfg), cfg.get("optimized_metric"))

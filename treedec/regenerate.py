@@ -378,7 +378,7 @@ def summarize(out_dir: Path, n_shards: int, extra: dict) -> dict:
 # ------------------------------------------------------------------------------------------- run
 def run(cfg: DictConfig) -> dict:
     """Regenerate ``cfg.input`` into ``cfg.out_dir``; every option is checked before the model loads."""
-    from treedec.config_schema import instantiate_checked, validate
+    from treedec.config_checks import instantiate_checked, validate
 
     validate(cfg, "regenerate")
     policy = instantiate_checked(cfg.tree, "tree")
@@ -452,7 +452,7 @@ def run(cfg: DictConfig) -> dict:
     return metrics
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="regenerate")
+@hydra.main(version_base="1.3", config_path="pkg://treedec.conf", config_name="regenerate")
 @entry
 def main(cfg: DictConfig) -> None:
     run(cfg)

@@ -1,4 +1,4 @@
-"""The benchmark's config check: the schema's (:func:`treedec.config_schema.validate`), then bench's own options."""
+"""The benchmark's config check: the schema's (:func:`treedec.config_checks.validate`), then bench's own options."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from treedec.bench import PEERS, bundled
-from treedec.config_schema import ConfigError, unknown_key_hint, validate, validate_tree, value_at
+from treedec.config_checks import ConfigError, unknown_key_hint, validate, validate_tree, value_at
 from treedec.data.prompts import SOURCES, read_prompt_file
 
 

@@ -207,7 +207,7 @@ def sample_settings(cfg: DictConfig) -> list:
     temperature), with the ``sampling`` group's top-k and top-p; empty when ``bench.sampling`` is false."""
     from dataclasses import replace
 
-    from treedec.config_schema import instantiate_checked
+    from treedec.config_checks import instantiate_checked
 
     if not cfg.bench.sampling:
         return []
@@ -243,7 +243,7 @@ def method_names(bench: DictConfig) -> list[str]:
 
 def tree_config(bench: DictConfig, name: str):
     """The tree config of method ``name``: ``bench.trees[name]``, or for ``dynamic_T<n>`` the sweep base at T=n."""
-    from treedec.config_schema import ConfigError
+    from treedec.errors import ConfigError
 
     if name.startswith("dynamic_T") and name[len("dynamic_T"):].isdigit() and name not in bench.trees:
         if SWEEP_BASE not in bench.trees:
@@ -273,7 +273,7 @@ def resolve_auto(cfg: DictConfig) -> dict[str, str]:
 
 def build_policies(cfg: DictConfig) -> dict:
     """The tree policy of every speculative method that will run (no model needed: errors come before loading)."""
-    from treedec.config_schema import instantiate_checked
+    from treedec.config_checks import instantiate_checked
 
     resolve_auto(cfg)
     bench = cfg.bench
@@ -288,7 +288,7 @@ def build_policies(cfg: DictConfig) -> dict:
 def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None = None,
                   why: dict[str, str] | None = None) -> tuple[list[Method], dict[str, str]]:
     """treedec's methods from ``bench.methods`` (and their sampled variants); returns (methods, skipped)."""
-    from treedec.config_schema import instantiate_checked
+    from treedec.config_checks import instantiate_checked
     from treedec.sampling import SamplingParams
 
     why = {**resolve_auto(cfg), **(why or {})}  # the reasons of the first resolution, when given

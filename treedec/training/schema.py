@@ -7,7 +7,7 @@ bad ``export_dtype`` must not fail after an hour of training).
   :class:`~treedec.models.config.LlamaConfig` fields; the instantiated groups (``data``,
   ``trainer``, ``logger.*``, ``callbacks.*`` and nested ``_target_`` nodes) take the arguments of
   their ``_target_``'s signature (anything, if it takes ``**kwargs``). An unknown key is a
-  :class:`~treedec.config_schema.ConfigError` whose hint lists the keys of that group.
+  :class:`~treedec.errors.ConfigError` whose hint lists the keys of that group.
 * Types of the plain groups, and values: dtypes (one resolver, ``treedec.models.checkpoint.resolve_dtype``),
   counts, ``trainer.max_time``, ``requeue``, the export target, the target / tokenizer paths.
 
@@ -26,8 +26,9 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from treedec.config_schema import ConfigError, ModelSchema, check_out_path, check_required, unknown_key_hint
-from treedec.errors import renamed
+from treedec.config_checks import check_out_path, check_required, unknown_key_hint
+from treedec.config_schema import ModelSchema
+from treedec.errors import ConfigError, renamed
 
 HYDRA_KEYS = ("_target_", "_recursive_", "_convert_", "_partial_", "_args_")
 REQUEUE = ("auto", "submitit", "lightning", "none")
