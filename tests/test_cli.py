@@ -86,15 +86,16 @@ def test_readme_results_command_runs_the_shipped_learned_tree():
 @pytest.mark.parametrize("entry, arg, new", [
     ("train", "target=/models/x", "model.path"), ("train", "+target_dtype=float32", "model.dtype"),
     ("train", "draft=eagle3", "draft_arch"), ("generate", "kernel.backend=sdpa", "model.attn_backend"),
-    ("generate", "+experiment=optuna_tree", "hparams_search"), ("export_head", "head=/heads/x", "draft.path"),
+    ("export_head", "head=/heads/x", "draft.path"),
 ])
 def test_renamed_keys_fail_naming_the_new_key(entry, arg, new):
     from treedec.cli import refuse_renamed
 
     with pytest.raises(SystemExit, match=rf"^Error: {arg.lstrip('+').split('=')[0].split('.')[0]}.* is now {new}"):
         refuse_renamed(entry, ["max_new_tokens=4", arg])
-    refuse_renamed(entry, ["draft=path", "draft_arch=eagle3", "kernel=sdpa", "hparams_search=optuna_tree"] if entry
-                   == "generate" else ["model.path=/x", "draft_arch=eagle3", "hydra.run.dir=x"])  # the new names pass
+    current = ["draft=path", "draft_arch=eagle3", "kernel=sdpa", "hparams_search=optuna_tree", "experiment=tree_sweep"]
+    refuse_renamed(entry, current if entry == "generate" else ["model.path=/x", "draft_arch=eagle3", "hydra.run.dir=x"])
+    # the new names pass (experiment= is a real group again, conf/experiment/, no longer hparams_search's old name)
 
 
 def test_a_run_dir_below_a_file_is_refused_before_hydra_makes_it(a_file):

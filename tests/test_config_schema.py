@@ -120,7 +120,7 @@ def test_cli_typo_fails_before_loading_the_model(tmp_path):
 
 
 def test_optuna_search_composes():
-    """The optional Optuna sweep (treedec/conf/hparams_search/optuna_tree.yaml) composes where the plugin is installed."""
+    """The optional Optuna sweep (conf/hparams_search/optuna_tree.yaml) composes where the plugin is installed."""
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="generate", overrides=["hparams_search=optuna_tree"], return_hydra_config=True)

@@ -1,5 +1,6 @@
-"""The config tree (treedec/conf, lightning-hydra-template style): one run-dir pattern, debug/ and local/ groups,
-and one source of truth for each default (the YAML, or the schema dataclass where the YAML leaves it out)."""
+"""The config tree (conf/, shipped as treedec.conf; lightning-hydra-template style): one run-dir pattern, debug/,
+local/ and experiment/ groups, and one source of truth for each default (the YAML, or the schema dataclass where
+the YAML leaves it out)."""
 from __future__ import annotations
 
 import dataclasses
@@ -117,3 +118,22 @@ def test_tree_auto_and_the_dynamic_trees_top_k_auto():
         tree("tree=dynamic", "tree.total_tokens=auto")
     with pytest.raises(ConfigError, match=r"total_tokens=16 must be in \[2, 15\]"):  # an explicit top_k keeps its check
         tree("tree=dynamic", "tree.total_tokens=16", "tree.depth=4", "tree.top_k=2")
+
+
+@pytest.mark.parametrize("name, experiment", [("bench", "which_tree"), ("generate", "tree_sweep")])
+def test_experiments_compose_and_validate(name, experiment):
+    """conf/experiment/ (lightning-hydra-template style, ``# @package _global_``): the README's long commands by name."""
+    from treedec.bench.config import validate_bench
+    from treedec.config_checks import validate
+
+    cfg = composed(name, [f"experiment={experiment}"], hydra=True)
+    validate_bench(cfg) if name == "bench" else validate(cfg, name)
+    if experiment == "which_tree":
+        b = cfg.bench
+        assert list(b.batch_sizes) == [1, 4, 16] and b.n_prompts == 16 and b.max_new_tokens == 96
+        assert list(b.methods) == ["vanilla", "chain", "dynamic", "auto", "lookup"] and list(b.peers) == []
+        assert b.num_threads == 2 and b.learned_path is None and b.vanilla_fp32 is False
+        assert composed(name, [f"experiment={experiment}", "bench.n_prompts=4"]).bench.n_prompts == 4  # CLI wins
+    else:
+        assert dict(cfg.hydra.sweeper.params) == {"tree.total_tokens": "16,32", "tree.depth": "4,6"}
+    assert "experiment" not in composed(name)  # the default (null) adds nothing

@@ -30,19 +30,29 @@ def _run(cmd: list, cwd: Path, timeout: int = 300) -> subprocess.CompletedProces
 @pytest.mark.slow
 def test_wheel_installs_and_generates_from_any_directory(tmp_path):
     src = tmp_path / "src"
-    shutil.copytree(ROOT / "treedec", src / "treedec", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("treedec", "conf"):  # conf/ (top level) ships as the package treedec.conf
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
+    (src / "conf" / "local" / "default.yaml").write_text("# a maintainer's git-ignored overrides\n")  # never ships
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist",
           "."], cwd=src)
     wheel = next((tmp_path / "dist").glob("treedec-*.whl"))
     with zipfile.ZipFile(wheel) as z:
         shipped = set(z.namelist())
-    package_data = {p.relative_to(src).as_posix() for d in ("conf", "assets") for p in (src / "treedec" / d).rglob("*")
-                    if p.is_file()}
+    package_data = {p.relative_to(src).as_posix() for p in (src / "treedec" / "assets").rglob("*") if p.is_file()}
+    package_data |= {"treedec/conf/" + p.relative_to(src / "conf").as_posix() for p in (src / "conf").rglob("*")
+                     if p.is_file() and "__pycache__" not in p.parts and p != src / "conf" / "local" / "default.yaml"}
+    assert {"treedec/conf/generate.yaml", "treedec/conf/experiment/which_tree.yaml",
+            "treedec/conf/local/default.yaml.example"} <= package_data
     assert package_data - shipped == set()  # every config and asset file is in the wheel
+    assert "treedec/conf/local/default.yaml" not in shipped and not [n for n in shipped if n.startswith("conf/")]
     venv.create(tmp_path / "venv", system_site_packages=True, with_pip=False)
     py = tmp_path / "venv" / "bin" / "python"
+    if sys.prefix != sys.base_prefix:  # run from a venv: the scratch venv sees its torch/hydra too (after its own
+        # site-packages; a path added by a .pth is no site dir, so the repo's editable finder is not loaded there)
+        site = next((tmp_path / "venv" / "lib").glob("python*/site-packages"))
+        (site / "_parent_venv.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
     _run([sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "-q", wheel], cwd=tmp_path)
 
     work = tmp_path / "work"
@@ -59,3 +69,15 @@ def test_wheel_installs_and_generates_from_any_directory(tmp_path):
     assert len(runs) == 1 and json.loads(runs[0].read_text())["new_tokens"] > 0
     installed = Path(pkg).parent
     assert not list(installed.rglob("outputs")) and not list(installed.rglob("metrics.json"))  # nothing written there
+
+
+def test_the_package_list_is_every_treedec_package_plus_the_configs():
+    """pyproject lists its packages (setuptools takes a list or packages.find, and treedec.conf comes from conf/ by
+    package-dir): a new subpackage of treedec/ must be added there, or the wheel would lack it."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from setuptools import find_packages
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setup["package-dir"] == {"treedec.conf": "conf"} and (ROOT / "conf" / "__init__.py").is_file()
+    assert sorted(setup["packages"]) == sorted(find_packages(str(ROOT), include=["treedec*"]) + ["treedec.conf"])

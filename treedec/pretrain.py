@@ -129,7 +129,7 @@ def _pretrain(cfg: DictConfig, run_dir: Path) -> dict:
     return metrics
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="pretrain")
+@hydra.main(version_base="1.3", config_path="pkg://treedec.conf", config_name="pretrain")
 @entry
 def main(cfg: DictConfig) -> None:
     run(cfg)

@@ -124,7 +124,7 @@ def draft_vocab_size(cfg: DictConfig) -> int:
     return own or top
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+@hydra.main(version_base="1.3", config_path="pkg://treedec.conf", config_name="train")
 @entry
 def main(cfg: DictConfig) -> None:
     run(cfg)

@@ -18,7 +18,7 @@ from treedec.cli import entry, refuse_renamed
 log = logging.getLogger("treedec.bench")
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
+@hydra.main(version_base="1.3", config_path="pkg://treedec.conf", config_name="bench")
 @entry
 def main(cfg: DictConfig) -> None:
     from treedec.bench.harness import OutputMismatch, run

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import os
+from importlib.resources import files
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent
 ASSETS = PACKAGE / "assets"  # the bundled models and heads (package data)
-CONF = PACKAGE / "conf"  # the Hydra configs of every entry point (package data)
+# The Hydra configs of every entry point: the package treedec.conf (conf/ at the repo root, mapped by pyproject's
+# package-dir; a real directory in a normal or editable install), which entry points load as pkg://treedec.conf.
+CONF = Path(str(files("treedec.conf")))
 BUNDLED = {"tiny-code": ASSETS / "tiny-code", "tiny-code-assistant": ASSETS / "tiny-code-assistant"}
 # How each bundled model is made, for the error when it is missing.
 _BUNDLED_HOW = {
