@@ -102,7 +102,7 @@ def test_the_training_module_is_a_group(name, module, tmp_path):
 def test_tree_auto_and_the_dynamic_trees_top_k_auto():
     """``tree=auto`` is its own policy; ``tree=dynamic`` is EAGLE-2 at a fixed T whose default top_k (auto) holds
     any (total_tokens, depth) a tree of that depth can hold; ``total_tokens=auto`` names the new policy."""
-    from treedec.config_schema import ConfigError, instantiate_checked
+    from treedec.config_checks import ConfigError, instantiate_checked
     from treedec.tree.policies import AutoPolicy, DynamicPolicy
 
     def tree(*ov):
