@@ -1,4 +1,4 @@
-"""Shipped static tree shapes (``treedec/conf/tree/shape/*.yaml``) and a loader for user shape files.
+"""Shipped static tree shapes (``conf/tree/shape/*.yaml``) and a loader for user shape files.
 
 A shape file is YAML (or JSON, which is YAML) with a ``choices`` key holding an EAGLE/Medusa
 path list (root implicit), e.g. ``choices: [[0], [1], [0, 0]]``; an optional ``name`` is
