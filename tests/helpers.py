@@ -2,9 +2,11 @@
 a plain greedy reference and an oracle policy (session fixtures over them: ``tests/conftest.py``)."""
 from __future__ import annotations
 
+import importlib.util
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from treedec.models import LlamaConfig, Transformer
@@ -16,6 +18,11 @@ from treedec.tree.policies.base import TreePolicy
 TINY_ARCH = dict(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=0,
                  eos_token_id=0)
+
+# Triton ships with torch on Linux only (CPU runs use its interpreter): its tests skip only where it is not installed.
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+NO_TRITON = "Triton is not installed (torch ships it on Linux only)"
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
 
 
 def tiny_config(**kw) -> LlamaConfig:

@@ -1,7 +1,6 @@
 """``python -m treedec.export_head``: a treedec head written in a public layout reads back as the same head."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,7 +14,6 @@ from treedec.export_head import export_head
 from treedec.models.draft import DraftConfig, DraftHead
 
 ROOT = Path(__file__).resolve().parents[1]
-HAS_EAGLE3 = importlib.util.find_spec("treedec.models.eagle3") is not None
 
 
 def make_head(target, seed, **kw):
@@ -68,7 +66,7 @@ def test_eagle_export_keys_are_the_published_ones(tmp_path):
         keys = set(f.keys())
     assert "fc.weight" in keys and "fc.bias" in keys and "layers.0.self_attn.q_proj.weight" in keys
     assert all(k.startswith(("fc.", "layers.0.")) for k in keys) and not any("qkv_proj" in k for k in keys)
-    transformers = pytest.importorskip("transformers")
+    import transformers
     assert transformers.AutoConfig.from_pretrained(out).num_hidden_layers == 1
 
 
@@ -83,7 +81,6 @@ def test_restricted_vocab_eagle_head_warns(tmp_path):
     assert decode(target, again, prompt)[0] == decode(target, head, prompt)[0]  # lossless either way
 
 
-@pytest.mark.skipif(not HAS_EAGLE3, reason="treedec's eagle3 head kind has not landed")
 @pytest.mark.parametrize("nbr", [False, True])
 def test_eagle3_round_trip(nbr, tmp_path):
     target = tiny_model(seed=6, num_hidden_layers=4)
@@ -124,7 +121,8 @@ def test_out_directory_rules(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "theirs"]  # no temp dirs left
 
 
-def test_cli_exports_and_reports_errors(tmp_path):
+@pytest.mark.slow
+def test_cli_exports(tmp_path):
     out = tmp_path / "exported"
     run = lambda *a: subprocess.run([sys.executable, "-m", "treedec.export_head", *a,  # noqa: E731
                                      f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True,
@@ -137,15 +135,12 @@ def test_cli_exports_and_reports_errors(tmp_path):
     for k, v in again.state_dict().items():
         if k != "vocab_ids":
             torch.testing.assert_close(v, bundled.state_dict()[k], atol=0, rtol=0)
-    done = run("format=eagle3", f"out={tmp_path / 'x'}")  # the default: the bundled head
-    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("Error: the head is kind 'eagle'")
-    assert not (tmp_path / "x").exists()
 
 
 def test_config_is_checked_before_loading():
     from omegaconf import OmegaConf
 
-    from treedec.config_schema import ConfigError, validate
+    from treedec.config_checks import ConfigError, validate
 
     ok = dict(draft={"_target_": "treedec.models.draft.DraftHead.load", "path": "tiny-code-eagle"}, format="eagle",
               out="x", dtype=None)

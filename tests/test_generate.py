@@ -42,14 +42,13 @@ def test_generate_matches_vanilla_and_writes_metrics(stack, tmp_path, tree, caps
     assert "def add(a, b):" in out and "tau" in out and "speedup" in out
 
 
-def test_cli_subprocess_and_typo(stack, tmp_path):
+@pytest.mark.slow
+def test_cli_subprocess(stack, tmp_path):
     cmd = [sys.executable, "-m", "treedec.generate", *overrides(stack, tmp_path)[:-2], f"hydra.run.dir={tmp_path}",
            "prompt='class Thing:'", "sampling=sample"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "metrics.json").is_file() and "tok/s" in done.stdout
-    bad = subprocess.run(cmd + ["tree.totl_tokens=8"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "totl_tokens" in bad.stderr
 
 
 def test_zero_new_tokens_with_compare_writes_metrics(stack, tmp_path, capsys):

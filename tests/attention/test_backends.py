@@ -6,18 +6,16 @@ test_triton_kernel.py.
 """
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import HAVE_TRITON, NO_TRITON
 from treedec.attention import BACKENDS, tree_attention
 from treedec.tree import Tree
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-ALL = [pytest.param(b, marks=pytest.mark.skipif(b == "triton" and not HAVE_TRITON, reason="triton not installed"))
+ALL = [pytest.param(b, marks=pytest.mark.skipif(b == "triton" and not HAVE_TRITON, reason=NO_TRITON))
        for b in BACKENDS]
 
 

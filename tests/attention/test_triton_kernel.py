@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tests.helpers import NO_TRITON  # noqa: E402
+
+pytest.importorskip("triton", reason=NO_TRITON)
 
 from treedec.attention import tree_attention  # noqa: E402
 from treedec.attention import triton_kernel as tk  # noqa: E402

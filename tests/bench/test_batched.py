@@ -8,7 +8,7 @@ import pytest
 from treedec.bench import batched, harness
 from treedec.bench.methods import Prompt
 
-from tests.bench.test_bench import HAVE_HF, compose_bench, stack  # noqa: F401  (the module's tiny stack)
+from tests.bench.test_bench import compose_bench, stack  # noqa: F401  (the module's tiny stack)
 
 
 def test_batches_are_full_and_take_the_prompts_in_turn():
@@ -25,7 +25,7 @@ def test_bench_reports_every_method_per_batch_size(stack, tmp_path):  # noqa: F8
     m = harness.run(cfg)
     saved = json.loads((tmp_path / "metrics.json").read_text())["batched"]
     assert saved["sizes"] == [1, 2, 3] and not saved["failures"] and m["batched"]["sizes"] == [1, 2, 3]
-    names = {"vanilla", "dynamic", "auto"} | ({"hf_greedy"} if HAVE_HF else set())
+    names = {"vanilla", "dynamic", "auto", "hf_greedy"}
     for b in ("1", "2", "3"):
         rows = saved["by_size"][b]
         assert set(rows) == names

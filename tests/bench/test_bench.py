@@ -22,12 +22,6 @@ from tests.helpers import TINY_ARCH, save_tiny_stack
 
 CONF = str(SHAPE_DIR.parents[1])
 
-try:
-    import transformers  # noqa: F401
-
-    HAVE_HF = True
-except ImportError:  # pragma: no cover - transformers is a dev dependency
-    HAVE_HF = False
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +62,13 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
     assert saved["methods"].keys() == m["methods"].keys()
     names = set(saved["methods"])
     treedec = {"vanilla", "chain", "static", "dynamic_raw", "dynamic", "auto", "learned", "lookup"}
-    expected = set(treedec)
-    if HAVE_HF:
-        expected |= {"hf_greedy", "hf_prompt_lookup", "hf_assisted"}
+    expected = treedec | {"hf_greedy", "hf_prompt_lookup", "hf_assisted"}
     assert names == expected
     # bench.sampling=true: every method sampled at both default temperatures, grouped by temperature.
     assert list(saved["sampled"]) == ["0.8", "0.3"]
     for t, group in saved["sampled"].items():
         assert group["temperature"] == float(t) and group["top_p"] == 0.95 and group["top_k"] == 0
-        sampled = {f"{n}_sample" for n in treedec} | ({"hf_sample"} if HAVE_HF else set())
+        sampled = {f"{n}_sample" for n in treedec} | {"hf_sample"}
         assert set(group["methods"]) == sampled, t
         assert group["methods"]["vanilla_sample"]["speedup"] == pytest.approx(1.0)
         for name, e in group["methods"].items():
@@ -115,8 +107,7 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
     for name in ("chain", "static", "dynamic_raw", "dynamic", "auto", "learned"):  # issue 11: at most 4 host reads per speculative step
         assert saved["methods"][name]["host_reads_per_step"] <= 4, (name, saved["methods"][name]["op_counts"])
     assert saved["methods"]["vanilla"]["host_reads_per_step"] <= 2
-    if HAVE_HF:
-        assert saved["methods"]["hf_assisted"]["assistant_layers"] == 1
+    assert saved["methods"]["hf_assisted"]["assistant_layers"] == 1
     assert saved["machine"]["threads"] == 1 and saved["machine"]["torch"] == torch.__version__
     assert saved["machine"]["draft_dtype"] in ("float32", "bfloat16")  # as loaded: dtype=auto is measured
     assert saved["machine"]["draft_wide_rows"] in (None, 8, 16, 32)  # and the batch from which its bf16 twin drafts
@@ -278,8 +269,7 @@ def test_auto_is_off_for_other_checkpoints(stack, tmp_path):
     m = harness.run(cfg)
     assert set(m["methods"]) == {"vanilla"}
     assert "only for the bundled head tiny-code-eagle" in m["skipped"]["learned"]
-    if HAVE_HF:
-        assert "only for the bundled tiny-code" in m["skipped"]["hf_assisted"]
+    assert "only for the bundled tiny-code" in m["skipped"]["hf_assisted"]
     assert m["config"]["bench"]["learned_path"] is None and m["config"]["bench"]["assistant_path"] is None
 
 
@@ -301,7 +291,6 @@ def test_shipped_learned_tree_fits_the_bundled_head():
     assert policy.max_size == data["budget"] and policy.max_depth == data["depth"]
 
 
-@pytest.mark.skipif(not HAVE_HF, reason="hf_assisted needs transformers")
 def test_bundled_assistant_auto_runs_and_missing_one_is_skipped(stack, tmp_path, monkeypatch):
     """model.path=tiny-code with assistant_path=auto loads `tiny-code-assistant`; absent, it is skipped (no crash)."""
     from treedec.models import checkpoint
@@ -322,7 +311,6 @@ def test_bundled_assistant_auto_runs_and_missing_one_is_skipped(stack, tmp_path,
     assert "hf_assisted" in (tmp_path / "b" / "results.md").read_text()  # the Skipped line says why
 
 
-@pytest.mark.skipif(not HAVE_HF, reason="hf_assisted needs transformers")
 def test_assistant_of_another_vocabulary_is_skipped(stack, tmp_path, tokenizer):  # noqa: F811
     other = Transformer(LlamaConfig(**{**TINY_ARCH, "vocab_size": 400, "num_hidden_layers": 1}), "sdpa")
     save_pretrained(other, tmp_path / "other", tokenizer=str(tokenizer[0]))
@@ -383,17 +371,7 @@ def test_compiled_tree_methods_are_checked_against_compiled_vanilla():
     assert failures and "differs from vanilla_compile" in failures[0]
 
 
-def _has_compile() -> bool:
-    import inspect
-
-    from treedec.decoding.speculative import SpeculativeDecoder
-    from treedec.decoding.vanilla import VanillaDecoder
-
-    return all("compile" in inspect.signature(c).parameters for c in (SpeculativeDecoder, VanillaDecoder))
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_compile(), reason="the decoding engine has no compile= yet")
 def test_bench_compile_runs_compiled_variants(stack, tmp_path):
     """bench.compile=true: vanilla_compile and chain_compile decode like eager vanilla (fp32), compile time apart."""
     m = harness.run(compose_bench(stack, tmp_path, "bench.compile=true", "bench.methods=[vanilla,chain]",
@@ -427,7 +405,6 @@ def test_sample_temperatures_option(stack, tmp_path):
                                       override))
 
 
-@pytest.mark.skipif(not HAVE_HF, reason="hf_sample needs transformers")
 def test_hf_sample_is_seeded_and_runs_only_when_sampling(stack, tmp_path):
     from treedec.bench import peers
 

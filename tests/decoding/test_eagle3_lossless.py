@@ -1,4 +1,5 @@
-"""The speculative loop with an EAGLE-3 head: lossless under every policy, and fed the right features.
+"""The speculative loop with an EAGLE-3 head fed the right features (its lossless greedy output under every policy:
+the matrix in test_lossless_greedy.py).
 
 A random head drafts badly, so the oracle wrapper forces long accepted paths: the catch-up then
 appends many verified positions with their fused layer inputs, which the last test recomputes.
@@ -30,16 +31,6 @@ POLICIES = {
     "dynamic": lambda _: DynamicPolicy(total_tokens=20, depth=5, top_k=4),
     "learned": learned,
 }
-
-
-@pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("seed", range(3))
-def test_random_eagle3_head_matches_vanilla_greedy(policy, seed, tmp_path):
-    target, head = eagle3_pair(seed, k=0 if seed == 2 else 40)
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, 64, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
-    ref = greedy_reference(target, prompt, 60)
-    assert SpeculativeDecoder(target, head, POLICIES[policy](tmp_path)).generate(prompt, 60).tokens[0] == ref
 
 
 @pytest.mark.parametrize("policy", ["chain", "dynamic", "learned"])

@@ -1,11 +1,29 @@
-"""Invariant 1: greedy speculative output is token for token the vanilla greedy output."""
+"""Invariant 1: greedy speculative output is token for token the vanilla greedy output.
+
+The one lossless matrix (fp32; the project claims losslessness for fp32 only): policy x head kind (EAGLE, EAGLE-3)
+x attention kernel (eager, sdpa, triton) x batch (one row, a ragged batch of three). Tests elsewhere that decode
+greedily check something beyond equality (tau bounds, host reads, compaction, compile, int8 heads, lookup copies)."""
+import functools
+import tempfile
+
 import pytest
 import torch
 
 from treedec.decoding.speculative import SpeculativeDecoder
-from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, StaticPolicy
+from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, LearnedPolicy, StaticPolicy
+from treedec.tree.policies.learned import save_learned
+from treedec.tree.sequoia import solve
 
-from tests.helpers import OraclePolicy, greedy_reference, make_pair
+from tests.helpers import OraclePolicy, eagle3_pair, greedy_reference, make_pair, needs_triton
+
+
+@functools.lru_cache(1)
+def learned_file() -> str:
+    table = solve([0.6, 0.25, 0.1], 16, 5)
+    trees = {n: table.choices(n, 5) for n in range(2, 17)}
+    return str(save_learned(f"{tempfile.mkdtemp(prefix='treedec-test-')}/t.yaml", trees[12],
+                            {"name": "t12", "budget": 12}, trees))
+
 
 POLICIES = {
     "chain": lambda: ChainPolicy(depth=4),
@@ -15,34 +33,37 @@ POLICIES = {
     "dynamic_wide": lambda: DynamicPolicy(total_tokens=70, depth=3, top_k=6),  # T > 64: two mask words
     "dynamic_deep": lambda: DynamicPolicy(total_tokens=8, depth=6, top_k=4),  # draft reads more nodes than T
     "auto": lambda: AutoPolicy(max_depth=5, top_k=3, max_total_tokens=24),  # sized per step: T and depth vary
+    "learned": lambda: LearnedPolicy(learned_file()),  # a calibrated Sequoia tree of 12 nodes
 }
 
-
-def triton_available():
-    try:
-        import treedec.attention.triton_kernel  # noqa: F401
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
+# head kind -> (seeds, new tokens, max prompt length, the pair): EAGLE-3 heads over a random 40-token draft
+# vocabulary, and (seed 2) over the whole vocabulary
+HEADS = {
+    "eagle": (range(4), 200, 40, lambda seed, **kw: make_pair(seed, **kw)),
+    "eagle3": (range(3), 60, 30, lambda seed, **kw: eagle3_pair(seed, k=0 if seed == 2 else 40, **kw)),
+}
+ONE_ROW = [(head, seed) for head, (seeds, *_) in HEADS.items() for seed in seeds]
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("seed", range(4))
-def test_random_draft_matches_vanilla(policy, seed):
-    target, draft = make_pair(seed)
+@pytest.mark.parametrize("head, seed", ONE_ROW, ids=[f"{h}-{s}" for h, s in ONE_ROW])
+def test_random_draft_matches_vanilla(policy, head, seed):
+    _, n, max_len, pair = HEADS[head]
+    target, draft = pair(seed)
     g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, 64, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
-    ref = greedy_reference(target, prompt, 200)
-    out = SpeculativeDecoder(target, draft, POLICIES[policy]()).generate(prompt, 200)
+    prompt = torch.randint(0, 64, (int(torch.randint(1, max_len, (1,), generator=g)),), generator=g).tolist()
+    ref = greedy_reference(target, prompt, n)
+    out = SpeculativeDecoder(target, draft, POLICIES[policy]()).generate(prompt, n)
     assert out.tokens[0] == ref
 
 
+RAGGED = [("eagle", seed, backend) for seed in range(2) for backend in ("eager", "sdpa")] + [("eagle3", 0, "sdpa")]
+
+
 @pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_oracle_draft_matches_vanilla_with_long_accepts(policy, seed, backend):
-    target, draft = make_pair(seed + 10, backend=backend)
+@pytest.mark.parametrize("head, seed, backend", RAGGED, ids=["-".join(map(str, c)) for c in RAGGED])
+def test_oracle_draft_matches_vanilla_with_long_accepts(policy, head, seed, backend):
+    target, draft = HEADS[head][-1](seed + 10, backend=backend)
     prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed * 7 + n)).tolist() for n in (3, 17, 50)]
     refs = [greedy_reference(target, p, 300) for p in prompts]
     oracle = OraclePolicy(POLICIES[policy](), refs, p_hit=0.85, seed=seed)
@@ -53,10 +74,11 @@ def test_oracle_draft_matches_vanilla_with_long_accepts(policy, seed, backend):
     assert max(out.stats.accepted) >= (3 if policy.startswith(("chain", "static")) else 2)
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton kernel not importable")
-@pytest.mark.parametrize("policy", ["chain", "dynamic", "auto"])
-def test_triton_backend_matches_vanilla(policy):
-    target, draft = make_pair(3, hidden=32, heads=2, kv_heads=1, backend="triton")
+@needs_triton
+@pytest.mark.parametrize("head, policy", [("eagle", "chain"), ("eagle", "dynamic"), ("eagle", "auto"),
+                                          ("eagle3", "dynamic")])
+def test_triton_backend_matches_vanilla(head, policy):
+    target, draft = HEADS[head][-1](3, hidden=32, heads=2, kv_heads=1, backend="triton")
     prompt = list(range(5, 14))
     ref = greedy_reference(target, prompt, 24)
     oracle = OraclePolicy(POLICIES[policy](), [ref], p_hit=0.8)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 import treedec.models.checkpoint as ckpt
@@ -190,7 +191,6 @@ def test_rotary_buffers_ignored(saved):
 
 
 def test_missing_shard(tmp_path):
-    transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path, max_shard_size="40KB")
@@ -267,7 +267,6 @@ def test_tokenizer_basics(tok_dir):
 
 
 def test_chat_template_matches_transformers(tok_dir):
-    transformers = pytest.importorskip("transformers")
     msgs = [{"role": "system", "content": "hello"}, {"role": "user", "content": "how are you"}]
     tok = load_tokenizer(tok_dir)
     text = tok.apply_chat_template(msgs)
@@ -291,7 +290,6 @@ def test_missing_tokenizer_json(saved):
 
 
 def test_save_pretrained_with_tokenizer(tmp_path, tok_dir):
-    transformers = pytest.importorskip("transformers")
     model = tiny_model(seed=0, eos_token_id=1, bos_token_id=0)
     save_pretrained(model, tmp_path / "m", tokenizer=load_tokenizer(tok_dir))
     tok = load_tokenizer(tmp_path / "m")

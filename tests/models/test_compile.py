@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import tiny_model
+from tests.helpers import NO_TRITON, tiny_model
 from treedec.profiling import count_ops
 from treedec.tree import Tree
 
@@ -36,7 +36,7 @@ def assert_same_writes(a, b, T):
 @pytest.mark.parametrize("tree", [True, False])
 def test_static_forward_equals_dynamic(backend, tree):
     if backend == "triton":
-        pytest.importorskip("triton")
+        pytest.importorskip("triton", reason=NO_TRITON)
     model = tiny_model(seed=2, backend=backend)
     dyn, sta = two_caches(model, [5, 9])
     T = len(TREE) if tree else 3

@@ -6,7 +6,6 @@ from the raw state dict (not through treedec's modules).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 
@@ -21,8 +20,6 @@ from treedec.models.draft import DraftHead
 
 V, H, NH, NKV, I = 97, 64, 4, 2, 112
 HD = H // NH
-HAS_EAGLE3 = importlib.util.find_spec("treedec.models.eagle3") is not None
-needs_eagle3 = pytest.mark.skipif(not HAS_EAGLE3, reason="treedec's eagle3 head kind has not landed")
 
 
 # ------------------------------------------------------------------ the reference forwards (plain torch)
@@ -203,7 +200,6 @@ def test_embedding_copy_is_checked(target, tmp_path):
 
 
 # ------------------------------------------------------------------ EAGLE-3 / SpecForge / speculators
-@needs_eagle3
 @pytest.mark.parametrize("layout", ["midlayer", "layers0", "speculators", "speculators_nbr", "speculators_qwen3"])
 def test_published_eagle3_matches_reference(layout, deep_target, tmp_path):
     prefix = "midlayer." if layout == "midlayer" else "layers.0."
@@ -229,7 +225,6 @@ def test_published_eagle3_matches_reference(layout, deep_target, tmp_path):
     assert torch.equal(head.to_target_ids(got.argmax(-1)), want.argmax(-1) + sd["d2t"][want.argmax(-1)])
 
 
-@needs_eagle3
 def test_eagle3_rope_is_the_heads_own(deep_target, tmp_path):
     path, sd, _ = eagle3_dir(tmp_path / "h", seed=8, rope_theta=5e5)
     head = DraftHead.load(path, target=deep_target)
@@ -318,7 +313,6 @@ def test_unsupported_variants_are_named(change, needle, deep_target, tmp_path):
         DraftHead.load(path, target=deep_target)
 
 
-@needs_eagle3
 def test_speculators_norm_before_residual_defaults_to_vllms(deep_target, tmp_path):
     path, _, _ = eagle3_dir(tmp_path / "h", speculators=True, eagle_aux_hidden_state_layer_ids=[1, 3, 6])
     cfg = json.loads((path / "config.json").read_text())

@@ -5,12 +5,12 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from tests.helpers import full_logits, randomize_, tiny_model
 from treedec.models import load_model
 from treedec.models.checkpoint import save_pretrained
 
-transformers = pytest.importorskip("transformers")
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
               rms_norm_eps=1e-5)

@@ -4,26 +4,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import full_logits, tiny_model
+from tests.helpers import full_logits, needs_triton, tiny_model
 from treedec.tree import Tree
 from treedec.attention.layout import pack_bits
 
 ATOL = 2e-5
 
 
-def triton_available() -> bool:
-    try:
-        import treedec.attention.triton_kernel  # noqa: F401
-    except Exception:  # module not written yet, or no Triton
-        return False
-    return True
-
-
 def backends(include_triton: bool = True):
     out = ["eager", "sdpa"]
     if include_triton:
-        out.append(pytest.param("triton", marks=pytest.mark.skipif(not triton_available(),
-                                                                   reason="Triton tree-attention kernel unavailable")))
+        out.append(pytest.param("triton", marks=needs_triton))
     return out
 
 
@@ -104,7 +95,7 @@ def test_tree_beyond_64_nodes():
     check_tree_equals_branches(model, rand_ids(6, gen), tree, rand_ids(70, gen))
 
 
-@pytest.mark.skipif(not triton_available(), reason="Triton tree-attention kernel unavailable")
+@needs_triton
 def test_tree_equals_branches_triton():
     gen = torch.Generator().manual_seed(3)
     model = tiny_model(seed=3, backend="triton", num_hidden_layers=1)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.helpers import NO_TRITON
 from treedec.profiling import count_ops
 
 
@@ -69,6 +70,6 @@ def test_forward_does_no_host_reads():
 def test_triton_forward_does_no_host_reads():
     import pytest
 
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason=NO_TRITON)
     c = _forward_counts(2, "triton", True, True)
     assert c.host_reads == 0, c.reads

@@ -102,7 +102,6 @@ def test_lightning_steps_checkpoint_and_export(corpus, tokenizer, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(again.model.forward_train(ids), module.model.forward_train(ids))
 
-    pytest.importorskip("safetensors")
     from treedec.models.checkpoint import load_model
     from treedec.pretrain import export_hf
 

@@ -166,7 +166,8 @@ def test_requeue_has_exactly_one_owner(monkeypatch):
 def test_slurm_launcher_config_keys_run_dirs_by_job_name():
     from omegaconf import OmegaConf
 
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
+                        reason="the optional slurm extra (hydra-submitit-launcher) is not installed; not a dev dependency")
     with initialize_config_dir(config_dir=CONF, version_base="1.3", job_name="train"):
         cfg = compose(config_name="train", overrides=["hydra/launcher=slurm", "hydra.job.name=my-head", "trainer=ddp"],
                       return_hydra_config=True)
