@@ -42,11 +42,10 @@ def test_wheel_installs_and_generates_from_any_directory(tmp_path):
         shipped = set(z.namelist())
     package_data = {p.relative_to(src).as_posix() for p in (src / "treedec" / "assets").rglob("*") if p.is_file()}
     package_data |= {"treedec/conf/" + p.relative_to(src / "conf").as_posix() for p in (src / "conf").rglob("*")
-                     if p.is_file() and "__pycache__" not in p.parts and p != src / "conf" / "local" / "default.yaml"}
-    assert {"treedec/conf/generate.yaml", "treedec/conf/experiment/which_tree.yaml",
-            "treedec/conf/local/default.yaml.example"} <= package_data
+                     if p.is_file() and "__pycache__" not in p.parts and "local" not in p.relative_to(src / "conf").parts}
+    assert {"treedec/conf/generate.yaml", "treedec/conf/experiment/which_tree.yaml"} <= package_data
     assert package_data - shipped == set()  # every config and asset file is in the wheel
-    assert "treedec/conf/local/default.yaml" not in shipped and not [n for n in shipped if n.startswith("conf/")]
+    assert not [n for n in shipped if n.startswith(("treedec/conf/local/", "conf/"))]  # conf/local/ never ships
     venv.create(tmp_path / "venv", system_site_packages=True, with_pip=False)
     py = tmp_path / "venv" / "bin" / "python"
     if sys.prefix != sys.base_prefix:  # run from a venv: the scratch venv sees its torch/hydra too (after its own
