@@ -74,10 +74,20 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temp file in the same folder and a rename."""
+    """Write ``text`` to ``path`` through a uniquely named temp file in the same folder and a rename."""
     path = Path(path)
-    with atomic_file(path) as tmp:
-        tmp.write_text(text)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        follow_umask(tmp)  # mkstemp creates 0600
+        os.replace(tmp, path)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and (full := naming(exc, path)) is not None:
+            raise full from exc
+        raise
     return path
 
 
