@@ -273,7 +273,7 @@ def test_chat_template_matches_transformers(tok_dir):
     assert text.startswith("<s>system : hello <|im_end|> ") and text.endswith("assistant : ")
     hf = transformers.AutoTokenizer.from_pretrained(tok_dir)
     assert text == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert tok.apply_chat_template(msgs, tokenize=True) == tok.encode(text, add_bos=False)
+    assert tok.apply_chat_template(msgs, tokenize=True) == tok.encode(text, add_bos=False, specials=True)  # its markup
     assert tok.apply_chat_template(msgs, tokenize=True)[0] == 0  # one BOS, from the template only
 
 
