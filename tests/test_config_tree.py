@@ -48,6 +48,7 @@ def test_debug_configs_compose_and_validate(name, tmp_path):
     assert composed(name, ["debug=fdr"], hydra=True).hydra.run.dir.startswith(f"./outputs/debug/{name}/")
 
 
+@pytest.mark.slow
 def test_local_overrides_from_a_config_dir(tmp_path):
     """``optional local: default``: absent, nothing changes; in a --config-dir, it overrides every entry."""
     (tmp_path / "local").mkdir()
