@@ -21,7 +21,9 @@ from typing import Mapping, Sequence
 import torch
 
 from treedec.decoding.drafter import Drafter
-from treedec.decoding.loop import Decoder, DecodeStats, StepInfo, Timer, normalize_eos, pad_prompts, static_room
+from treedec.decoding.loop import Decoder
+from treedec.decoding.prompt_checks import normalize_eos, pad_prompts, static_room
+from treedec.decoding.stats import DecodeStats, StepInfo, Timer
 from treedec.sampling import RowStreams, SamplingParams, as_sampling, next_token, settle
 from treedec.decoding.vanilla import pick
 from treedec.decoding.profile import step_cost
@@ -69,7 +71,7 @@ class SpeculativeDecoder(Decoder):
                  eos_ids: Sequence[int] | int | None = None, compile: bool = False):
         """``sampling``: a :class:`SamplingParams` or a dict of its fields. ``compile``: verify with a
         ``torch.compile``d static-shape target pass (a graph per tree size and cache bucket, see
-        :func:`~treedec.decoding.loop.static_room`; the draft head stays eager). The first ``generate`` of a
+        :func:`~treedec.decoding.prompt_checks.static_room`; the draft head stays eager). The first ``generate`` of a
         bucket pays the compile time."""
         self.sampling = as_sampling(sampling)
         check_policy(policy, target.config.context_length)

@@ -16,8 +16,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from treedec.decoding.loop import (Decoder, GenerateResult, StepInfo, Timer, check_context, normalize_eos,
-                                   normalize_prompts, pad_prompts, static_room)
+from treedec.decoding.loop import Decoder
+from treedec.decoding.prompt_checks import check_context, normalize_eos, normalize_prompts, pad_prompts, static_room
+from treedec.decoding.stats import GenerateResult, StepInfo, Timer
 from treedec.sampling import RowStreams, SamplingParams, draw_from, next_token, read_settled, settle
 from treedec.models.cache import KVCache
 

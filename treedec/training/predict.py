@@ -31,7 +31,8 @@ from typing import Protocol, Sequence
 import lightning as L
 import torch
 
-from treedec.decoding.loop import DecodeStats, check_slots
+from treedec.decoding.prompt_checks import check_slots
+from treedec.decoding.stats import DecodeStats
 from treedec.sampling import RowSeededGenerator, SamplingParams
 from treedec.decoding.speculative import CompactingDecoder, SpeculativeDecoder
 from treedec.models.draft import DraftHead

@@ -3,7 +3,7 @@
 The acceptance model (Sequoia's "positional acceptance"): a drafted node's children are tried
 in rank order; given that the parent was accepted and ranks ``0..r-1`` were rejected, the
 rank-``r`` child is accepted with probability ``p[r]`` (``p[d][r]`` when the rates also depend
-on the child's depth ``d``). That is exactly what :class:`~treedec.decoding.loop.DecodeStats`
+on the child's depth ``d``). That is exactly what :class:`~treedec.decoding.stats.DecodeStats`
 measures as ``rank_hits[r] / rank_trials[r]``. So a child of rank ``r`` is accepted, given its
 parent was, with probability
 

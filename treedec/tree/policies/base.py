@@ -102,7 +102,7 @@ class TreePolicy:
         """The batch was cut to rows ``order`` (their old slots, in the new order): per-row state follows."""
 
     def observe(self, info) -> None:
-        """What the step just verified (a :class:`~treedec.decoding.loop.StepInfo`): policies that learn online
+        """What the step just verified (a :class:`~treedec.decoding.stats.StepInfo`): policies that learn online
         (tree=auto) use it; fixed shapes ignore it."""
 
     def validate(self, vocab_size: int) -> None:
