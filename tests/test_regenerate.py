@@ -166,7 +166,7 @@ def test_slots_may_change_on_resume_and_a_kernel_change_is_named_kernel(stack, t
 
 
 def test_resume_refuses_other_settings_and_a_running_worker(stack, text_input, reference, tmp_path):
-    from treedec.training.trainer import JobError, RunDirLock
+    from treedec.training.run_dir import JobError, RunDirLock
 
     out = tmp_path / "out"
     regenerate(stack, text_input, out, "part=0", "parts=3")

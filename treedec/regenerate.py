@@ -316,7 +316,7 @@ class ShardData(L.LightningDataModule):
     def predict_dataloader(self):
         import torch
 
-        from treedec.training.trainer import RunDirLock
+        from treedec.training.run_dir import RunDirLock
 
         cfg, S, B = self.cfg, int(self.cfg.shard_size), int(self.cfg.batch_size)
         rank, world = self.trainer.global_rank, self.trainer.world_size

@@ -100,7 +100,7 @@ def test_sigterm_saves_a_checkpoint_exits_143_and_the_rerun_resumes(target_dir, 
     import time
     from pathlib import Path
 
-    from treedec.training.trainer import PREEMPTED
+    from treedec.training.preemption import PREEMPTED
 
     repo, marker = Path(__file__).resolve().parents[2], tmp_path / "waiting"
     wait = f"+callbacks.wait={{_target_:tests.training._pause.WaitForSigterm,at:7,marker:'{marker}'}}"

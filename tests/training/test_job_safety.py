@@ -21,8 +21,8 @@ from treedec.config_schema import ConfigError
 from treedec.data.datamodules import EpochSampler, ResumableLoader
 from treedec.models.paths import export_path
 from treedec.atomic import atomic_dir
-from treedec.training.trainer import (JobError, ResumeState, RunDirLock, finished_metrics, rng_states,
-                                      set_rng_states)
+from treedec.training.preemption import ResumeState, rng_states, set_rng_states
+from treedec.training.run_dir import JobError, RunDirLock, finished_metrics
 from treedec.tree.shapes import SHAPE_DIR
 
 CONF = str(SHAPE_DIR.parents[1])
@@ -42,7 +42,7 @@ def tree_hashes(root: Path) -> dict[str, str]:
 # ------------------------------------------------------------------------------------------- lock
 HOLD = """
 import sys, time
-from treedec.training.trainer import RunDirLock
+from treedec.training.run_dir import RunDirLock
 lock = RunDirLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 time.sleep(120)
@@ -77,7 +77,7 @@ def test_lock_without_flock_checks_the_recorded_pid(tmp_path, monkeypatch, caplo
     monkeypatch.setattr(fcntl, "flock", no_flock)
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        from treedec.training.trainer import _proc_stat
+        from treedec.training.run_dir import _proc_stat
 
         start = _proc_stat(live.pid)[19]
         (tmp_path / ".lock").write_text(json.dumps({"pid": live.pid, "host": socket.gethostname(), "start": start}))

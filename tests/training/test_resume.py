@@ -18,7 +18,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from treedec.training.trainer import JobError, find_resume_checkpoint
+from treedec.training.run_dir import JobError, find_resume_checkpoint
 from treedec.tree.shapes import SHAPE_DIR
 
 from tests.helpers import TINY_ARCH
@@ -145,7 +145,7 @@ def test_requeue_has_exactly_one_owner(monkeypatch):
     from lightning.fabric.plugins.environments import SLURMEnvironment
     from omegaconf import OmegaConf
 
-    from treedec.training.trainer import requeue_plugins
+    from treedec.training.preemption import requeue_plugins
 
     cfg = OmegaConf.create({"requeue": "auto"})
     for var in ("SLURM_NTASKS", "SLURM_JOB_NAME", "SUBMITIT_EXECUTOR"):
