@@ -235,7 +235,7 @@ def test_corrupt_state_files_are_named_and_a_shard_without_stats_is_redone(stack
 
 
 def test_the_manifest_is_checked_and_written_under_the_state_lock(tmp_path):
-    from treedec.regenerate import check_manifest
+    from treedec.regenerate_state import check_manifest
 
     with open(tmp_path / ".state.lock", "a") as held:  # another job holds it
         fcntl.flock(held, fcntl.LOCK_EX)
