@@ -210,3 +210,11 @@ def test_an_unwritable_cache_never_fails_a_run(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert StepCost(SHAPES, {"device": "x"}, lambda rows: entry(), blocked / "cache").seconds(1)[0] == 1.0
     assert "could not keep the step-cost profile" in caplog.text
+
+
+def test_a_wide_batch_is_profiled_at_64_rows_and_extended_linearly(tmp_path):
+    calls = []
+    cost = StepCost(SHAPES, {"device": "x"}, lambda rows: calls.append(rows) or entry(rows), tmp_path)
+    at16, at64 = np.array([16.0, 32.1, 80.4]), np.array([64.0, 128.1, 320.4])  # entry(rows) scales verify by rows
+    assert cost.seconds(112) == pytest.approx(at64 + (at64 - at16))  # 112 rows: as far past 64 as 64 is past 16
+    assert sorted(calls) == [16, 64]

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 VERSION = 2  # 2: drafts timed with their catch-up, after a verify; the online rest is additive
 ALPHA = 0.3  # weight of one measured step in its cell's EMA (a one-off hiccup moves a cell by a third at most)
+MOST_ROWS = 64  # the widest batch profiled (wider: extended linearly, so a profile stays a few seconds)
 Shape = tuple[int, int, int]  # (width k, depth D, verified tokens T); (1, 0, 1) is a plain decoding step
 
 
@@ -59,7 +60,10 @@ def _rising(points: dict[int, float]) -> dict[int, float]:
 
 
 def _buckets(rows: int) -> list[int]:
-    """The measured row counts (powers of 4) whose profiles bracket ``rows``."""
+    """The measured row counts (powers of 4 up to :data:`MOST_ROWS`) whose profiles bracket ``rows``, or the two
+    largest, extended linearly past them (a wide batch's passes are compute-bound: linear in rows)."""
+    if rows > MOST_ROWS:
+        return [MOST_ROWS // 4, MOST_ROWS]
     lo = 1
     while lo * 4 <= rows:
         lo *= 4

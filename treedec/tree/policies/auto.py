@@ -42,7 +42,7 @@ from treedec.tree.policies.dynamic import DynamicPolicy, n_drafted
 from treedec.tree.tree import Tree, TreeError
 
 SIZES = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # node budgets a tree candidate may verify (few verify shapes)
-ALPHA = 0.1  # weight of one step in the decayed estimates (a time constant of ~10 steps)
+ALPHA = 0.1  # weight of one step in the EMAs of the promise, the siblings' share and gamma (~10 steps)
 PRIOR = 2.0  # rows of evidence the calibrated scores' promise weighs as, against the rows observed
 COUNT_DECAY = 0.03  # the chain counts' per-step decay (they weigh the last ~30 steps: text changes as it goes)
 MIN_ROWS = 4  # rows the deepest chain is counted on before the rule takes over (one step from 4 rows)
@@ -72,7 +72,7 @@ class AutoPolicy(TreePolicy):
         self.max_inputs = max(self.trees.max_inputs, self.max_depth)
         a = np.array(shapes)
         self._width, self._depth = a[:, 0], a[:, 1]
-        self._tree = np.flatnonzero(self._width > 1)  # the tree candidates' indices (their R entries)
+        self._tree = np.flatnonzero(self._width > 1)  # the tree candidates' indices
         self.promise = np.full(self.max_depth, 0.5)  # calibrated continuation per depth (index d-1)
         self.hits, self.trials = np.zeros(self.max_depth), np.zeros(self.max_depth)  # chain-step counts, per depth
         self.pooled_hits = self.pooled_trials = 0.0  # the same over all depths, fading only as chain steps come
