@@ -152,7 +152,7 @@ class AutoPolicy(TreePolicy):
             tree = self.trees.chain(D, scored=True).draft(drafter)
             cum = tree.scores[:, 1:]  # [B, D] cumulative draft log-probs
             edge = cum - torch.nn.functional.pad(cum[:, :-1], (1, 0))
-            p = self._log_accept(edge, torch.arange(1, D + 1, device=edge.device)).cumsum(-1).exp()
+            p = self.trees.edge_score(edge, torch.arange(1, D + 1, device=edge.device)).cumsum(-1).exp()
             self._pending = (i, _host(p.mean(0)))  # [D] the calibrated reach of each depth
             return tree
         pool = self.trees.pool(drafter, params, D, k)
@@ -163,9 +163,6 @@ class AutoPolicy(TreePolicy):
         by_depth = torch.zeros(*probs.shape, D + 1, device=probs.device).scatter_(-1, where, best.values[..., None])
         self._pending = (i, _host(by_depth.mean(1).cumsum(1)[..., 1:]))  # [limit, T - 1, depth]: the best T - 1
         return self.trees.select(pool, T)
-
-    def _log_accept(self, edge: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
-        return edge if self.calibration is None else self.calibration.log_accept(edge, depth)
 
     def observe(self, info) -> None:
         """Fold this step's calibrated scores and what its rows accepted into the estimates."""

@@ -125,7 +125,7 @@ class DynamicPolicy(TreePolicy):
             log.warning("tree.calibration was measured under %s acceptance but decoding is %s: the tree may be "
                         "mis-sized (still lossless); recalibrate with the same sampling settings", rule, now)
 
-    def _edge(self, logq: torch.Tensor, depth: int) -> torch.Tensor:
+    def edge_score(self, logq: torch.Tensor, depth: int | torch.Tensor) -> torch.Tensor:
         """Score term of edges into ``depth``: log calibrated acceptance, or the raw draft log-prob."""
         return logq if self.calibration is None else self.calibration.log_accept(logq, depth)
 
@@ -147,7 +147,7 @@ class DynamicPolicy(TreePolicy):
         # the candidate ids (+1; 0 is the root) of the nodes expanded there, the parents of the next depth's
         # candidates. Concatenated once at the end: no writes into preallocated buffers, no gathers over them.
         lq, tok = drafter.root_topk(k, temp)
-        sc = lq if raw else self._edge(lq, 1)
+        sc = lq if raw else self.edge_score(lq, 1)
         toks, lqs, scs, fronts = [tok], [lq], [sc], [c["zero"], c["first1"]]  # (depth 1's parent: the root, 0)
         front_tok, front_lq, front_sc = tok, lq, sc
         front_feat = drafter.root_feat[:, None].expand(-1, k, -1)  # the feature each frontier node reads
@@ -161,7 +161,7 @@ class DynamicPolicy(TreePolicy):
             child_lq, child_tok = drafter.topk(logits, k, temp)  # [B, k, k]
             tok = child_tok.reshape(B, k * k)
             lq = (front_lq[:, :, None] + child_lq).view(B, k * k)
-            sc = lq if raw else (front_sc[:, :, None] + self._edge(child_lq, d)).view(B, k * k)
+            sc = lq if raw else (front_sc[:, :, None] + self.edge_score(child_lq, d)).view(B, k * k)
             toks.append(tok), lqs.append(lq), scs.append(sc)
             if d < D:
                 best = torch.sort(sc, dim=1, descending=True, stable=True).indices[:, :k]
