@@ -62,13 +62,14 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
 
     optim = time_budget(OmegaConf.to_container(cfg.optim, resolve=True), cfg.trainer)
     draft = OmegaConf.to_container(cfg.draft_arch, resolve=True) or {}
-    k3 = draft_vocab_size(cfg) if kind == "eagle3" else 0
+    k3 = draft_vocab_size(cfg) if kind in ("eagle3", "parallel") else 0
     if k3:
         draft["draft_vocab_size"] = k3
     module = hydra.utils.instantiate(cfg.module)(str(target_dir), draft=draft,
                          max_steps=int(cfg.trainer.max_steps), target_dtype=cfg.model.dtype, seed=int(cfg.seed),
                          init_from=cfg.init_from, **optim)
-    if k3:  # EAGLE-3's LM head is over the draft vocabulary from the start (EAGLE-1/2: restricted at export)
+    if k3 and module.head.config.draft_vocab_size != k3:  # EAGLE-3's LM head is over the draft vocabulary from the
+        #   start (EAGLE-1/2: restricted at export); a head started from one of that size keeps its own
         module.set_draft_vocab(frequent_tokens(dm.train_set, k3, module.head.config.vocab_size))
     log.info("draft head: %.2fM trainable parameters", sum(p.numel() for p in module.head.parameters()) / 1e6)
 
@@ -112,7 +113,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     return metrics
 
 
-BUNDLED_HEAD = {"eagle": "tiny-code-eagle", "eagle3": "tiny-code-eagle3"}  # what export_dir=bundled replaces
+BUNDLED_HEAD = {"eagle": "tiny-code-eagle", "eagle3": "tiny-code-eagle3", "parallel": "tiny-code-parallel"}  # what export_dir=bundled replaces
 
 
 def draft_vocab_size(cfg: DictConfig) -> int:

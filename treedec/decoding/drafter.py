@@ -176,6 +176,30 @@ class Drafter:
         self.root_tokens = put(self.root_tokens, other.root_tokens)
         self._feat, self._logits = put(self._feat, other._feat), put(self._logits, other._logits)
 
+    @property
+    def one_pass(self) -> bool:
+        """The head drafts per-position marginals in one pass (:meth:`marginals`), not a node at a time (:meth:`expand`)."""
+        return self.head.one_pass
+
+    def marginals(self, depth: int) -> torch.Tensor:
+        """A one-pass head's draft logits [B, depth, K] of depths 1..``depth`` below the root: depth 1 is
+        :attr:`root_logits`; depths 2.. come from one head pass over ``depth - 1`` mask positions after each row's
+        prefix (:meth:`~treedec.models.parallel.ParallelHead.forward_mask`), each the distribution of the token that
+        far ahead whatever the drafts before it. Their keys are written past the prefix and dropped with the tree."""
+        first = self.root_logits[:, None]
+        if depth <= 1:
+            return first
+        n, cache = depth - 1, self.cache
+        if n >= self.head.block_size:
+            raise ValueError(f"this parallel head drafts {self.head.block_size} positions per pass; asked for {depth}")
+        host = list(cache.host_lengths)
+        if min(host) == max(host):
+            pos = torch.arange(host[0], host[0] + n, device=self.device).expand(self.batch, n)
+        else:
+            pos = cache.lengths[:, None] + torch.arange(n, device=self.device)
+        feat = self.head.forward_mask(n, cache, pos)
+        return torch.cat([first, self.head.logits(feat).to(first.dtype)], 1)
+
     def root_topk(self, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs [B, k], target token ids [B, k]) of the root's k most likely children."""
         return self.topk(self.root_logits, k, temperature)

@@ -78,6 +78,7 @@ class SpeculativeDecoder(Decoder):
         self.target, self.draft, self.policy = target, draft.bind(target), policy
         self.eos = normalize_eos(eos_ids, target.config.eos_ids)
         policy.validate(draft.config.draft_vocab_size or target.config.vocab_size)
+        policy.check_head(self.draft)
         if policy.wants_cost:  # tree=auto sizes its trees by this machine's measured step costs
             policy.use_cost(lambda pol: step_cost(target, self.draft, pol, getattr(pol, "cost_cache", None)))
         self.compile, self._verify, self._room = compile, None, 0

@@ -3,6 +3,7 @@ from treedec.models.cache import KVCache
 from treedec.models.config import SUPPORTED_ARCHITECTURES, LlamaConfig
 from treedec.models.llama import ModelOutput, Transformer
 from treedec.models import eagle3  # noqa: F401,E402  (registers DraftHead's kind "eagle3")
+from treedec.models import parallel  # noqa: F401,E402  (registers DraftHead's kind "parallel")
 
 
 def load_model(path, **kw):

@@ -51,6 +51,7 @@ class DraftHead(nn.Module):
     """
 
     _KINDS: dict[str, type] = {}
+    one_pass = False  # drafts per-position marginals in one pass (kind "parallel") instead of one pass per depth
 
     def __init_subclass__(cls, kind: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)

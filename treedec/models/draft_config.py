@@ -17,8 +17,9 @@ from treedec.models.paths import ASSETS
 if TYPE_CHECKING:
     from treedec.models.llama import Transformer
 
-BUNDLED_DRAFTS = {name: ASSETS / name for name in ("tiny-code-eagle", "tiny-code-eagle3")}  # heads shipped for tiny-code
-KINDS = ("eagle", "eagle3")
+BUNDLED_DRAFTS = {name: ASSETS / name for name in ("tiny-code-eagle", "tiny-code-eagle3", "tiny-code-parallel")}
+#                  heads shipped for tiny-code
+KINDS = ("eagle", "eagle3", "parallel")
 DRAFT_CONFIG = "draft_config.json"
 DRAFT_WEIGHTS = "draft.safetensors"
 
@@ -36,6 +37,7 @@ class DraftConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     kind: str = "eagle"  # "eagle" (EAGLE-1/2) | "eagle3" (fused low/mid/high layer inputs; fc: 3H -> H; own LM head)
+    #                      | "parallel" (an EAGLE-3 head drafting block_size positions in one pass: models/parallel.py)
     feature_layers: list[int] = field(default_factory=lambda: [-1])  # eagle: [-1] (final normed hidden); eagle3: layer ids
     target: str = ""  # what it was trained for (informational)
     target_fingerprint: str = ""  # target_fingerprint() of the target it was trained with ("" = unknown)
@@ -45,6 +47,7 @@ class DraftConfig:
     o_bias: bool = False
     qk_norm: bool = False  # the layer's per-head q/k RMSNorms (Qwen3-layer heads)
     norm_before_residual: bool = False  # eagle3: the midlayer's residual is hidden_norm(h), not h (speculators heads)
+    block_size: int = 0  # parallel: positions one head pass drafts (depth 1 from the root, 2..K from mask positions)
 
     @classmethod
     def for_target(cls, cfg: LlamaConfig, target: str = "", **overrides) -> "DraftConfig":
@@ -60,7 +63,8 @@ class DraftConfig:
         d.update(overrides)
         if d.get("feature_layers") is None:
             L = cfg.num_hidden_layers
-            d["feature_layers"] = [min(2, L - 1), L // 2, max(L - 3, 0)] if d.get("kind") == "eagle3" else [-1]
+            d["feature_layers"] = [min(2, L - 1), L // 2, max(L - 3, 0)] if d.get("kind") in ("eagle3", "parallel") \
+                else [-1]
         return cls(**d)
 
     def layer_config(self) -> LlamaConfig:

@@ -24,6 +24,10 @@ An EAGLE-3 head (``kind="eagle3"``) reads the inputs of three target layers and 
 EAGLE-3's training-time test instead (:meth:`DraftModule.eagle3_losses`): ``unroll`` draft steps,
 step i reading the head's own step-(i-1) outputs as a depth-i draft node reads its parent's,
 with loss sum_i 0.8^i · CE(p restricted to the draft vocabulary, q_i); no feature loss.
+
+A parallel (P-EAGLE) head (``kind="parallel"``) drafts ``block_size`` positions in one pass and trains in one pass
+too (:meth:`DraftModule.parallel_losses`): depth 1 at every position, deeper depths at P-EAGLE's conditional
+drop-token sample of anchors, one soft-CE mean over them all.
 """
 from __future__ import annotations
 
@@ -89,10 +93,15 @@ class DraftModule(WallTimeScheduled):
         if init_from:  # any head DraftHead.load reads: treedec's, exported or published (EAGLE / EAGLE-3)
             self.head = DraftHead.load(init_from, target=target, dtype=torch.float32)
             self.head.config.target = str(target_path)  # (a published head's names its own directory)
+            want = (draft or {}).get("kind")
+            if want == "parallel" and self.head.config.kind != "parallel":  # P-EAGLE from an EAGLE-3 head
+                from treedec.models.parallel import ParallelHead
+
+                self.head = ParallelHead.from_eagle3(self.head, int((draft or {}).get("block_size") or 0))
         else:
             cfg = DraftConfig.for_target(target.config, target=str(target_path), **(draft or {}))
             self.head = DraftHead(cfg).bind(target)
-        if self.head.config.kind == "eagle3" and not init_from:
+        if self.head.config.kind in ("eagle3", "parallel") and not init_from:
             self.head.init_from_target()  # start the output layer from the target's (set_draft_vocab redoes it)
         if unroll is not None and int(unroll) < 1:
             raise ValueError(f"optim.unroll={unroll}: unroll at least 1 draft step per batch (null: the default)")
@@ -151,6 +160,8 @@ class DraftModule(WallTimeScheduled):
         ids, keep = unpack_batch(batch)
         if self.head.config.kind == "eagle3":
             return self.eagle3_losses(ids, keep, noise)
+        if self.head.config.kind == "parallel":
+            return self.parallel_losses(ids, keep, noise)
         return self.eagle_losses(ids, keep, noise)
 
     def _noisy(self, feats: torch.Tensor, noise: float) -> torch.Tensor:
@@ -184,6 +195,51 @@ class DraftModule(WallTimeScheduled):
             loss = loss + 0.8 ** i * (self.hparams.w_feat * feat_loss + self.hparams.w_ce * ce)
         return {"loss": loss, **out}
 
+    def _soft_ce(self, logits: torch.Tensor, want_p: torch.Tensor, best: torch.Tensor, w: torch.Tensor):
+        """(soft CE against ``want_p``, top-1 agreement with the target's ``best``) over the weights ``w``."""
+        n = w.sum().clamp_min(1.0)
+        ce = (-(want_p * logits.float().log_softmax(-1)).sum(-1) * w).sum() / n
+        acc = ((self.head.to_target_ids(logits.argmax(-1)) == best).float() * w).sum() / n
+        return ce, acc
+
+    def _draft_targets(self, logits: torch.Tensor):
+        """(the target's distribution over the draft vocabulary, its greedy token over the full one) per position."""
+        want = logits[:, 1:]
+        best = want.argmax(-1)  # the target's greedy token (what drafting must hit), over its full vocabulary
+        if self.head.config.draft_vocab_size:
+            want = want[..., self.head.vocab_ids]
+        return want.softmax(-1), best
+
+    def parallel_losses(self, ids: torch.Tensor, keep: torch.Tensor | None, noise: float) -> dict:
+        """P-EAGLE's loss: one soft-CE mean over every trained element, depth 1 at every position and the mask elements
+        :func:`~treedec.models.parallel.cod_sample` draws (from the module's own generator, so a resumed run draws the
+        same ones), with no weight per depth: deeper depths weigh less only by being sampled less. ``ce``/``top1_acc``:
+        depth 1; ``ce_i``/``top1_acc_i``: depth i + 1."""
+        from treedec.models.parallel import cod_sample
+
+        feats, logits = self.target_features(ids)
+        head, tokens = self.head, ids[:, 1:]
+        T = tokens.shape[1]
+        want_p, best = self._draft_targets(logits)
+        w = keep[:, 1:].float() if keep is not None else torch.ones_like(best, dtype=torch.float)
+        anchor, depth = cod_sample(T, head.block_size - 1, lambda n: self._uniform(feats.new_empty(n)).cpu())
+        first, rest = head.forward_train(tokens, self._noisy(feats, noise), anchor, depth)
+        at = (anchor + depth).to(ids.device)  # the position whose target distribution each mask element drafts
+        depth = depth.to(ids.device)
+        ce_all = torch.cat([-(want_p * first.float().log_softmax(-1)).sum(-1),
+                            -(want_p[:, at] * rest.float().log_softmax(-1)).sum(-1)], 1)
+        hit = torch.cat([head.to_target_ids(first.argmax(-1)) == best,
+                         head.to_target_ids(rest.argmax(-1)) == best[:, at]], 1).float()
+        wall = torch.cat([w, w[:, at]], 1)
+        which = torch.cat([depth.new_zeros(T), depth])  # element -> its depth - 1
+        out = {"loss": (ce_all * wall).sum() / wall.sum().clamp_min(1.0)}
+        for i in range(int(which.max()) + 1 if which.numel() else 1):
+            wi = wall * (which == i).float()
+            n = wi.sum().clamp_min(1.0)
+            sfx = f"_{i}" if i else ""
+            out[f"ce{sfx}"], out[f"top1_acc{sfx}"] = (ce_all * wi).sum() / n, (hit * wi).sum() / n
+        return out
+
     def eagle3_losses(self, ids: torch.Tensor, keep: torch.Tensor | None, noise: float) -> dict:
         """EAGLE-3's training-time test: sum_i 0.8^i · soft CE of unrolled step i (``ce``, ``top1_acc``:
         step 0; ``ce_i``, ``top1_acc_i``: step i). Targets are the target's next-token distribution
@@ -191,19 +247,13 @@ class DraftModule(WallTimeScheduled):
         feats, logits = self.target_features(ids)
         head, steps = self.head, self.hparams.unroll or 3
         step_logits = head.forward_train(ids[:, 1:], self._noisy(feats, noise), steps=steps)
-        want = logits[:, 1:]
-        best = want.argmax(-1)  # the target's greedy token (what drafting must hit), over its full vocabulary
-        if head.config.draft_vocab_size:
-            want = want[..., head.vocab_ids]
-        want_p = want.softmax(-1)
+        want_p, best = self._draft_targets(logits)
         w = keep[:, 1:].float() if keep is not None else torch.ones_like(best, dtype=torch.float)
         out, loss = {}, 0.0
         for i, lg in enumerate(step_logits):
             wi = w.clone()
             wi[:, :i] = 0.0
-            n = wi.sum().clamp_min(1.0)
-            ce = (-(want_p * lg.float().log_softmax(-1)).sum(-1) * wi).sum() / n
-            acc = ((head.to_target_ids(lg.argmax(-1)) == best).float() * wi).sum() / n
+            ce, acc = self._soft_ce(lg, want_p, best, wi)
             sfx = f"_{i}" if i else ""
             out[f"ce{sfx}"], out[f"top1_acc{sfx}"] = ce, acc
             loss = loss + 0.8 ** i * ce
@@ -259,14 +309,15 @@ class SpeculativeEvalCallback(L.Callback):
 
     def measure(self, module: DraftModule) -> float:
         from treedec.decoding.speculative import SpeculativeDecoder
-        from treedec.tree.policies import DynamicPolicy
+        from treedec.tree.policies import BestFirstPolicy, DynamicPolicy
 
         target = module.target
         # A bf16 copy, as inference runs; casting the trained fp32 weights in place would round them.
         head = DraftHead(module.head.config)
         head.load_state_dict(module.head.state_dict())
         head = head.to(device=target.device, dtype=target.dtype).eval().bind(target)
-        dec = SpeculativeDecoder(target, head, self.policy or DynamicPolicy(24, 5, 6))
+        default = BestFirstPolicy(24, head.block_size) if head.one_pass else DynamicPolicy(24, 5, 6)
+        dec = SpeculativeDecoder(target, head, self.policy or default)
         tau = dec.generate(self.prompts, self.max_new).stats.tau
         return tau
 

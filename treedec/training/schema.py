@@ -299,9 +299,12 @@ def _check_train(cfg: DictConfig) -> None:
     draft = _get(cfg, "draft_arch") or {}
     check_fields({k: v for k, v in draft.items() if not (k == "feature_layers" and v is None)}, DraftConfig,
                  "draft_arch")
-    if draft.get("kind", "eagle") not in ("eagle", "eagle3"):
-        raise ConfigError(f"draft_arch.kind={draft.get('kind')!r} is not a head kind: draft_arch=eagle or "
-                          f"draft_arch=eagle3")
+    if draft.get("kind", "eagle") not in ("eagle", "eagle3", "parallel"):
+        raise ConfigError(f"draft_arch.kind={draft.get('kind')!r} is not a head kind: draft_arch=eagle, "
+                          f"draft_arch=eagle3 or draft_arch=parallel")
+    if draft.get("kind") == "parallel" and not (isinstance(draft.get("block_size"), int) and draft["block_size"] >= 1):
+        raise ConfigError(f"draft_arch.block_size={draft.get('block_size')!r}: a parallel head drafts a whole number "
+                          f">= 1 of positions per pass (conf/draft_arch/parallel.yaml: 8)")
     _at_least(cfg, "optim.unroll", 1, " (null: 3 for eagle3, 1 for eagle)")
     if "target" in draft:
         raise ConfigError("draft_arch.target is set from model.path; drop draft_arch.target")
@@ -327,7 +330,8 @@ def _check_train(cfg: DictConfig) -> None:
     if _get(cfg, "export_dir") == "bundled" and str(target) != "tiny-code":
         raise ConfigError(f"export_dir=bundled replaces the head shipped for tiny-code, but model.path={target}; "
                           f"export a head for another target to a directory of its own")
-    _check_export(cfg, "tiny-code-eagle3" if draft.get("kind") == "eagle3" else "tiny-code-eagle")
+    _check_export(cfg, {"eagle3": "tiny-code-eagle3", "parallel": "tiny-code-parallel"}.get(draft.get("kind"),
+                                                                                              "tiny-code-eagle"))
 
 
 def _check_pretrain(cfg: DictConfig) -> None:

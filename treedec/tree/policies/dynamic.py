@@ -28,7 +28,7 @@ import torch
 
 from treedec.sampling import SamplingParams
 from treedec.tree import calibration as calib
-from treedec.tree.policies.base import ForestAncestry, TreePolicy, ancestry, whole
+from treedec.tree.policies.base import ForestAncestry, TreePolicy, kept_tree, kept_tree_constants, whole
 from treedec.tree.policies.static import ChainPolicy
 from treedec.tree.tree import Tree, TreeError
 
@@ -103,17 +103,10 @@ class DynamicPolicy(TreePolicy):
             # a candidate's column among the per-depth parent ids [root, depth 1's k nodes, each depth's k expanded]
             parent_col = [0] * k + [1 + (d - 2) * k + j // k for d in range(2, D + 1) for j in range(k * k)]
             t = torch.tensor([depth, rank, parent_col], device=dev)
-            pos = torch.full((1, len(depth) + 1), -1, dtype=torch.long, device=dev)
-            pos[:, 0] = 0
             self._const[k] = dict(depth=t[0].expand(B, -1), rank=t[1].expand(B, -1), parent_col=t[2],
                                   first1=torch.arange(1, k + 1, device=dev).expand(B, k),
                                   rows=torch.arange(B, device=dev)[:, None],
-                                  slots=torch.arange(1, T, device=dev).expand(B, -1),
-                                  pos=pos.expand(B, -1),  # candidate id + 1 -> its slot in the kept tree (-1: not kept)
-                                  zero=torch.zeros(B, 1, dtype=torch.long, device=dev),
-                                  zero_f=torch.zeros(B, 1, device=dev),
-                                  zero_b=torch.zeros(B, 1, dtype=torch.bool, device=dev),
-                                  neg1=torch.full((B, 1), -1, dtype=torch.long, device=dev))
+                                  **kept_tree_constants(B, dev, len(depth), T))
         return self._const[k]
 
     def _check_mode(self, params: SamplingParams | None) -> None:
@@ -181,8 +174,9 @@ class DynamicPolicy(TreePolicy):
         """Keep the ``T - 1`` best-scoring candidates of ``pool`` (per row; per batch with ``node_share < 1``)."""
         order = torch.sort(pool.score, dim=1, descending=True, stable=True)
         pad = None if self.node_share >= 1 else self.row_pad(order.values[:, : T - 1])
-        return self._rerank(pool.consts, pool.root, pool.tokens, pool.logq, pool.parents1,
-                            order.indices[:, : T - 1], pool.levels, pad)
+        n = pool.tokens.shape[1]
+        return kept_tree(pool.consts, pool.root, pool.tokens, pool.logq, pool.parents1, pool.consts["depth"][:, :n],
+                         pool.consts["rank"][:, :n], order.indices[:, : T - 1], pool.levels, pad)
 
     def chain(self, depth: int, scored: bool = False) -> ChainPolicy:
         """The lean top-1 chain of ``depth`` drafts (a top_k 1 tree), made once per (depth, scored)."""
@@ -204,38 +198,3 @@ class DynamicPolicy(TreePolicy):
         top = ranked.flatten().topk(self.kept(B, n + 1)).indices
         counts = torch.zeros(B, dtype=torch.long, device=ranked.device).scatter_add_(0, top // n, torch.ones_like(top))
         return torch.arange(n, device=ranked.device)[None] >= counts[:, None]
-
-    def _rerank(self, c: dict, root, toks, logq, parents1, keep, depth: int, pad: torch.Tensor | None = None) -> Tree:
-        """The kept candidates ``keep`` [B, T-1] (best first) as a [B, T] tree; ``parents1``: each candidate's parent
-        id + 1 (0: the root); ``pad`` [B, T-1]: slots to pad."""
-        B, dev = toks.shape[0], toks.device
-        n = toks.shape[1]
-        if pad is not None:  # padding sorts after every real node: each row's real tree comes first
-            keep = torch.where(pad, keep + n, keep)
-        keep = keep.sort(dim=1).values  # drafting order is topological
-        is_pad = None
-        if pad is not None:
-            is_pad, keep = keep >= n, keep % n
-        pick = lambda t: t.gather(1, keep)  # noqa: E731
-        # Map a candidate's parent id + 1 to its slot in the kept tree (the root: 0).
-        pos = c["pos"][:, : n + 1].scatter(1, keep + 1, c["slots"][:, : keep.shape[1]])
-        new_par = pos.gather(1, pick(parents1))  # connected by construction: never -1 (tests check it)
-        node_depth, rank = pick(c["depth"][:, :n]), pick(c["rank"][:, :n])
-        if is_pad is not None:  # a padding node: a depth-1 leaf under the root (positions stay valid)
-            new_par, node_depth, rank = (torch.where(is_pad, v, t) for v, t in ((0, new_par), (1, node_depth),
-                                                                             (0, rank)))
-        par = torch.cat([c["neg1"], new_par], 1)
-        anc = ancestry(par, depth)
-        pad_mask = None
-        if is_pad is not None:  # it sees only itself (and the prefix): the root row is cut off
-            pad_mask = torch.cat([c["zero_b"], is_pad], 1)
-            anc = anc & ~(pad_mask[:, :, None] & ~torch.eye(anc.shape[-1], dtype=torch.bool, device=dev))
-        return Tree(
-            parents=par,
-            depth=torch.cat([c["zero"], node_depth], 1),
-            rank=torch.cat([c["zero"], rank], 1),
-            tokens=torch.cat([root[:, None], pick(toks)], 1),
-            scores=torch.cat([c["zero_f"], pick(logq)], 1),
-            anc=anc,
-            pad=pad_mask,
-        )

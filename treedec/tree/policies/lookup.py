@@ -97,6 +97,13 @@ class LookupPolicy(TreePolicy):
         self._blocks: dict = {}
 
     @property
+    def reads(self) -> str:
+        return self.inner.reads
+
+    def check_head(self, head) -> None:
+        self.inner.check_head(head)
+
+    @property
     def wants_cost(self) -> bool:
         return self.inner.wants_cost
 

@@ -90,6 +90,8 @@ class StaticPolicy(TreePolicy):
         B, T, dev = drafter.batch, len(self.shape), drafter.device
         steps, shape = self._device_plan(dev, B)
         sampled = self.sample_drafts and params is not None and not params.greedy
+        if self.is_chain and drafter.one_pass:
+            return self._draft_marginal_chain(drafter, shape, params if sampled else None, generator)
         if self.is_chain and not sampled:
             return self._draft_chain(drafter, shape)
         tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
@@ -123,6 +125,28 @@ class StaticPolicy(TreePolicy):
         return Tree(shape["parents"], shape["depth"], shape["rank"], tokens, scores, probs_out, anc=shape["anc"],
                     is_chain=self.is_chain)
 
+    def _draft_marginal_chain(self, drafter, shape: dict, params: SamplingParams | None, generator) -> Tree:
+        """A chain from a one-pass head: depth d's token is the best (or, with ``params``, a draw) of its marginal q_d,
+        all depths from one head pass. A drawn chain records q_d as each node's children's distribution, exactly what
+        the SpecInfer rule needs: the child was drawn from q_d whatever its ancestors are."""
+        logits = drafter.marginals(len(self.shape) - 1)  # [B, D, K]
+        B, D, K = logits.shape
+        probs_out = None
+        if params is None:
+            picks = greedy_pick(logits)
+        else:
+            q = target_probs(logits, params)
+            picks = torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(B, D)
+            probs_out = torch.cat([drafter.head.to_target_probs(q), q.new_zeros(B, 1, drafter.vocab_size)], 1)
+        scores = None
+        if self.scores or params is not None:
+            x = logits if logits.dtype == torch.float32 else logits.float()
+            cum = torch.log_softmax(x, -1).gather(-1, picks[..., None])[..., 0].cumsum(1)
+            scores = torch.cat([cum.new_zeros(B, 1), cum], 1)
+        tokens = torch.cat([drafter.root_tokens[:, None], drafter.head.to_target_ids(picks)], 1)
+        return Tree(shape["parents"], shape["depth"], shape["rank"], tokens, scores, probs_out, anc=shape["anc"],
+                    is_chain=params is None)
+
     def _draft_chain(self, drafter, shape: dict) -> Tree:
         """:meth:`draft` for a chain of top-1 drafts: each depth's token is its parent's best, one node per pass through
         :meth:`Drafter.expand_one` where the general plan runs index and index_put kernels and the head's module calls
@@ -152,7 +176,10 @@ class StaticPolicy(TreePolicy):
 
 
 class ChainPolicy(StaticPolicy):
-    """A single path of ``depth`` draft tokens: classic speculative decoding, the baseline a tree must beat."""
+    """A single path of ``depth`` draft tokens: classic speculative decoding, the baseline a tree must beat. A one-pass
+    head drafts it in one pass (its marginals' best tokens)."""
+
+    reads = "either"
 
     def __init__(self, depth: int = 5, sample_drafts: bool = False, scores: bool = False):
         super().__init__(choices=Tree.chain(whole(depth, "depth") + 1), sample_drafts=sample_drafts, scores=scores)

@@ -1,0 +1,137 @@
+"""One-pass draft head (P-EAGLE): an EAGLE-3 head that drafts ``block_size`` positions in one forward.
+
+Verified positions are an EAGLE-3 head's: the pair (token x_{t+1}, fc(target features at t)) in the draft cache.
+The root's children come from the head's output at the last verified pair, as for any EAGLE head (depth 1).
+Depths 2..K come from one more forward over K - 1 *mask* positions placed after the prefix: each reads a learned
+token embedding (``mask_embed``) and a learned hidden state (``mask_hidden``, in the head's H-space, i.e. after
+``fc``) at RoPE position ``last verified + j``, sees the verified prefix and the mask positions before it (causal
+within the block), and predicts the marginal distribution of the token at depth j + 1, whatever the drafts at
+depths 1..j turn out to be. So a chain of K costs one head pass, and best-first trees (DDTree) are built from the K
+marginals (:class:`~treedec.tree.policies.best_first.BestFirstPolicy`).
+
+Training (:meth:`ParallelHead.forward_train`) runs every real position causally (depth 1, as EAGLE-3's step 0)
+plus mask elements of blocks anchored at real positions, all in one forward through one attention mask
+(:func:`block_mask`): mask element (a, j) sees real positions <= a and mask elements (a, 1..j), exactly what a mask
+position sees at decode time. Which (a, j) run is P-EAGLE's conditional drop-token sampling (:func:`cod_sample`):
+every anchor at depth 1, geometrically fewer deeper (a share max(0.7^j, 0.2)), each block a prefix of depths.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from treedec.models.cache import KVCache
+from treedec.models.draft import DraftConfig
+from treedec.models.eagle3 import Eagle3Head
+from treedec.models.llama import one_row_matmuls, rope_cos_sin
+
+
+def block_mask(T: int, anchor: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """Visibility [T + M, T + M] of a training pass: T real positions (causal), then M mask elements, element i
+    standing at depth ``depth[i]`` >= 1 of the block drafted after real position ``anchor[i]``. It sees real
+    positions <= its anchor and its own block's mask elements of depth <= its own: what it sees at decode time."""
+    dev = anchor.device
+    M = anchor.numel()
+    real = torch.arange(T, device=dev)
+    top = torch.cat([real[None, :] <= real[:, None], torch.zeros(T, M, dtype=torch.bool, device=dev)], 1)
+    see_real = real[None, :] <= anchor[:, None]
+    see_mask = (anchor[None, :] == anchor[:, None]) & (depth[None, :] <= depth[:, None])
+    return torch.cat([top, torch.cat([see_real, see_mask], 1)], 0)
+
+
+def cod_sample(T: int, n_mask: int, uniform, ratio: float = 0.7, floor: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """P-EAGLE's conditional drop-token sampling: the (anchor, depth) of each mask element a training pass runs.
+
+    Every real position t < T - 1 anchors a block; its mask element at depth j (1..``n_mask``) predicts the token at
+    t + j + 1, so it needs t + j <= T - 1. Depth j keeps a share max(ratio^j, floor) of the anchors, drawn from those
+    kept at depth j - 1, so a block's elements are always a prefix 1..j of it. ``uniform(n)``: n U(0, 1) draws (the
+    caller's generator, so a resumed run draws the same). Returns (anchor, depth) [M] each, by depth then anchor.
+    """
+    pool = torch.arange(T - 1)
+    anchors, depths = [], []
+    for j in range(1, n_mask + 1):
+        pool = pool[pool + j <= T - 1]
+        n = min(pool.numel(), int((T - 1 - j) * max(ratio ** j, floor)))
+        if n <= 0:
+            break
+        pool = pool[uniform(pool.numel()).argsort()[:n]].sort().values
+        anchors.append(pool)
+        depths.append(torch.full_like(pool, j))
+    if not anchors:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    return torch.cat(anchors), torch.cat(depths)
+
+
+class ParallelHead(Eagle3Head, kind="parallel"):
+    """``DraftHead(DraftConfig(kind="parallel", block_size=K, ...))`` builds one (see :class:`~treedec.models.draft.DraftHead`)."""
+
+    one_pass = True
+
+    def _build(self, cfg: DraftConfig) -> None:
+        if cfg.block_size < 1:
+            raise ValueError(f"a parallel draft head drafts block_size >= 1 positions per pass; got {cfg.block_size}")
+        super()._build(cfg)
+        H = cfg.hidden_size
+        self.mask_embed = nn.Parameter(torch.randn(H) * 0.02)  # the token input of every mask position
+        self.mask_hidden = nn.Parameter(torch.zeros(H))  # the feature input of every mask position (after fc)
+
+    @classmethod
+    def from_eagle3(cls, head: Eagle3Head, block_size: int) -> "ParallelHead":
+        """A parallel head starting from an EAGLE-3 head's weights (its mask inputs fresh), in its dtype and device,
+        bound to its target if it is bound: ``train init_from=<an EAGLE-3 head> draft_arch=parallel``."""
+        from dataclasses import replace
+
+        if head.config.kind != "eagle3":
+            raise ValueError(f"a parallel head starts from an EAGLE-3 head (kind eagle3), not a {head.config.kind!r} one")
+        new = ParallelHead(replace(head.config, kind="parallel", block_size=int(block_size)))
+        missing, unexpected = new.load_state_dict(head.state_dict(), strict=False)
+        if unexpected or set(missing) - {"mask_embed", "mask_hidden"}:
+            raise ValueError(f"cannot start a parallel head from this EAGLE-3 head: missing {missing}, "
+                             f"unexpected {unexpected}")
+        new = new.to(device=head.device, dtype=head.dtype)
+        return new.bind(head.target) if head._target else new
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def forward_mask(self, n: int, cache: KVCache, position_ids: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's ``n`` mask positions after each row's cached prefix -> their outputs [B, n, H] (the marginals of
+        depths 2..n+1 are :meth:`logits` of them). ``mask`` None: causal within the block after each row's prefix. The
+        cache length does not move."""
+        B, dt = cache.batch, self.dtype
+        emb = self.mask_embed.to(dt).expand(B, n, -1)
+        h = self.mask_hidden.to(dt).expand(B, n, -1)
+        mask, cos, sin = self._mask_rope(n, cache, position_ids, mask)
+        backend = "eager" if self.target.attn_backend == "eager" else "sdpa"
+        with one_row_matmuls(emb, B * n == 1):
+            return self.layer(emb, h, cos, sin, cache, mask, backend)
+
+    def forward_train(self, tokens: torch.Tensor, features: torch.Tensor, anchor: torch.Tensor,
+                      depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One training pass: (logits [B, T, K] of depth 1 at every position, logits [B, M, K] of the M mask elements
+        (``anchor``, ``depth``) of :func:`cod_sample`). Mask element i is the marginal of the token ``depth[i]`` + 1
+        drafts ahead of real position ``anchor[i]``: its target is the target's distribution at ``anchor[i] +
+        depth[i]``. Through :func:`block_mask` it sees exactly what :meth:`forward_mask` sees at decode time."""
+        t, dt = self.target, self.dtype
+        B, T = tokens.shape
+        dev = tokens.device
+        anchor, depth = anchor.to(dev), depth.to(dev)
+        M = anchor.numel()
+        emb = torch.cat([t.model.embed_tokens(tokens).to(dt), self.mask_embed.to(dt).expand(B, M, -1)], 1)
+        h = torch.cat([self.project(features), self.mask_hidden.to(dt).expand(B, M, -1)], 1)
+        pos = torch.cat([torch.arange(T, device=dev), anchor + depth])
+        cos, sin = rope_cos_sin(pos[None].expand(B, -1), self.inv_freq)
+        attn = self.layer.self_attn
+        q, k, v = attn._qkv(self.layer.attn_input(emb, h), cos, sin)
+        if attn.nkv != attn.nh:
+            k, v = k.repeat_interleave(attn.nh // attn.nkv, 1), v.repeat_interleave(attn.nh // attn.nkv, 1)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask(T, anchor, depth))
+        out = self.layer.finish(h, attn.o_proj(a.transpose(1, 2).reshape(B, T + M, attn.nh * attn.hd)))
+        logits = self.logits(out)
+        return logits[:, :T], logits[:, T:]
+
+
+__all__ = ["ParallelHead", "block_mask", "cod_sample"]

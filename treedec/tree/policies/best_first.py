@@ -1,0 +1,71 @@
+"""Best-first trees from a one-pass head's per-position marginals (DDTree, arXiv 2604.12989).
+
+A one-pass head gives, in one forward, the distribution q_d of the token at each depth d = 1..D below the root,
+whatever the drafts above it. A node is a path of ranks (r_1, ..., r_d): the r_i-th most likely token of q_i at
+depth i. Its score is sum_i log q_i(r_i), the log-probability of the path under the product of marginals, so a child
+never scores above its parent and the r-th sibling never above the (r-1)-th. The tree of ``total_tokens`` nodes is
+then simply the T - 1 best-scoring paths of depth <= D: that set is closed under parents, and a heap growing the tree
+best-first (DDTree's) pops exactly it.
+
+On the device, with no host reads, this is one top-k per depth: the best T - 1 nodes at depth d can only be children
+of the best T - 1 at depth d - 1, each taking one of the T - 1 best tokens of q_d; the best T - 1 of those k·k
+candidates are depth d's, and the best T - 1 over all depths are the tree (ties go to the shallower, earlier node,
+so a kept node's parent is kept). Nodes stay in drafting order, which is topological.
+
+Lossless for greedy and sampling decoding alike: a node's children are distinct tokens chosen deterministically from
+the marginals, so verification's sample-then-walk rule applies unchanged (docs/design.md §5).
+"""
+from __future__ import annotations
+
+import torch
+
+from treedec.sampling import SamplingParams
+from treedec.tree.policies.base import TreePolicy, kept_tree, kept_tree_constants, whole
+from treedec.tree.tree import Tree
+
+
+class BestFirstPolicy(TreePolicy):
+    """``total_tokens`` nodes (root included) of the best paths under ``depth`` from one pass of a parallel head."""
+
+    reads = "marginals"
+
+    def __init__(self, total_tokens: int = 32, depth: int = 8):
+        self.total_tokens = whole(total_tokens, "total_tokens", 2)
+        self.max_depth = whole(depth, "depth")
+        self.max_size = self.total_tokens
+        self.k = self.total_tokens - 1  # tokens of each marginal a node may take: the T - 1 best
+        self.max_rank = self.k - 1
+        self.max_inputs = self.max_depth - 1  # draft-cache slots past the prefix a step writes: the mask positions
+        self._const: tuple = ()
+
+    def _constants(self, B: int, dev) -> dict:
+        key = (B, str(dev))
+        if not self._const or self._const[0] != key:
+            k, D = self.k, self.max_depth
+            c = kept_tree_constants(B, dev, k * D, self.total_tokens)
+            c["depth"] = torch.arange(1, D + 1, device=dev).repeat_interleave(k).expand(B, -1)
+            c["first1"] = torch.arange(1, k + 1, device=dev).expand(B, k)
+            c["rank1"] = torch.arange(k, device=dev).expand(B, k)
+            self._const = (key, c)
+        return self._const[1]
+
+    def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Tree:
+        B, dev, k, D = drafter.batch, drafter.device, self.k, self.max_depth
+        c = self._constants(B, dev)
+        temp = 1.0 if params is None or params.greedy else float(params.temperature)
+        lq, tok = drafter.topk(drafter.marginals(D), k, temp)  # [B, D, k] each depth's k best, descending
+        scores, toks, ranks, parents1 = [lq[:, 0]], [tok[:, 0]], [c["rank1"]], [c["zero"].expand(B, k)]
+        front_score, front_id1 = lq[:, 0], c["first1"]  # depth d's best k: scores and candidate ids + 1
+        for d in range(1, D):
+            cand = (front_score[:, :, None] + lq[:, d, None, :]).view(B, k * k)
+            best = cand.topk(k, dim=1, sorted=True)
+            slot, rank = best.indices // k, best.indices % k
+            scores.append(best.values)
+            toks.append(tok[:, d].gather(1, rank))
+            ranks.append(rank)
+            parents1.append(front_id1.gather(1, slot))
+            front_score, front_id1 = best.values, c["first1"] + d * k
+        score = torch.cat(scores, 1)
+        keep = torch.sort(score, dim=1, descending=True, stable=True).indices[:, : self.total_tokens - 1]
+        return kept_tree(c, drafter.root_tokens, torch.cat(toks, 1), score, torch.cat(parents1, 1),
+                         c["depth"], torch.cat(ranks, 1), keep, D)
