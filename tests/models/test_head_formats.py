@@ -1,4 +1,4 @@
-"""Published head layouts (EAGLE-1/2, EAGLE-3 / SpecForge, vLLM speculators) load through ``DraftHead.load``.
+"""Published head layouts (EAGLE-1/2, EAGLE-3 / SpecForge, vLLM speculators, P-EAGLE) load through ``DraftHead.load``.
 
 Each layout is written here from its published key names with random weights, and its draft
 logits are checked against a reference forward of that layout written below in plain torch
@@ -302,7 +302,7 @@ def test_target_directory_is_not_a_head(tmp_path):
 
 
 @pytest.mark.parametrize("change,needle", [
-    (dict(speculators_model_type="eagle"), "'eagle3' heads only"),
+    (dict(speculators_model_type="eagle"), "'eagle3' and 'peagle' heads only"),
     (dict(target_hidden_size=2 * H), "target_hidden_size"),
 ])
 def test_unsupported_variants_are_named(change, needle, deep_target, tmp_path):
@@ -429,3 +429,165 @@ def test_non_finite_published_weights_are_refused(where, target, tmp_path):
     with pytest.raises(CheckpointError, match=r"h/(model.safetensors|pytorch_model.bin).*'layers.0.mlp.up_proj.weight'"
                                               r".*NaN or Inf"):
         DraftHead.load(path, target=target)
+
+
+# ------------------------------------------------------------------ P-EAGLE (vLLM flat and speculators dialects)
+def ref_peagle(sd, p, table, tokens, low_mid_high, mask_id, K, norm_before_residual):
+    """P-EAGLE as vLLM runs it, in the checkpoint's own convention: after the T verified pairs, K - 1 mask positions
+    read the mask token's row of ``table`` and the pre-fc ``mask_hidden`` (3H), at positions T..T+K-2, causal. Draft
+    logits [1, K, Kd] of depths 1..K (the last verified position, then the mask positions)."""
+    T = tokens.shape[1]
+    emb = torch.cat((table[tokens], table[mask_id].expand(1, K - 1, H)), 1)
+    f = F.linear(torch.cat((low_mid_high, sd["mask_hidden"].reshape(1, 1, -1).expand(1, K - 1, -1)), 1), sd["fc.weight"])
+    fn = rms(f, sd[f"{p}hidden_norm.weight"])
+    x = (fn if norm_before_residual else f) + ref_attn(sd, p, torch.cat((rms(emb, sd[f"{p}input_layernorm.weight"]), fn),
+                                                                         -1), 10000.0)
+    x = x + ref_mlp(sd, p, rms(x, sd[f"{p}post_attention_layernorm.weight"]))
+    return (rms(x, sd["norm.weight"]) @ sd["lm_head.weight"].T)[:, T - 1:]
+
+
+MASK_ID, BLOCK = 91, 4
+
+
+def peagle_dir(path, target, dialect="vllm", seed=10, prefix=None, own_embed=True, layers=1, **cfg_kw):
+    """A P-EAGLE head as the published code writes it: EAGLE-3 tensors + ``mask_hidden`` [1, 1, 3H] + (trained)
+    ``embed_tokens`` (here the target's table with a mask row of its own), and the dialect's config keys."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = prefix or ("midlayer." if dialect == "vllm" else "layers.0.")
+    ids, d2t, t2d = draft_vocab(40, seed)
+    sd = {"fc.weight": rnd(H, 3 * H, g=g), **layer_sd(prefix, g, 2 * H, eagle3=True), "norm.weight": 1 + rnd(H, g=g, scale=0.2),
+          "lm_head.weight": rnd(40, H, g=g, scale=0.3), "d2t": d2t, "t2d": t2d, "mask_hidden": rnd(1, 1, 3 * H, g=g, scale=1.0)}
+    if own_embed:
+        sd["embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()
+        sd["embed_tokens.weight"][MASK_ID] = rnd(H, g=g, scale=1.0)
+    for i in range(1, layers):  # the plain layers after the fused one
+        sd.update(layer_sd(f"layers.{i}.", g, H))
+    common = dict(draft_vocab_size=40, eagle_aux_hidden_state_layer_ids=[1, 3, 6])
+    if dialect == "vllm":
+        cfg = {**layer_cfg(architectures=["LlamaForCausalLMEagle3"], ptd_token_id=MASK_ID, num_speculative_tokens=BLOCK,
+                           **common), "num_hidden_layers": layers}
+    else:
+        cfg = {"speculators_model_type": "peagle", "architectures": ["PEagleSpeculator"], "mask_token_id": MASK_ID,
+               "norm_before_residual": True, "embed_requires_grad": True, **common,
+               "transformer_layer_config": {**layer_cfg(model_type="llama", head_dim=HD), "num_hidden_layers": layers},
+               "speculators_config": {"algorithm": "peagle", "default_proposal_method": "greedy", "verifier": {"name_or_path": "t"},
+                                      "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": BLOCK}]}}
+    cfg.update(cfg_kw)
+    return write(path, {k: v for k, v in cfg.items() if v is not None}, sd), sd
+
+
+def peagle_marginals(head, tokens, low_mid_high, K):
+    from treedec.decoding.drafter import Drafter
+
+    with torch.inference_mode():
+        d = Drafter(head, 1, 64)
+        d.catch_up(tokens, low_mid_high, None, [tokens.shape[1]], tokens[:, -1])
+        return d.marginals(K)
+
+
+@pytest.mark.parametrize("case", ["vllm_ptd", "vllm_pard_layers0", "vllm_mask_hidden_h", "speculators",
+                                  "speculators_no_embed"])
+def test_published_peagle_matches_reference(case, deep_target, tmp_path):
+    spec = case.startswith("speculators")
+    kw = dict(dialect="speculators" if spec else "vllm", own_embed=case != "speculators_no_embed")
+    if case == "vllm_pard_layers0":  # newer vLLM's key, a P-EAGLE architecture name, layers.0.*
+        kw.update(prefix="layers.0.", ptd_token_id=None, pard_token=MASK_ID, architectures=["PeagleLlamaForCausalLM"])
+    path, sd = peagle_dir(tmp_path / "h", deep_target, **kw)
+    if case == "vllm_mask_hidden_h":  # already in the H space (vLLM's buffer without aux hidden states): used as is
+        _resave(path, sd, mask_hidden=F.linear(sd["mask_hidden"], sd["fc.weight"]))
+    p = "layers.0." if spec or case == "vllm_pard_layers0" else "midlayer."
+    head = DraftHead.load(path, target=deep_target)
+    c = head.config
+    assert c.kind == "parallel" and c.block_size == BLOCK and c.norm_before_residual == spec
+    assert c.feature_layers == [1, 3, 6] and c.draft_vocab_size == 40
+    table = sd.get("embed_tokens.weight", deep_target.model.embed_tokens.weight.detach())
+    tokens, lmh = inputs(11, width=3 * H)
+    got = peagle_marginals(head, tokens, lmh, BLOCK)
+    want = ref_peagle(sd, p, table, tokens, lmh, MASK_ID, BLOCK, spec)
+    assert got.shape == want.shape == (1, BLOCK, 40)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    other = deep_target.model.embed_tokens.weight.detach() if case != "speculators_no_embed" else torch.randn(V, H)
+    assert (ref_peagle(sd, p, other, tokens, lmh, MASK_ID, BLOCK, spec) - want)[:, 1:].abs().max() > 1e-3  # the row counts
+    assert (ref_peagle(sd, p, table, tokens, lmh, MASK_ID, BLOCK, not spec) - want).abs().max() > 1e-3
+
+
+def test_peagle_trained_embedding_is_checked_against_the_targets(deep_target, tmp_path):
+    path, sd = peagle_dir(tmp_path / "h", deep_target)
+    _resave(path, sd, **{"embed_tokens.weight": torch.randn(V, H)})
+    with pytest.warns(UserWarning, match="embedding that differs"):
+        DraftHead.load(path, target=deep_target)
+
+
+def _one_line_error(path, target=None):
+    with pytest.raises(ValueError) as err:
+        DraftHead.load(path, target=target)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "speculators", "vllm_config_silent"])
+def test_multi_layer_peagle_is_refused(dialect, deep_target, tmp_path):
+    path, _ = peagle_dir(tmp_path / "h", deep_target, dialect=dialect[:4] if dialect != "speculators" else dialect,
+                         layers=4)
+    if dialect == "vllm_config_silent":  # no num_hidden_layers: the tensors layers.1..3 tell
+        _edit_cfg(path, num_hidden_layers=None)
+    assert _one_line_error(path, deep_target) == (
+        f"{path / 'config.json'}: num_hidden_layers=4: a 4-layer P-EAGLE drafter; treedec's draft heads have one layer "
+        "(one EAGLE-3 midlayer), so it cannot be loaded")
+
+
+def dflash_dir(path, how):
+    g = torch.Generator().manual_seed(0)
+    sd = {"fc.weight": rnd(H, 3 * H, g=g), "hidden_norm.weight": torch.ones(H), "norm.weight": torch.ones(H),
+          **layer_sd("layers.0.", g, H, qk_norm=True), **layer_sd("layers.1.", g, H, qk_norm=True)}
+    for i in (0, 1):
+        sd[f"layers.{i}.input_layernorm.weight"] = torch.ones(H)
+    if how == "zlab":
+        cfg = {**layer_cfg(model_type="qwen3", head_dim=HD), "num_hidden_layers": 2, "architectures": ["DFlashDraftModel"],
+               "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": 16, "num_target_layers": 8,
+               "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": [1, 3, 5]},
+               "layer_types": ["full_attention"] * 2}
+    elif how == "speculators":
+        cfg = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"], "block_size": 16,
+               "mask_token_id": MASK_ID, "aux_hidden_state_layer_ids": [1, 3, 5], "draft_vocab_size": V,
+               "transformer_layer_config": {**layer_cfg(model_type="qwen3", head_dim=HD), "num_hidden_layers": 2}}
+    else:  # a config that says nothing: the tensors tell (a top-level hidden_norm, no lm_head)
+        cfg = layer_cfg(architectures=["LlamaForCausalLM"])
+    return write(path, cfg, sd)
+
+
+@pytest.mark.parametrize("how,what", [("zlab", "architectures ['DFlashDraftModel']"),
+                                      ("speculators", "architectures ['DFlashSpeculator']"),
+                                      ("tensors", "architectures ['LlamaForCausalLM']")])
+def test_dflash_drafter_is_refused(how, what, deep_target, tmp_path):
+    path = dflash_dir(tmp_path / "h", how)
+    assert _one_line_error(path, deep_target) == (
+        f"{path / 'config.json'} is a DFlash drafter ({what}); DFlash drafters are not a head kind treedec loads: the "
+        "target's features enter every layer as extra keys/values and a block is drafted with non-causal attention, "
+        "where a treedec head is one causal EAGLE layer fed the features through fc")
+
+
+@pytest.mark.parametrize("case", ["no_mask_key", "eagle3_with_mask_hidden", "no_block_size", "no_embed_no_target",
+                                  "mask_id_outside", "mask_ids_disagree"])
+def test_peagle_refusals_name_what_is_missing(case, deep_target, tmp_path):
+    cfg = {"no_mask_key": dict(ptd_token_id=None, architectures=["PEagleDraftModel"]),
+           "eagle3_with_mask_hidden": dict(ptd_token_id=None),  # an EAGLE-3 config: the mask_hidden tensor tells
+           "no_block_size": dict(num_speculative_tokens=None), "mask_id_outside": dict(ptd_token_id=V),
+           "mask_ids_disagree": dict(pard_token=MASK_ID + 1)}.get(case, {})
+    path, _ = peagle_dir(tmp_path / "h", deep_target, own_embed=case != "no_embed_no_target", **cfg)
+    cj = path / "config.json"
+    want = {
+        "no_mask_key": f"{cj}: a P-EAGLE head's mask positions read the embedding of its mask token, and the config "
+                       "names none (mask_token_id, pard_token, ptd_token_id); add the id it was trained with",
+        "no_block_size": f"{cj}: a P-EAGLE head drafts K positions per pass and the config names no K "
+                         "(num_speculative_tokens, speculators_config.proposal_methods[].speculative_tokens, num_depths "
+                         "or para_depths); add \"num_speculative_tokens\": K, at most the depths it was trained for",
+        "no_embed_no_target": f"{path}: a P-EAGLE head without embed_tokens.weight reads its mask token's ({MASK_ID}) "
+                              "embedding from the target's table: load it with its target (DraftHead.load(path, "
+                              "target=model))",
+        "mask_id_outside": f"{cj}: ptd_token_id={V} is outside the vocabulary (0..{V - 1})",
+        "mask_ids_disagree": f"{cj}: the mask token ids disagree ({{'pard_token': {MASK_ID + 1}, 'ptd_token_id': "
+                             f"{MASK_ID}}}); keep the one it was trained with",
+    }
+    want["eagle3_with_mask_hidden"] = want["no_mask_key"]
+    assert _one_line_error(path, None if case == "no_embed_no_target" else deep_target) == want[case]

@@ -15,6 +15,9 @@ Its layout is told by the config:
 * ``speculators``: vLLM speculators EAGLE-3 (``speculators_model_type: eagle3``): the layer's
   config under ``transformer_layer_config``, layer ids in ``eagle_aux_hidden_state_layer_ids``,
   ``norm_before_residual`` (true when absent, as vLLM reads it).
+* ``peagle``: a one-layer P-EAGLE head (vLLM's flat EAGLE-3 config with ``ptd_token_id`` / ``pard_token``, or
+  ``speculators_model_type: peagle`` with ``mask_token_id``) -> a ``ParallelHead``: :mod:`head_formats_peagle`,
+  which also refuses DFlash drafters and P-EAGLE heads of several layers.
 
 Weights come from ``model.safetensors`` (or a sharded index), or ``pytorch_model.bin`` through
 ``torch.load(weights_only=True)``; nothing else is ever unpickled. A head that does not fit its
@@ -32,6 +35,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from treedec.models import head_formats_peagle as peagle
 from treedec.models.checkpoint import (INDEX, WEIGHTS, CheckpointError, _open, _weight_map, check_finite,
                                        read_json_object)
 from treedec.models.config import MODEL_TYPES, SUPPORTED_ARCHITECTURES, LlamaConfig
@@ -39,18 +43,22 @@ from treedec.models.draft_config import DraftConfig, target_fingerprint
 from treedec.models.llama import Transformer
 
 PICKLE = "pytorch_model.bin"
-LAYOUTS = ("eagle", "eagle3", "speculators")
+LAYOUTS = ("eagle", "eagle3", "speculators", "peagle")
 # Buffers and tensors a published head may carry that treedec recomputes or takes from the target.
 _SKIP = ("rotary_emb.inv_freq", "verifier_lm_head.weight", "verifier_norm.weight")
 
 
 def detect(raw: dict, path: Path | str = "config.json") -> str:
-    """The layout of a head's config.json (``path``, named in errors): eagle | eagle3 | speculators (an error
-    otherwise, e.g. a GPT-2 config, which would otherwise read as an EAGLE-1 head of Llama's shape)."""
+    """The layout of a head's config.json (``path``, named in errors): eagle | eagle3 | speculators | peagle (an error
+    otherwise, e.g. a DFlash drafter, or a GPT-2 config, which would otherwise read as an EAGLE-1 head of Llama's shape)."""
+    peagle.refuse_dflash(raw, set(), Path(path).parent)
+    if peagle.is_peagle(raw):
+        return "peagle"
     kind = raw.get("speculators_model_type")
     if kind is not None:
         if kind != "eagle3":
-            raise ValueError(f"{path}: speculators_model_type={kind!r}; treedec loads speculators 'eagle3' heads only")
+            raise ValueError(f"{path}: speculators_model_type={kind!r}; treedec loads speculators 'eagle3' and 'peagle' "
+                             "heads only")
         return "speculators"
     archs = raw.get("architectures") or ["LlamaForCausalLM"]
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
@@ -214,7 +222,9 @@ def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftC
     raw = read_json_object(path / "config.json", "restore the head's config.json from where it was published")
     layout = detect(raw, path / "config.json")
     src = {k: v for k, v in read_weights(path).items() if not k.endswith(_SKIP)}
-    layer_raw = raw
+    peagle.refuse_dflash(raw, set(src), path)  # (a DFlash drafter whose config does not say so)
+    layout = "peagle" if layout == "eagle3" and "mask_hidden" in src else layout
+    layer_raw = peagle.layer_raw(raw, path, src) if layout == "peagle" else raw
     if layout == "speculators":
         layer_raw = {**raw.get("transformer_layer_config", {}), **{k: raw[k] for k in ("draft_vocab_size",) if k in raw}}
         if not raw.get("transformer_layer_config"):
@@ -224,7 +234,11 @@ def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftC
         if raw.get("norm_before_fc") or "input_norm.weight" in src:
             raise ValueError(f"{path}: norm_before_fc heads (an RMSNorm before fc) are not supported")
     lc = _layer_config(layer_raw, path)
-    embed = src.pop("embed_tokens.weight", None)  # the target's is used; checked against it
+    masks: dict[str, torch.Tensor] = {}
+    if layout == "peagle":  # its mask token's row of embed_tokens, fc(mask_hidden); the rest of the table is checked
+        masks, embed = peagle.mask_tensors(src, raw, lc.vocab_size, lc.hidden_size, target, path)
+    else:
+        embed = src.pop("embed_tokens.weight", None)  # the target's is used; checked against it
     _check_fits(path, lc, target, embed)
     prefix = "midlayer." if any(k.startswith("midlayer.") for k in src) else "layers.0."  # EAGLE-3/SGLang name it so
     state: dict[str, torch.Tensor] = {}
@@ -249,11 +263,13 @@ def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftC
                              "rows (one per draft token); the config and the weights disagree")
         ids = _vocab_ids(src, K, lc.vocab_size, path)
         # the residual around attention is hidden_norm(h): vLLM's default for speculators configs without the key
-        nbr = _flag(raw, "norm_before_residual", layout == "speculators", path)
-        cfg = DraftConfig.for_target(lc, kind="eagle3", feature_layers=_feature_layers(raw, target, path),
-                                     draft_vocab_size=0 if ids is None else K, norm_before_residual=nbr, **common)
+        nbr = _flag(raw, "norm_before_residual", "speculators_model_type" in raw, path)
+        kind = dict(kind="parallel", block_size=peagle.block_size(raw, path)) if masks else dict(kind="eagle3")
+        cfg = DraftConfig.for_target(lc, feature_layers=_feature_layers(raw, target, path),
+                                     draft_vocab_size=0 if ids is None else K, norm_before_residual=nbr, **kind, **common)
         if ids is not None:
             state["vocab_ids"] = ids
+        state.update(masks)
         names = ["fc.weight", "norm.weight", "lm_head.weight"]
     for n in names:
         if n in src:
