@@ -249,7 +249,9 @@ class BenchOptionsSchema:
     learned_path: Optional[str] = "auto"  # auto: the tree shipped for the bundled head (treedec/bench/bundled.py)
     vanilla_fp32: Any = "auto"  # true | false | auto: also vanilla on an fp32 copy of the target (CPU baseline)
     compile: bool = False  # also run vanilla and each tree method with compile=True (NAME_compile)
+    draft_heads: Optional[List[str]] = None  # draft config names or head directories: every method x head (METHOD@HEAD)
     dynamic_sweep: Optional[List[int]] = None  # also dynamic_T<n> (bench.trees.dynamic at total_tokens=n) per n
+    best_first_sweep: Optional[List[int]] = None  # also best_first_T<n> (bench.trees.best_first at total_tokens=n) per n
     batch_sizes: Optional[List[int]] = None  # e.g. [1, 4, 16]: also decode in batches of each size (bench/batched.py)
     batch_mode: str = "static"  # static: full batches of b | continuous: queues of 4*b prompts through b slots
     trees: Dict[str, Any] = MISSING  # method name -> tree policy config (checked by _target_)

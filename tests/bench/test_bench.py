@@ -135,12 +135,12 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
 def test_dynamic_sweep_puts_tree_auto_on_the_fixed_budget_curve(stack, tmp_path):
     m = harness.run(compose_bench(stack, tmp_path, "bench.methods=[vanilla,auto]", "bench.peers=[]",
                                   "bench.repeats=1", "bench.dynamic_sweep=[8,16]", "bench.plots=true"))
-    assert m["dynamic_sweep"] == {"methods": ["dynamic_T8", "dynamic_T16"], "auto": "auto"}
+    assert m["dynamic_sweep"] == {"methods": ["dynamic_T8", "dynamic_T16"], "auto": ["auto"]}
     for T in (8, 16):
         e = m["methods"][f"dynamic_T{T}"]
         assert e["identical_to_vanilla"] is True and e["mean_tree_size"] == pytest.approx(T)
         assert e["tree_size"] == T and e["tree_depth"] == 3  # bench.trees.dynamic at a fixed T
-    assert (tmp_path / "dynamic_sweep.png").is_file()
+    assert (tmp_path / "budget_sweep.png").is_file()
 
 
 def test_mismatch_fails_the_cli_after_writing_metrics(stack, tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ from omegaconf import DictConfig
 from treedec.bench import PEERS, bundled
 from treedec.config_checks import ConfigError, unknown_key_hint, validate, validate_tree, value_at
 from treedec.data.prompts import SOURCES, read_prompt_file
+from treedec.models.paths import ASSETS, CONF
 
 
 def validate_bench(cfg: DictConfig) -> None:
@@ -56,9 +57,34 @@ def check_bench(cfg) -> None:
         if len({f"{t:g}" for t in temps}) != len(temps):  # as metrics.json names the groups
             raise ConfigError(f"bench.sample_temperatures={list(temps)} repeats a temperature")
 
+    heads = value_at(cfg, b + "draft_heads")
+    if heads is not None:
+        if not heads:
+            raise ConfigError("bench.draft_heads=[]: list at least one head (or null: the draft group's head)")
+        seen: dict[str, str] = {}
+        for entry in heads:
+            short, file = draft_head_entry(str(entry))
+            if file is None and not (Path(str(entry)).expanduser().is_dir() or (ASSETS / str(entry)).is_dir()):
+                names = sorted(p.stem for p in (CONF / "draft").glob("*.yaml") if p.stem != "path")
+                raise ConfigError(f"bench.draft_heads names {entry!r}: neither a draft config ({', '.join(names)}) "
+                                  f"nor a head directory. {unknown_key_hint(str(entry), names, label='Draft configs')}")
+            if short in seen:
+                raise ConfigError(f"bench.draft_heads: {seen[short]!r} and {entry!r} both go by {short!r} (a row is "
+                                  f"named METHOD@{short}); give one head another directory name")
+            seen[short] = str(entry)
+
     for name in value_at(cfg, b + "peers") or []:
         if name not in PEERS:
             raise ConfigError(f"bench.peers names {name!r}. {unknown_key_hint(name, PEERS, label='Peers')}")
 
 
-__all__ = ["check_bench", "validate_bench"]
+def draft_head_entry(entry: str) -> tuple[str, Path | None]:
+    """One ``bench.draft_heads`` entry -> (its short name, its draft config file, or None for a head directory or
+    bundled head name): ``tiny_code`` -> ("tiny_code", conf/draft/tiny_code.yaml); ``/heads/mine`` -> ("mine", None)."""
+    file = CONF / "draft" / f"{entry}.yaml"
+    if entry != "path" and file.is_file():
+        return entry, file
+    return Path(entry).expanduser().name or entry, None
+
+
+__all__ = ["check_bench", "draft_head_entry", "validate_bench"]

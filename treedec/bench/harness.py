@@ -46,8 +46,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from treedec.bench.machine import machine_info
 from treedec.bench.methods import (
-    Method, Prompt, RunOutput, SWEEP_STAR, build_methods, build_policies, load_prompts, prompt_source_name,
-    resolve_auto, sweep_name, temperature_key,
+    Method, Prompt, RunOutput, SWEEP_STAR, build_methods, build_policies, head_configs, head_info, head_name,
+    load_heads, load_prompts, prompt_source_name, rejects, resolve_auto, sweep_methods, temperature_key,
 )
 from treedec.bench.timing import time_methods
 
@@ -110,6 +110,10 @@ def summarize(methods: list[Method], prompts: list[Prompt], timing: dict[str, di
             entry["accepted_hist"] = {int(k): v for k, v in sorted(acc.items())}
             steps = sum(o.passes for o in outs)
             entry["mean_tree_size"] = sum(o.tree_nodes for o in outs) / steps if steps else None
+            hits, trials = sum((o.depth_hits for o in outs), Counter()), sum((o.depth_trials for o in outs), Counter())
+            entry["accept_by_depth"] = {int(k): hits[k] / trials[k] for k in sorted(trials) if trials[k]}
+        if m.family == "treedec" and total > 0:
+            entry["step_split"] = step_split(entry["time_split"])
         out[m.name] = entry
     for m in methods:
         e, ref = out[m.name], out.get(m.reference)
@@ -147,6 +151,15 @@ def summarize(methods: list[Method], prompts: list[Prompt], timing: dict[str, di
                        else "compiled kernels round differently from eager ones")
                 log.warning("%s (%s: numerics may differ, e.g. in bf16)", msg, why)
     return out, failures
+
+
+STEP_PHASES = ("draft", "verify", "accept", "commit", "other")
+
+
+def step_split(time_split: dict) -> dict[str, float]:
+    """The decode time's split (wall time less the prefill) as shares, by phase: where a decoding step's time goes."""
+    decode = time_split.get("total", 0.0) - time_split.get("prefill", 0.0)
+    return {p: time_split.get(p, 0.0) / decode for p in STEP_PHASES} if decode > 0 else {}
 
 
 @torch.inference_mode()
@@ -233,13 +246,18 @@ def run(cfg: DictConfig) -> dict:
     run_dir = Path(cfg.paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    target, tok, draft = load_stack(cfg)  # the first thing that takes time: every option is checked by now
+    nodes = head_configs(cfg)  # bench.draft_heads: every method with every head (null: the draft group's head)
+    # load_stack loads the first head as the draft group's (the others load beside it): the first thing that takes
+    # time, every option is checked by now
+    first = {"draft": OmegaConf.to_container(next(iter(nodes.values())))} if nodes else {}
+    target, tok, draft = load_stack(OmegaConf.merge(cfg, first) if nodes else cfg)
+    heads = load_heads(cfg, target, draft)
     eos_ids = list(tok.eos_ids) or list(target.config.eos_ids)
     prompts = load_prompts(bench, tok)
     log.info("%d prompts (%d-%d tokens), max_new_tokens=%d, %d threads, %s %s on %s", len(prompts),
              min(len(p.ids) for p in prompts), max(len(p.ids) for p in prompts), int(bench.max_new_tokens),
              torch.get_num_threads(), str(target.dtype).removeprefix("torch."), cfg.model.attn_backend, target.device)
-    methods, skipped = build_methods(cfg, target, draft, eos_ids, policies, why)
+    methods, skipped = build_methods(cfg, target, draft, eos_ids, policies, why, heads)
     peer_methods, peer_skipped = peer_mod.build_peers(cfg, target, eos_ids, why["hf_assisted"])
     methods += peer_methods
     skipped.update(peer_skipped)
@@ -255,7 +273,8 @@ def run(cfg: DictConfig) -> dict:
     failures = classify_mismatches(table, float(bench.tie_ulps))
     if bench.strict_peers:
         failures += [e["failure_message"] for e in table.values() if e.get("failure_message") and not e.get("lossless_check")]
-    for name, pol in policies.items():  # tree=auto's choices over the whole run, most frequent first
+    for m in methods:  # tree=auto's choices over the whole run, most frequent first
+        pol, name = m.policy, m.name
         if getattr(pol, "history", None) and name in table:
             arms = Counter(pol.history).most_common(6)
             table[name]["auto_arms"] = [{"total_tokens": T, "depth": d, "steps": k} for (T, d), k in arms]
@@ -267,11 +286,15 @@ def run(cfg: DictConfig) -> dict:
         machine["loadavg_start"], machine["loadavg_end"] = load_start, list(os.getloadavg())
     except OSError:
         pass
-    sweep = [sweep_name(n) for n in (bench.get("dynamic_sweep") or []) if sweep_name(n) in greedy_rows]
+    shorts = list(heads) if heads else [None]
+    stars = [head_name(SWEEP_STAR, h) for h in shorts if head_name(SWEEP_STAR, h) in greedy_rows]
+    sweeps = {opt: {"methods": run, "auto": stars}
+              for opt, names in sweep_methods(bench).items()
+              if (run := [head_name(n, h) for n in names for h in shorts if head_name(n, h) in greedy_rows])}
     metrics = {
         "methods": greedy_rows,
-        **({"dynamic_sweep": {"methods": sweep, "auto": SWEEP_STAR if SWEEP_STAR in greedy_rows else None}}
-           if sweep else {}),
+        **sweeps,  # dynamic_sweep / best_first_sweep: {"methods": the rows run, "auto": tree=auto's rows}
+        **({"heads": head_info(heads, nodes)} if heads else {}),
         **({"sampled": sampled_rows} if sampled_rows else {}),
         "machine": machine,
         "prompts": {"n": len(prompts), "source": str(bench.prompts) if bench.prompts else prompt_source_name(bench),
@@ -283,11 +306,12 @@ def run(cfg: DictConfig) -> dict:
     }
     if bench.get("batch_sizes"):  # issue 17 hook: throughput at several batch sizes (treedec/bench/batched.py)
         from treedec.bench import batched
-        metrics["batched"] = batched.run(cfg, target, draft, eos_ids, prompts, policies)
+        usable = {n: p for n, p in policies.items() if not rejects(p, draft)}  # with the (first) head
+        metrics["batched"] = batched.run(cfg, target, draft, eos_ids, prompts, usable)
         failures += metrics["batched"]["failures"]  # end of the issue 17 hook
     write_text_atomic(run_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     write_text_atomic(run_dir / "outputs.jsonl", "".join(
-        json.dumps({"method": m.name.rsplit("@", 1)[0], "prompt": p.id,
+        json.dumps({"method": m.name if m.greedy else m.name.rsplit("@", 1)[0], "prompt": p.id,  # less its @T
                     **({} if m.greedy else {"temperature": m.info["sampling"]["temperature"]}),
                     "new_tokens": len(o.tokens), "tokens": o.tokens, "text": tok.decode(o.tokens)}) + "\n"
         for m in methods for p, o in zip(prompts, timing[m.name]["outputs"])))

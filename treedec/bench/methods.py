@@ -67,6 +67,8 @@ class RunOutput:
     split: dict[str, float] = field(default_factory=dict)  # seconds, by phase (the method's own clocks)
     accepted: Counter = field(default_factory=Counter)  # accepted drafts per step -> steps (speculative)
     tree_nodes: int = 0  # tree nodes verified, summed over passes (speculative; mean tree size = / passes)
+    depth_hits: Counter = field(default_factory=Counter)  # depth -> steps that accepted a node there (speculative)
+    depth_trials: Counter = field(default_factory=Counter)  # depth -> steps whose path reached a parent with children
 
 
 @dataclass
@@ -80,6 +82,7 @@ class Method:
     ops_fn: Callable[[Prompt, int], dict] | None = None  # (prompt, seed) -> op counts per step (treedec methods)
     compiled: bool = False  # torch.compile'd: the first warm-up run pays the compilation (compile_s)
     lossless: bool | None = None  # a token mismatch with `reference` fails the run (default: treedec methods)
+    policy: object = None  # a speculative method's tree policy (tree=auto's arms, prompt lookup's share, after the run)
 
     def __post_init__(self):
         if self.lossless is None:
@@ -98,7 +101,7 @@ def run_output(res) -> RunOutput:
     st = res.stats
     split = {k: v for k, v in st.as_dict()["time_split"].items() if k != "total"}
     return RunOutput(res.tokens[0], st.row_steps, st.step_tokens, st.target_passes + st.prefills, split,
-                     Counter(st.accepted), st.tree_nodes)
+                     Counter(st.accepted), st.tree_nodes, Counter(st.depth_hits), Counter(st.depth_trials))
 
 
 def measure_ops(call: Callable[..., object]) -> dict:
@@ -181,7 +184,7 @@ def vanilla_fp32_method(target, max_new_tokens: int, sampling, eos_ids) -> Metho
 
 
 def speculative_method(name: str, target, draft, policy, max_new_tokens: int, sampling, eos_ids,
-                       compile: bool = False, reference: str | None = None) -> Method:
+                       compile: bool = False, reference: str | None = None, head: str | None = None) -> Method:
     from treedec.decoding.speculative import SpeculativeDecoder
 
     dec = SpeculativeDecoder(target, draft, policy, sampling, eos_ids=eos_ids, compile=compile)
@@ -192,10 +195,12 @@ def speculative_method(name: str, target, draft, policy, max_new_tokens: int, sa
 
     info = {"policy": type(policy).__name__, "tree_size": policy.max_size, "tree_depth": policy.max_depth,
             "sampling": _sampling_dict(sampling), "compile": compile}
+    if head is not None:  # bench.draft_heads: which head this row drafts with
+        info.update(head=head, head_kind=draft.config.kind)
     ref = reference or _reference(sampling)
     return Method(name, "treedec", sampling.greedy, lambda p, seed: run_output(call(p, seed, timing=True)), info,
                   reference=ref, ops_fn=lambda p, seed: measure_ops(lambda **kw: call(p, seed, **kw)),
-                  compiled=compile)
+                  compiled=compile, policy=policy)
 
 
 def _sampling_dict(s) -> dict:
@@ -222,37 +227,116 @@ def sample_settings(cfg: DictConfig) -> list:
     return [replace(base, temperature=float(t)) for t in temps]
 
 
-SWEEP_BASE = "dynamic"  # bench.dynamic_sweep varies this method's T (top_k: auto holds every T at its depth)
-SWEEP_STAR = "auto"  # the per-step-sized tree, drawn on the sweep's curve at its mean T
+# bench.<option>: sizes T -> also <tree>_T<n>, bench.trees.<tree> at total_tokens=n (one implementation for both)
+SWEEPS = {"dynamic_sweep": "dynamic",  # autoregressive heads (top_k: auto holds every T at its depth)
+          "best_first_sweep": "best_first"}  # one-pass heads
+SWEEP_STAR = "auto"  # the per-step-sized tree, drawn on the sweep's curves at its mean T
 
 
-def sweep_name(n: int) -> str:
-    return f"dynamic_T{int(n)}"
+def sweep_name(n: int, base: str = "dynamic") -> str:
+    return f"{base}_T{int(n)}"
+
+
+def parse_sweep(name: str) -> tuple[str, int] | None:
+    """``dynamic_T16`` -> ("dynamic", 16); None for a name no sweep makes."""
+    base, sep, n = name.rpartition("_T")
+    return (base, int(n)) if sep and base in SWEEPS.values() and n.isdigit() else None
+
+
+def sweep_methods(bench: DictConfig) -> dict[str, list[str]]:
+    """Per sweep option that is set, its method names: ``{"dynamic_sweep": ["dynamic_T8", ...]}``."""
+    return {opt: list(dict.fromkeys(sweep_name(n, base) for n in bench.get(opt)))
+            for opt, base in SWEEPS.items() if bench.get(opt)}
 
 
 def method_names(bench: DictConfig) -> list[str]:
     """``bench.methods`` without repeats, vanilla first (every speedup and identity check is measured against it),
-    then ``dynamic_T<n>`` for each size of ``bench.dynamic_sweep``."""
+    then ``dynamic_T<n>`` / ``best_first_T<n>`` for each size of ``bench.dynamic_sweep`` / ``bench.best_first_sweep``."""
     names = list(dict.fromkeys(bench.methods))
     if "vanilla" not in names:
         log.info("adding `vanilla` to bench.methods: every speedup and identity check is measured against it")
         names.insert(0, "vanilla")
-    sweep = [sweep_name(n) for n in (bench.get("dynamic_sweep") or [])]
+    sweep = [n for ns in sweep_methods(bench).values() for n in ns]
     return names + [n for n in dict.fromkeys(sweep) if n not in names]
 
 
 def tree_config(bench: DictConfig, name: str):
-    """The tree config of method ``name``: ``bench.trees[name]``, or for ``dynamic_T<n>`` the sweep base at T=n."""
+    """The tree config of method ``name``: ``bench.trees[name]``, or for ``<tree>_T<n>`` (a sweep) that tree at T=n."""
     from treedec.errors import ConfigError
 
-    if name.startswith("dynamic_T") and name[len("dynamic_T"):].isdigit() and name not in bench.trees:
-        if SWEEP_BASE not in bench.trees:
-            raise ConfigError(f"bench.dynamic_sweep needs bench.trees.{SWEEP_BASE} (the tree the sweep varies T of)")
-        return OmegaConf.merge(bench.trees[SWEEP_BASE], {"total_tokens": int(name[len("dynamic_T"):])})
+    sweep = parse_sweep(name) if name not in bench.trees else None
+    if sweep:
+        base, n = sweep
+        if base not in bench.trees:
+            raise ConfigError(f"a {base}_T<n> sweep needs bench.trees.{base} (the tree the sweep varies T of)")
+        return OmegaConf.merge(bench.trees[base], {"total_tokens": n})
     if name not in bench.trees:
         raise ConfigError(f"bench.methods names {name!r}, which has no tree config under bench.trees "
                           f"(have: vanilla, {', '.join(bench.trees)}); add bench.trees.{name} with a _target_")
     return bench.trees[name]
+
+
+# --------------------------------------------------------------------------- draft heads
+def head_configs(cfg: DictConfig) -> dict[str, DictConfig] | None:
+    """``bench.draft_heads`` as {short name: draft config}; None when it is null (the ``draft`` group's head alone).
+
+    An entry is a draft config name (``conf/draft/NAME.yaml``: short name NAME) or a head directory or bundled head
+    name (``conf/draft/path.yaml`` with that path: short name the directory's name). The ``draft`` group's
+    ``dtype`` and ``quantize`` apply to every head.
+    """
+    from treedec.bench.config import draft_head_entry
+    from treedec.models.paths import CONF
+
+    heads = cfg.bench.get("draft_heads")
+    if heads is None:
+        return None
+    out = {}
+    for entry in heads:
+        short, file = draft_head_entry(str(entry))
+        node = OmegaConf.load(file or CONF / "draft" / "path.yaml")
+        if file is None:
+            node.path = str(entry)
+        for key in ("dtype", "quantize"):
+            if key in cfg.draft:
+                node[key] = cfg.draft[key]
+        out[short] = node
+    return out
+
+
+def load_heads(cfg: DictConfig, target, draft) -> dict[str, object] | None:
+    """The heads of ``bench.draft_heads`` bound to ``target`` (None when it is null); ``draft``, the head load_stack
+    loaded from the first entry, is reused."""
+    from treedec.config_checks import instantiate_checked
+
+    nodes = head_configs(cfg)
+    if nodes is None:
+        return None
+    heads = {}
+    for i, (short, node) in enumerate(nodes.items()):
+        heads[short] = draft if i == 0 else instantiate_checked(
+            node, target=target, dtype=node.get("dtype") or target.dtype, device=target.device).eval()
+        log.info("draft head %s: %s (%s%s)", short, node.path, heads[short].config.kind,
+                 f", block_size {heads[short].block_size}" if getattr(heads[short], "one_pass", False) else "")
+    return heads
+
+
+def head_info(heads: dict[str, object], nodes: dict[str, DictConfig]) -> dict[str, dict]:
+    """metrics.json's ``heads``: per short name its path, kind, dtype and (one-pass heads) block size."""
+    return {short: {"path": str(nodes[short].path), "kind": h.config.kind, "one_pass": bool(getattr(h, "one_pass", False)),
+                    "block_size": getattr(h, "block_size", None) if getattr(h, "one_pass", False) else None,
+                    "dtype": str(h.dtype).removeprefix("torch.")}
+            for short, h in heads.items()}
+
+
+def rejects(policy, head) -> str | None:
+    """Why ``policy`` cannot draft from ``head`` (its ``check_head``'s TreeError), or None."""
+    from treedec.tree.tree import TreeError
+
+    try:
+        policy.check_head(head)
+    except TreeError as exc:
+        return str(exc)
+    return None
 
 
 def resolve_auto(cfg: DictConfig) -> dict[str, str]:
@@ -285,9 +369,19 @@ def build_policies(cfg: DictConfig) -> dict:
     return out
 
 
+def head_name(name: str, head: str | None) -> str:
+    """A row's name: ``chain``, or with bench.draft_heads ``chain@tiny_code`` (a sampled row adds ``@T`` after)."""
+    return name if head is None else f"{name}@{head}"
+
+
 def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None = None,
-                  why: dict[str, str] | None = None) -> tuple[list[Method], dict[str, str]]:
-    """treedec's methods from ``bench.methods`` (and their sampled variants); returns (methods, skipped)."""
+                  why: dict[str, str] | None = None, heads: dict | None = None) -> tuple[list[Method], dict[str, str]]:
+    """treedec's methods from ``bench.methods`` (and their sampled variants); returns (methods, skipped).
+
+    ``heads`` ({short name: head}, bench.draft_heads): every speculative method runs with every head as
+    ``METHOD@HEAD``, the first head with ``policies``' own objects (batched.py shares them), the others with
+    new ones; vanilla runs once. A (method, head) pair whose policy rejects the head (``check_head``) is skipped.
+    """
     from treedec.config_checks import instantiate_checked
     from treedec.sampling import SamplingParams
 
@@ -299,7 +393,12 @@ def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None
     policies = build_policies(cfg) if policies is None else policies
     compiled = bool(bench.get("compile"))
     settings = sample_settings(cfg)
+    heads = heads or {None: draft}
     methods, skipped = [], {}
+
+    def fresh(name: str):  # a policy object of its own: a compiled decoder may pad or precompute per policy
+        return instantiate_checked(tree_config(bench, name), f"bench.trees.{name}")
+
     for name in names:
         if name == "vanilla":
             methods.append(vanilla_method("vanilla", target, n, greedy, eos_ids))
@@ -318,13 +417,20 @@ def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None
             continue
         if name == "learned":
             log.info("`learned`: %s", why["learned"])
-        methods.append(speculative_method(name, target, draft, policies[name], n, greedy, eos_ids))
-        if compiled:  # its own policy object: a compiled decoder may pad or precompute per policy
-            methods.append(speculative_method(f"{name}_compile", target, draft,
-                                              instantiate_checked(tree_config(bench, name), f"bench.trees.{name}"), n,
-                                              greedy, eos_ids, compile=True, reference="vanilla_compile"))
-        for s in settings:  # its own policy object per row, as for the compiled variants
-            methods.append(speculative_method(sampled_name(f"{name}_sample", s.temperature), target, draft,
-                                              instantiate_checked(tree_config(bench, name), f"bench.trees.{name}"), n,
-                                              s, eos_ids))
+        for i, (short, head) in enumerate(heads.items()):
+            policy = policies[name] if i == 0 else fresh(name)
+            row = head_name(name, short)
+            reason = rejects(policy, head)
+            if reason:
+                skipped[row] = reason
+                log.info("skipping `%s`: %s", row, reason)
+                continue
+            methods.append(speculative_method(row, target, head, policy, n, greedy, eos_ids, head=short))
+            if compiled:
+                methods.append(speculative_method(head_name(f"{name}_compile", short), target, head, fresh(name), n,
+                                                  greedy, eos_ids, compile=True, reference="vanilla_compile",
+                                                  head=short))
+            for s in settings:  # its own policy object per row, as for the compiled variants
+                methods.append(speculative_method(sampled_name(head_name(f"{name}_sample", short), s.temperature),
+                                                  target, head, fresh(name), n, s, eos_ids, head=short))
     return methods, skipped

@@ -82,6 +82,45 @@ def tree_table(methods: dict) -> list[str]:
     return lines
 
 
+def step_table(methods: dict) -> list[str]:
+    """Speculative methods: tok/s, × vanilla and τ, acceptance by position (the share of steps reaching depth d that
+    accepted a node there) and the decode time's split (wall time less the prefill) by phase."""
+    rows = [(n, e) for n, e in methods.items() if e.get("policy") and e.get("step_split")]
+    if not rows:
+        return []
+    depth = max((max(e.get("accept_by_depth") or {0: 0}) for _, e in rows), default=0)
+    depth = min(int(depth), 8)
+    lines = ["", "Acceptance by position (of the steps whose path reached depth d, the share accepting a node there) "
+             "and the decode time's split (median pass, prefill excluded; the decoder's own clocks):", "",
+             "| method | tok/s | × vanilla | τ | " + " | ".join(f"d{d}" for d in range(1, depth + 1))
+             + " | draft | verify | accept | commit |", "|---|" + "---:|" * (3 + depth + 4)]
+    for n, e in rows:
+        acc = {int(k): v for k, v in (e.get("accept_by_depth") or {}).items()}
+        sp = e["step_split"]
+        lines.append(f"| {n} | {_f(e['tokens_per_s'], '.1f')} | {_f(e['speedup'], '.2f')}× | {_f(e['tau'], '.2f')} | "
+                     + " | ".join(_pct(acc.get(d)) for d in range(1, depth + 1)) + " | "
+                     + " | ".join(_pct(sp.get(p)) for p in ("draft", "verify", "accept", "commit")) + " |")
+    return lines
+
+
+def _draft(cfg: dict, mach: dict) -> str:
+    out = f"draft `{cfg.get('draft', {}).get('path')}`"
+    if mach.get("draft_dtype"):
+        w = mach.get("draft_wide_rows")
+        out += (f" ({mach['draft_dtype']}{', int8 weights' if mach.get('draft_int8') else ''}"
+                f"{f', bf16 from batch {w}' if w else ''})")
+    return out
+
+
+def _heads(heads: dict) -> str:
+    """bench.draft_heads: each head's short name, kind (block size) and dtype."""
+    parts = []
+    for k, h in heads.items():
+        block = f" block {h['block_size']}" if h.get("block_size") else ""
+        parts.append(f"`{k}` ({h['kind']}{block}, {h['dtype']})")
+    return "draft heads " + ", ".join(parts)
+
+
 def markdown(metrics: dict) -> str:
     """The results table plus a header naming the model, the prompts and the machine."""
     cfg, mach, pr = metrics.get("config", {}), metrics.get("machine", {}), metrics.get("prompts", {})
@@ -91,9 +130,7 @@ def markdown(metrics: dict) -> str:
         "# treedec benchmark",
         "",
         f"- model: `{model.get('path')}` ({mach.get('dtype')}, {mach.get('device')}, attention `{mach.get('attn_backend')}`), "
-        f"draft `{cfg.get('draft', {}).get('path')}`" + (f" ({mach['draft_dtype']}{', int8 weights' if mach.get('draft_int8') else ''}"
-                                                     f"{f', bf16 from batch {w}' if (w := mach.get('draft_wide_rows')) else ''})"
-                                                   if mach.get("draft_dtype") else ""),
+        + (_heads(metrics["heads"]) if metrics.get("heads") else _draft(cfg, mach)),
         f"- prompts: {pr.get('n')} ({pr.get('source')}), max_new_tokens {bench.get('max_new_tokens')}, "
         f"median of {bench.get('repeats')} passes after {bench.get('warmup')} warm-up run(s), batch 1",
         f"- machine: {hw}, {mach.get('threads')} threads, torch {mach.get('torch')}"
@@ -130,6 +167,7 @@ def markdown(metrics: dict) -> str:
         if leaked:
             lines += ["", "**Compiled during the timed runs** (their tok/s includes compilation): "
                       + ", ".join(leaked)]
+    lines += step_table(metrics["methods"])
     lines += tree_table(metrics["methods"])
     if metrics.get("sampled"):
         lines += sampled_tables(metrics["sampled"])
@@ -145,7 +183,7 @@ def markdown(metrics: dict) -> str:
 
 
 def plots(metrics: dict, out_dir: str | Path) -> list[Path]:
-    """tokens_per_s.png, tau.png, time_split.png (and dynamic_sweep.png, batch_throughput.png); returns the files written (none without matplotlib)."""
+    """tokens_per_s.png, tau.png, time_split.png (and budget_sweep.png, batch_throughput.png); returns the files written (none without matplotlib)."""
     try:
         import matplotlib
 
@@ -209,7 +247,9 @@ def plots(metrics: dict, out_dir: str | Path) -> list[Path]:
             from treedec.bench.batched import plot as batched_plot
 
             written.append(batched_plot(metrics["batched"], out_dir, plt))
-        sweep = sweep_plot(metrics, out_dir, plt)
+        from treedec.bench.sweep_plots import budget_sweep_plot
+
+        sweep = budget_sweep_plot(metrics, out_dir, plt)
         if sweep is not None:
             written.append(sweep)
     except Exception as exc:  # a plot is never worth failing a benchmark for
@@ -217,29 +257,4 @@ def plots(metrics: dict, out_dir: str | Path) -> list[Path]:
     return written
 
 
-def sweep_plot(metrics: dict, out_dir: Path, plt) -> Path | None:
-    """dynamic_sweep.png: τ and tok/s against the tree size T of the fixed budgets, tree=auto as a star."""
-    sw = metrics.get("dynamic_sweep")
-    if not sw or not sw.get("methods"):
-        return None
-    ms = metrics["methods"]
-    pts = sorted((ms[n]["mean_tree_size"] or 0.0, ms[n]) for n in sw["methods"] if n in ms)
-    auto = ms.get(sw.get("auto") or "")
-    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.4))
-    for ax, key, label in ((axes[0], "tau", "τ (tokens per target pass)"), (axes[1], "tokens_per_s", "tokens / s")):
-        ax.plot([t for t, _ in pts], [e[key] for _, e in pts], "o-", label="fixed T")
-        if auto is not None:
-            ax.plot([auto["mean_tree_size"]], [auto[key]], "*", ms=13, color="C3", label="auto (mean T)")
-        ax.set_xlabel("tree size T (root included)")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("dynamic tree: fixed budgets vs tree=auto", fontsize=10)
-    fig.tight_layout()
-    path = out_dir / "dynamic_sweep.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-__all__ = ["all_rows", "markdown", "plots", "sampled_tables", "sweep_plot", "tree_table"]
+__all__ = ["all_rows", "markdown", "plots", "sampled_tables", "step_table", "tree_table"]

@@ -1,6 +1,9 @@
-"""The plots of a sweep summary (:mod:`treedec.sweep`): τ and tokens/s against tree size, acceptance by depth and rank.
+"""τ and tokens/s against tree size, drawn once (:func:`draw_size_curves`) for both callers: a sweep summary
+(:mod:`treedec.sweep`: :func:`plot`, also acceptance by depth and rank; rows are ``summary.csv``'s flat dicts) and the
+bench's budget sweeps (:func:`budget_sweep_plot`: ``bench.dynamic_sweep`` / ``bench.best_first_sweep``, one curve per
+tree and head, tree=auto as a star at its mean T).
 
-Rows are ``summary.csv``'s (flat dicts); matplotlib is imported here only (the ``plots`` extra).
+matplotlib is imported by the callers only (the ``plots`` extra).
 """
 from __future__ import annotations
 
@@ -43,24 +46,11 @@ def plot(rows: list[dict], out_dir: Path, overrides: Sequence[str], size_keys: S
             (_num(r.get("tau")), _num(r.get("tokens_per_s"))))
     out = []
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, by_size in sorted(lines.items()):
-        xs = sorted(by_size)
-        for ax, i in zip(axes, (0, 1)):
-            ys = [_mean(v[i] for v in by_size[x]) for x in xs]
-            pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    vanilla = _mean(_num(r.get("vanilla_tokens_per_s")) for r in rows)
-    if vanilla is not None:
-        axes[1].axhline(vanilla, color="gray", linestyle="--", label="vanilla (mean)")
-        axes[1].legend(fontsize=7)
-    for ax, name in zip(axes, ("τ (tokens per target pass)", "tokens / s")):
-        ax.set_xlabel("tree size T (nodes verified per step, root included)")
-        ax.set_ylabel(name)
+    draw_size_curves(axes, {label: {x: (_mean(v[0] for v in vs), _mean(v[1] for v in vs)) for x, vs in by_size.items()}
+                            for label, by_size in lines.items()},
+                     vanilla=_mean(_num(r.get("vanilla_tokens_per_s")) for r in rows), legend=len(lines) <= 16)
+    for ax in axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-    if lines and len(lines) <= 16:
-        axes[0].legend(fontsize=7)
     fig.suptitle(f"sweep: {len(rows)} jobs")
     fig.tight_layout()
     out.append(out_dir / "tree_size.png")
@@ -90,6 +80,66 @@ def plot(rows: list[dict], out_dir: Path, overrides: Sequence[str], size_keys: S
     fig.savefig(out[-1], dpi=110)
     plt.close(fig)
     return out
+
+
+def draw_size_curves(axes, curves: dict[str, dict[float, tuple[float | None, float | None]]],
+                     stars: dict[str, tuple[float, float | None, float | None]] | None = None,
+                     vanilla: float | None = None, legend: bool = True) -> None:
+    """τ (``axes[0]``) and tokens/s (``axes[1]``) against tree size T: one line per ``curves`` label ({T: (τ, tok/s)}),
+    one star per ``stars`` label ((mean T, τ, tok/s): a per-step-sized tree), vanilla's tok/s as a dashed line."""
+    for label, by_size in sorted(curves.items()):
+        xs = sorted(by_size)
+        for ax, i in zip(axes, (0, 1)):
+            pts = [(x, by_size[x][i]) for x in xs if by_size[x][i] is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    for label, (t, *ys) in sorted((stars or {}).items()):
+        for ax, y in zip(axes, ys):
+            if y is not None:
+                ax.plot([t], [y], "*", ms=13, label=label)
+    if vanilla is not None:
+        axes[1].axhline(vanilla, color="gray", linestyle="--", label="vanilla")
+    for ax, name in zip(axes, ("τ (tokens per target pass)", "tokens / s")):
+        ax.set_xlabel("tree size T (nodes verified per step, root included)")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    if legend and (curves or stars):
+        for ax in axes:
+            ax.legend(fontsize=7)
+
+
+def budget_sweep_plot(metrics: dict, out_dir: Path, plt) -> Path | None:
+    """budget_sweep.png of a bench run: each ``<tree>_T<n>`` row of bench.dynamic_sweep / bench.best_first_sweep at
+    its mean verified tree size, one curve per tree and head (``dynamic``, ``best_first@tiny_code_parallel``), tree=auto
+    per head as a star; None when the run swept nothing."""
+    from treedec.bench.methods import SWEEPS, parse_sweep
+
+    ms = metrics["methods"]
+    curves: dict[str, dict[float, tuple]] = {}
+    stars: dict[str, tuple] = {}
+    for opt in SWEEPS:
+        sw = metrics.get(opt) or {}
+        for name in sw.get("methods", []):
+            e = ms.get(name)
+            run, _, head = name.partition("@")
+            if e is None or e.get("mean_tree_size") is None or not parse_sweep(run):
+                continue
+            label = parse_sweep(run)[0] + (f"@{head} ({e.get('head_kind')})" if head else "")
+            curves.setdefault(label, {})[e["mean_tree_size"]] = (e["tau"], e["tokens_per_s"])
+        for name in sw.get("auto") or []:
+            e = ms.get(name)
+            if e is not None and e.get("mean_tree_size") is not None:
+                stars[f"{name} (mean T)"] = (e["mean_tree_size"], e["tau"], e["tokens_per_s"])
+    if not curves:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    draw_size_curves(axes, curves, stars, (ms.get("vanilla") or {}).get("tokens_per_s"))
+    fig.suptitle("tree budget sweep: fixed T per tree and head, tree=auto as a star", fontsize=10)
+    fig.tight_layout()
+    path = Path(out_dir) / "budget_sweep.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _mean(xs: Iterable[float | None]) -> float | None:

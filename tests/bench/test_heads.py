@@ -1,0 +1,79 @@
+"""bench.draft_heads (every method with every head, METHOD@HEAD), the one-pass methods (parallel_chain, best_first)
+and the budget sweeps (bench.dynamic_sweep / bench.best_first_sweep), on a tiny random target with an EAGLE head and
+a one-pass (parallel) head made from an EAGLE-3 one."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from treedec.bench import harness
+from treedec.models.draft import DraftConfig, DraftHead
+from treedec.models.parallel import ParallelHead
+
+from tests.bench.test_bench import compose_bench, stack  # noqa: F401  (the tiny stack fixture and its overrides)
+
+
+@pytest.fixture(scope="module")
+def heads(stack):  # noqa: F811
+    """An EAGLE head (``eagle``, the stack's own) and a one-pass head of block size 8 (``parallel``)."""
+    from treedec.models.checkpoint import load_model
+
+    target = load_model(stack / "target")
+    ParallelHead.from_eagle3(DraftHead(DraftConfig.for_target(target.config, kind="eagle3")), 8).save(
+        stack / "parallel")
+    return [str(stack / "draft"), str(stack / "parallel")]
+
+
+TINY = ("bench.peers=[]", "bench.repeats=1", "bench.warmup=0", "bench.max_new_tokens=8",
+        "bench.trees.best_first.total_tokens=6", "bench.trees.best_first.depth=3")
+
+
+def test_methods_cross_heads_and_rejected_pairs_are_skipped(stack, heads, tmp_path):  # noqa: F811
+    m = harness.run(compose_bench(stack, tmp_path, *TINY, f"bench.draft_heads=[{heads[0]},{heads[1]}]",
+                                  "bench.methods=[vanilla,chain,dynamic,best_first,parallel_chain]"))
+    assert list(m["methods"]) == ["vanilla", "chain@draft", "chain@parallel", "dynamic@draft", "best_first@parallel",
+                                  "parallel_chain@draft", "parallel_chain@parallel"]
+    # a tree the head cannot feed is skipped with check_head's reason, never an error
+    assert set(m["skipped"]) == {"dynamic@parallel", "best_first@draft"}
+    assert "one-pass" in m["skipped"]["dynamic@parallel"] and "marginals" in m["skipped"]["best_first@draft"]
+    assert m["heads"]["parallel"] == {"path": heads[1], "kind": "parallel", "one_pass": True, "block_size": 8,
+                                      "dtype": "float32"}
+    assert m["heads"]["draft"]["kind"] == "eagle" and m["failures"] == []
+    for name, e in m["methods"].items():
+        assert e["identical_to_vanilla"] is True, (name, e.get("mismatches"))
+        if name == "vanilla":
+            continue
+        assert e["head"] == name.split("@")[1] and e["speedup"] > 0 and e["tau"] >= 1.0
+        assert 1 in e["accept_by_depth"] and all(0 <= v <= 1 for v in e["accept_by_depth"].values()), name
+        assert set(e["step_split"]) == {"draft", "verify", "accept", "commit", "other"}, name
+        assert e["step_split"]["verify"] > 0 and sum(e["step_split"].values()) == pytest.approx(1.0, abs=0.02), name
+    assert m["methods"]["parallel_chain@parallel"]["tree_depth"] == 8
+    md = (tmp_path / "results.md").read_text()
+    assert "Acceptance by position" in md and "| best_first@parallel |" in md and "draft heads `draft`" in md
+    assert "`dynamic@parallel`:" in md  # the Skipped line
+    lines = [json.loads(ln) for ln in (tmp_path / "outputs.jsonl").read_text().splitlines()]
+    assert {ln["method"] for ln in lines} == set(m["methods"])
+
+
+def test_budget_sweeps_per_head_kind_and_their_plot(stack, heads, tmp_path):  # noqa: F811
+    m = harness.run(compose_bench(stack, tmp_path, *TINY, f"bench.draft_heads=[{heads[0]},{heads[1]}]",
+                                  "bench.methods=[vanilla]", "bench.dynamic_sweep=[8]",
+                                  "bench.best_first_sweep=[4,6]", "bench.plots=true"))
+    assert m["dynamic_sweep"] == {"methods": ["dynamic_T8@draft"], "auto": []}
+    assert m["best_first_sweep"] == {"methods": ["best_first_T4@parallel", "best_first_T6@parallel"], "auto": []}
+    assert set(m["skipped"]) == {"dynamic_T8@parallel", "best_first_T4@draft", "best_first_T6@draft"}
+    for T in (4, 6):
+        e = m["methods"][f"best_first_T{T}@parallel"]
+        assert e["tree_size"] == T and e["tree_depth"] == 3 and e["identical_to_vanilla"] is True
+    assert (tmp_path / "budget_sweep.png").is_file()
+
+
+def test_draft_heads_option_is_checked_before_loading(stack, tmp_path):  # noqa: F811
+    from treedec.config_schema import ConfigError
+
+    for override, needle in [("bench.draft_heads=[]", r"at least one head"),
+                             ("bench.draft_heads=[tiny_cod]", r"neither a draft config.*Did you mean tiny_code\?"),
+                             (f"bench.draft_heads=[{stack / 'draft'},{stack / 'draft'}]", r"both go by 'draft'")]:
+        with pytest.raises(ConfigError, match=needle):
+            harness.run(compose_bench(stack, tmp_path, "model.path=/nonexistent/model", override))
