@@ -74,11 +74,11 @@ class SpeculativeDecoder(Decoder):
         :func:`~treedec.decoding.prompt_checks.static_room`; the draft head stays eager). The first ``generate`` of a
         bucket pays the compile time."""
         self.sampling = as_sampling(sampling)
+        policy.check_head(draft)  # (tree=auto fits its candidates to the head here)
         check_policy(policy, target.config.context_length)
         self.target, self.draft, self.policy = target, draft.bind(target), policy
         self.eos = normalize_eos(eos_ids, target.config.eos_ids)
         policy.validate(draft.config.draft_vocab_size or target.config.vocab_size)
-        policy.check_head(self.draft)
         if policy.wants_cost:  # tree=auto sizes its trees by this machine's measured step costs
             policy.use_cost(lambda pol: step_cost(target, self.draft, pol, getattr(pol, "cost_cache", None)))
         self.compile, self._verify, self._room = compile, None, 0

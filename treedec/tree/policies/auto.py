@@ -2,7 +2,8 @@
 
 The candidates are plain decoding (T = 1), a top-1 chain of every depth up to ``max_depth``, and EAGLE-2
 trees (:class:`DynamicPolicy`'s pool of width ``top_k``) of every depth and a few node budgets T up to
-``max_total_tokens``. Each step takes the one that maximises
+``max_total_tokens``; with a one-pass head, best-first trees (:class:`BestFirstPolicy`) instead, and no candidate
+deeper than the head drafts. Each step takes the one that maximises
 
     (1 + expected accepted drafts) / predicted step seconds.
 
@@ -38,6 +39,7 @@ import torch
 
 from treedec.sampling import SamplingParams
 from treedec.tree.policies.base import TreePolicy, whole
+from treedec.tree.policies.best_first import BestFirstPolicy
 from treedec.tree.policies.dynamic import DynamicPolicy, n_drafted
 from treedec.tree.tree import Tree, TreeError
 
@@ -50,26 +52,44 @@ MIN_ROWS = 4  # rows the deepest chain is counted on before the rule takes over 
 
 class AutoPolicy(TreePolicy):
     wants_cost = True
+    reads = "either"
 
     def __init__(self, max_depth: int = 10, top_k: int = 4, max_total_tokens: int = 64, calibration="auto",
                  draft_path: str | None = None, cost_cache: str | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         """``calibration``/``draft_path``: as :class:`DynamicPolicy`'s. ``cost_cache``: the folder of the step-cost
         profile (None: :func:`treedec.tree.cost.cache_dir`). ``top_k`` 1: chains and plain decoding only."""
-        D, k = whole(max_depth, "max_depth"), whole(top_k, "top_k")
-        most = whole(max_total_tokens, "max_total_tokens", 2)
+        self._args = (whole(max_depth, "max_depth"), whole(top_k, "top_k"),
+                      whole(max_total_tokens, "max_total_tokens", 2))
+        self.cost_cache, self.clock = cost_cache, clock
+        self.trees = DynamicPolicy(total_tokens=2, depth=self._args[0], top_k=self._args[1], calibration=calibration,
+                                   draft_path=draft_path)
+        self.calibration = self.trees.calibration
+        self._setup(one_pass=False)
+
+    def _setup(self, one_pass: bool, block_size: int = 0) -> None:
+        """The candidates and fresh estimates: EAGLE-2 pools of width ``top_k`` for an autoregressive head; for a
+        one-pass head, chains and best-first trees (:class:`BestFirstPolicy`) up to its ``block_size``."""
+        D, k, most = self._args
+        if one_pass:
+            D, k = min(D, block_size), most - 1
+        self.one_pass, self._mode = one_pass, (one_pass, block_size)
         shapes = [(1, 0, 1)] + [(1, d, d + 1) for d in range(1, D + 1) if d + 1 <= most]
         shapes += [(k, d, t) for d in range(2, D + 1) for t in SIZES
-                   if k > 1 and d + 1 <= t <= min(most, n_drafted(k, d) + 1)]
-        self.shapes, self.top_k, self.cost_cache, self.clock = shapes, k, cost_cache, clock
-        self.trees = DynamicPolicy(total_tokens=max(t for _, _, t in shapes + [(1, 1, 2)]), depth=D, top_k=k,
-                                   calibration=calibration, draft_path=draft_path)
-        self.calibration = self.trees.calibration
+                   if k > 1 and d + 1 <= t <= min(most, k * d + 1 if one_pass else n_drafted(k, d) + 1)]
+        self.shapes, self.top_k = shapes, k
+        T = max(t for _, _, t in shapes + [(1, 1, 2)])
+        if one_pass:  # raw marginals: a calibration describes an autoregressive head's node scores
+            self.trees = DynamicPolicy(total_tokens=2, depth=max(D, 1), top_k=1, calibration=None)
+            self.pools = BestFirstPolicy(total_tokens=T, depth=max(D, 1))
+        else:
+            self.trees = DynamicPolicy(total_tokens=T, depth=D, top_k=k, calibration=self.calibration)
+            self.pools = self.trees
         self.max_depth, self.max_rank = max(d for _, d, _ in shapes), k - 1
         if self.max_depth < 1:
-            raise TreeError(f"tree=auto needs max_total_tokens >= 2, got {max_total_tokens}")
+            raise TreeError(f"tree=auto needs max_total_tokens >= 2, got {most}")
         self.max_size = max(t for _, _, t in shapes)
-        self.max_inputs = max(self.trees.max_inputs, self.max_depth)
+        self.max_inputs = max(self.pools.max_inputs, self.max_depth)
         a = np.array(shapes)
         self._width, self._depth = a[:, 0], a[:, 1]
         self._tree = np.flatnonzero(self._width > 1)  # the tree candidates' indices
@@ -89,6 +109,13 @@ class AutoPolicy(TreePolicy):
         self._pending = None  # this step's shape, rows and host copies of its estimates, read in observe()
         self._clock_at = None  # (rows, shape index, start) of the step now running
 
+    def check_head(self, head) -> None:
+        """Any head: a one-pass head's candidates are its chains and best-first trees, no deeper than it drafts."""
+        one = bool(getattr(head, "one_pass", False))
+        mode = (one, head.block_size if one else 0)
+        if mode != self._mode:
+            self._setup(*mode)
+
     # ----------------------------------------------------------------------------------------- cost
     def use_cost(self, make) -> None:
         """The decoder's step-cost model: ``make(policy)`` -> a :class:`~treedec.tree.cost.StepCost` of ``shapes``."""
@@ -99,7 +126,7 @@ class AutoPolicy(TreePolicy):
         if k == 1:
             self.trees.chain(depth, scored=True).draft(drafter)
         else:
-            self.trees.select(self.trees.pool(drafter, None, depth, k), depth + 1)
+            self.pools.select(self.pools.pool(drafter, None, depth, k), depth + 1)
 
     # ------------------------------------------------------------------------------------- the rule
     @property
@@ -155,14 +182,14 @@ class AutoPolicy(TreePolicy):
             p = self.trees.edge_score(edge, torch.arange(1, D + 1, device=edge.device)).cumsum(-1).exp()
             self._pending = (i, _host(p.mean(0)))  # [D] the calibrated reach of each depth
             return tree
-        pool = self.trees.pool(drafter, params, D, k)
+        pool = self.pools.pool(drafter, params, D, k)
         limits = torch.arange(2, D + 1, device=pool.score.device)[:, None, None]
         probs = torch.where(pool.depth[None] <= limits, pool.score[None].exp(), 0.0)  # [depth limits, B, n]
         best = probs.sort(-1, descending=True)
         where = pool.depth.expand_as(probs).gather(-1, best.indices)[..., None]  # the sorted nodes' depths
         by_depth = torch.zeros(*probs.shape, D + 1, device=probs.device).scatter_(-1, where, best.values[..., None])
         self._pending = (i, _host(by_depth.mean(1).cumsum(1)[..., 1:]))  # [limit, T - 1, depth]: the best T - 1
-        return self.trees.select(pool, T)
+        return self.pools.select(pool, T)
 
     def observe(self, info) -> None:
         """Fold this step's calibrated scores and what its rows accepted into the estimates."""

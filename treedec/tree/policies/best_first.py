@@ -21,6 +21,7 @@ import torch
 
 from treedec.sampling import SamplingParams
 from treedec.tree.policies.base import TreePolicy, kept_tree, kept_tree_constants, whole
+from treedec.tree.policies.dynamic import Pool
 from treedec.tree.tree import Tree
 
 
@@ -43,19 +44,24 @@ class BestFirstPolicy(TreePolicy):
         if not self._const or self._const[0] != key:
             k, D = self.k, self.max_depth
             c = kept_tree_constants(B, dev, k * D, self.total_tokens)
-            c["depth"] = torch.arange(1, D + 1, device=dev).repeat_interleave(k).expand(B, -1)
             c["first1"] = torch.arange(1, k + 1, device=dev).expand(B, k)
             c["rank1"] = torch.arange(k, device=dev).expand(B, k)
             self._const = (key, c)
         return self._const[1]
 
     def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Tree:
-        B, dev, k, D = drafter.batch, drafter.device, self.k, self.max_depth
+        return self.select(self.pool(drafter, params, self.max_depth, self.k), self.total_tokens)
+
+    def pool(self, drafter, params: SamplingParams | None, D: int, k: int) -> Pool:
+        """Every candidate of depth <= ``D`` (<= the constructor's) that can be among the best ``k + 1``-node tree's:
+        each depth's ``k`` best rank paths, in drafting order (``k`` <= the constructor's T - 1)."""
+        B, dev = drafter.batch, drafter.device
         c = self._constants(B, dev)
         temp = 1.0 if params is None or params.greedy else float(params.temperature)
         lq, tok = drafter.topk(drafter.marginals(D), k, temp)  # [B, D, k] each depth's k best, descending
-        scores, toks, ranks, parents1 = [lq[:, 0]], [tok[:, 0]], [c["rank1"]], [c["zero"].expand(B, k)]
-        front_score, front_id1 = lq[:, 0], c["first1"]  # depth d's best k: scores and candidate ids + 1
+        first1 = c["first1"][:, :k]
+        scores, toks, ranks, parents1 = [lq[:, 0]], [tok[:, 0]], [c["rank1"][:, :k]], [c["zero"].expand(B, k)]
+        front_score, front_id1 = lq[:, 0], first1  # depth d's best k: scores and candidate ids + 1
         for d in range(1, D):
             cand = (front_score[:, :, None] + lq[:, d, None, :]).view(B, k * k)
             best = cand.topk(k, dim=1, sorted=True)
@@ -64,8 +70,14 @@ class BestFirstPolicy(TreePolicy):
             toks.append(tok[:, d].gather(1, rank))
             ranks.append(rank)
             parents1.append(front_id1.gather(1, slot))
-            front_score, front_id1 = best.values, c["first1"] + d * k
+            front_score, front_id1 = best.values, first1 + d * k
         score = torch.cat(scores, 1)
-        keep = torch.sort(score, dim=1, descending=True, stable=True).indices[:, : self.total_tokens - 1]
-        return kept_tree(c, drafter.root_tokens, torch.cat(toks, 1), score, torch.cat(parents1, 1),
-                         c["depth"], torch.cat(ranks, 1), keep, D)
+        depth = torch.arange(1, D + 1, device=dev).repeat_interleave(k).expand(B, -1)
+        return Pool(drafter.root_tokens, torch.cat(toks, 1), score, score, torch.cat(parents1, 1), depth,
+                    torch.cat(ranks, 1), D, c)
+
+    def select(self, pool: Pool, T: int) -> Tree:
+        """The ``T``-node tree of ``pool``'s best paths (ties: the earlier, shallower candidate)."""
+        keep = torch.sort(pool.score, dim=1, descending=True, stable=True).indices[:, : T - 1]
+        return kept_tree(pool.consts, pool.root, pool.tokens, pool.logq, pool.parents1, pool.depth, pool.rank, keep,
+                         pool.levels)

@@ -54,6 +54,7 @@ class Pool(NamedTuple):
     score: torch.Tensor  # path scores: log calibrated acceptance (or logq when uncalibrated)
     parents1: torch.Tensor  # each candidate's parent id + 1 (0: the root)
     depth: torch.Tensor  # [B, n] each candidate's depth
+    rank: torch.Tensor  # [B, n] each candidate's sibling rank
     levels: int  # depths drafted
     consts: dict
 
@@ -168,15 +169,14 @@ class DynamicPolicy(TreePolicy):
         score = torch.cat(scs, 1)
         parents1 = torch.cat(fronts, 1)[:, c["parent_col"][:n_cand]]  # each candidate's parent id + 1 (0: the root)
         return Pool(drafter.root_tokens, torch.cat(toks, 1), score if raw else torch.cat(lqs, 1), score, parents1,
-                    c["depth"][:, :n_cand], D, c)
+                    c["depth"][:, :n_cand], c["rank"][:, :n_cand], D, c)
 
     def select(self, pool: Pool, T: int) -> Tree:
         """Keep the ``T - 1`` best-scoring candidates of ``pool`` (per row; per batch with ``node_share < 1``)."""
         order = torch.sort(pool.score, dim=1, descending=True, stable=True)
         pad = None if self.node_share >= 1 else self.row_pad(order.values[:, : T - 1])
-        n = pool.tokens.shape[1]
-        return kept_tree(pool.consts, pool.root, pool.tokens, pool.logq, pool.parents1, pool.consts["depth"][:, :n],
-                         pool.consts["rank"][:, :n], order.indices[:, : T - 1], pool.levels, pad)
+        return kept_tree(pool.consts, pool.root, pool.tokens, pool.logq, pool.parents1, pool.depth, pool.rank,
+                         order.indices[:, : T - 1], pool.levels, pad)
 
     def chain(self, depth: int, scored: bool = False) -> ChainPolicy:
         """The lean top-1 chain of ``depth`` drafts (a top_k 1 tree), made once per (depth, scored)."""
