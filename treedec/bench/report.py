@@ -90,10 +90,11 @@ def step_table(methods: dict) -> list[str]:
         return []
     depth = max((max(e.get("accept_by_depth") or {0: 0}) for _, e in rows), default=0)
     depth = min(int(depth), 8)
-    lines = ["", "Acceptance by position (of the steps whose path reached depth d, the share accepting a node there) "
-             "and the decode time's split (median pass, prefill excluded; the decoder's own clocks):", "",
+    lines = ["", "Acceptance by position (dN: of the steps whose path reached depth N, the share accepting a node there) "
+             "and where a step's time goes (t: share of the median pass's decode time, prefill excluded, by the "
+             "decoder's own clocks):", "",
              "| method | tok/s | × vanilla | τ | " + " | ".join(f"d{d}" for d in range(1, depth + 1))
-             + " | draft | verify | accept | commit |", "|---|" + "---:|" * (3 + depth + 4)]
+             + " | t draft | t verify | t accept | t commit |", "|---|" + "---:|" * (3 + depth + 4)]
     for n, e in rows:
         acc = {int(k): v for k, v in (e.get("accept_by_depth") or {}).items()}
         sp = e["step_split"]
