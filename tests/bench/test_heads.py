@@ -59,7 +59,7 @@ def test_methods_cross_heads_and_rejected_pairs_are_skipped(stack, heads, tmp_pa
 def test_budget_sweeps_per_head_kind_and_their_plot(stack, heads, tmp_path):  # noqa: F811
     m = harness.run(compose_bench(stack, tmp_path, *TINY, f"bench.draft_heads=[{heads[0]},{heads[1]}]",
                                   "bench.methods=[vanilla]", "bench.dynamic_sweep=[8]",
-                                  "bench.best_first_sweep=[4,6]", "bench.plots=true"))
+                                  "bench.best_first_sweep=[4,6]", "bench.plots=true", "bench.batch_sizes=[2]"))
     assert m["dynamic_sweep"] == {"methods": ["dynamic_T8@draft"], "auto": []}
     assert m["best_first_sweep"] == {"methods": ["best_first_T4@parallel", "best_first_T6@parallel"], "auto": []}
     assert set(m["skipped"]) == {"dynamic_T8@parallel", "best_first_T4@draft", "best_first_T6@draft"}
@@ -67,6 +67,8 @@ def test_budget_sweeps_per_head_kind_and_their_plot(stack, heads, tmp_path):  # 
         e = m["methods"][f"best_first_T{T}@parallel"]
         assert e["tree_size"] == T and e["tree_depth"] == 3 and e["identical_to_vanilla"] is True
     assert (tmp_path / "budget_sweep.png").is_file()
+    # batches run with the first head, and only the trees it can feed
+    assert set(m["batched"]["by_size"]["2"]) == {"vanilla", "dynamic_T8"} and m["batched"]["failures"] == []
 
 
 def test_draft_heads_option_is_checked_before_loading(stack, tmp_path):  # noqa: F811
