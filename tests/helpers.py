@@ -76,6 +76,22 @@ def eagle3_pair(seed: int, vocab: int = 64, k: int = 40, **kw):
     return target, head.eval().bind(target)
 
 
+def parallel_pair(seed: int = 0, K: int = 5, k: int = 40, sharpen: float = 1.0, **kw):
+    """A random target and a one-pass (P-EAGLE) head of ``block_size`` K converted from :func:`eagle3_pair`'s EAGLE-3
+    head, its mask inputs random (so each depth's marginal differs from the others). ``sharpen`` scales the head's
+    final norm, so its logits: a random head's marginals are near uniform, and a best-first tree of them is all depth 1
+    (the 15th best token still outscores the best pair of tokens); sharpen=4 gives trees 2 to 4 deep."""
+    from treedec.models.parallel import ParallelHead
+
+    target, e3 = eagle3_pair(seed, k=k, **kw)
+    head = ParallelHead.from_eagle3(e3, K)
+    with torch.no_grad():
+        head.mask_embed.normal_(0, 1, generator=torch.Generator().manual_seed(seed))
+        head.mask_hidden.normal_(0, 1, generator=torch.Generator().manual_seed(seed + 1))
+        head.norm.weight.mul_(sharpen)
+    return target, head.eval().bind(target)
+
+
 @torch.inference_mode()
 def full_logits(model: Transformer, ids, position_offset: int = 0) -> torch.Tensor:
     """Logits [B, T, V] of one plain forward over ``ids`` from an empty cache."""
@@ -118,6 +134,13 @@ class OraclePolicy(TreePolicy):
 
     def stream(self, row: int, toks: list[int]) -> None:
         self.emitted[row] += len(toks)
+
+    @property
+    def reads(self) -> str:
+        return self.inner.reads
+
+    def check_head(self, head) -> None:
+        self.inner.check_head(head)
 
     @property
     def wants_cost(self) -> bool:

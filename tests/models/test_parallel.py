@@ -6,16 +6,7 @@ import torch
 from treedec.decoding.drafter import Drafter
 from treedec.models.draft import DraftConfig, DraftHead
 from treedec.models.parallel import ParallelHead, block_mask, cod_sample
-from tests.helpers import eagle3_pair
-
-
-def parallel_pair(seed: int = 0, K: int = 5, k: int = 40):
-    target, e3 = eagle3_pair(seed, k=k)
-    head = ParallelHead.from_eagle3(e3, K)
-    with torch.no_grad():
-        head.mask_embed.normal_(0, 1, generator=torch.Generator().manual_seed(seed))
-        head.mask_hidden.normal_(0, 1, generator=torch.Generator().manual_seed(seed + 1))
-    return target, head.eval().bind(target)
+from tests.helpers import eagle3_pair, parallel_pair
 
 
 def test_block_mask_lets_a_mask_element_see_its_anchors_prefix_and_its_block_up_to_itself():
