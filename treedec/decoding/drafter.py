@@ -112,20 +112,41 @@ class Drafter:
             self._run_pending()
 
     @torch.inference_mode()  # so that state read after ``generate`` (tests, tools) catches up too
-    def _run_pending(self) -> None:
+    def _run_pending(self, n_mask: int = 0) -> torch.Tensor | None:
+        """The catch-up; with ``n_mask`` (a one-pass head) the step's mask positions after it, in the same forward:
+        returns their outputs [B, n_mask, H] (None without)."""
         p = self._pending[0] if len(self._pending) == 1 else self._pack(self._pending)
         self._pending = []
         tokens, n_host, dev = p.tokens, p.n_host, p.tokens.device
-        L = self.cache.lengths
-        pos = L[:, None] + torch.arange(tokens.shape[1], device=dev)
-        feat = self.head(tokens, self.head.project(p.features), self.cache, pos)
+        L, w = self.cache.lengths, tokens.shape[1]
         if p.n_valid is not None:
-            last = (p.n_valid - 1).clamp(min=0)
+            n_valid = p.n_valid
         else:
-            last = torch.tensor([max(n - 1, 0) for n in n_host]).to(dev, non_blocking=True)
-        self._feat = feat[torch.arange(self.batch, device=dev), last]
+            n_valid = torch.tensor(n_host).to(dev, non_blocking=True)
+        pos = L[:, None] + torch.arange(w, device=dev)
+        if n_mask:
+            out = self.head.forward_block(tokens, self.head.project(p.features), n_mask, self.cache,
+                                          *self._block_layout(pos, n_valid, n_host, n_mask))
+            feat, masked = out[:, :w], out[:, w:]
+        else:
+            feat, masked = self.head(tokens, self.head.project(p.features), self.cache, pos), None
+        self._feat = feat[torch.arange(self.batch, device=dev), (n_valid - 1).clamp(min=0)]
         self._logits = self.head.logits(self._feat)
         self.cache.advance(n_host)
+        return masked
+
+    def _block_layout(self, pos: torch.Tensor, n_valid: torch.Tensor, n_host: list[int], n: int):
+        """(positions [B, w + n], dense mask) of a catch-up of ``w`` columns followed by ``n`` mask positions: row b's
+        mask positions sit at RoPE positions after its ``n_host[b]`` valid columns and see those, not its padding."""
+        B, w, dev = self.batch, pos.shape[1], pos.device
+        j = torch.arange(n, device=dev)
+        pos = torch.cat([pos, (self.cache.lengths + n_valid)[:, None] + j], 1)
+        cols = torch.arange(w + n, device=dev)
+        causal = cols[None, :] <= cols[:, None]  # [w + n, w + n]
+        real_ok = (cols[None, None, :] < n_valid[:, None, None]) | (cols[None, None, :] >= w)  # [B, 1, w + n]
+        anc = causal[None] & (real_ok | (cols[None, :, None] < w))  # real columns: plain causal
+        host = list(self.cache.host_lengths)
+        return pos, prefix_tree_mask(anc, self.cache.lengths, max(host) + w + n, host_lens=host)[:, None]
 
     @staticmethod
     def _pack(chunks: list[_Pending]) -> _Pending:
@@ -185,13 +206,17 @@ class Drafter:
         """A one-pass head's draft logits [B, depth, K] of depths 1..``depth`` below the root: depth 1 is
         :attr:`root_logits`; depths 2.. come from one head pass over ``depth - 1`` mask positions after each row's
         prefix (:meth:`~treedec.models.parallel.ParallelHead.forward_mask`), each the distribution of the token that
-        far ahead whatever the drafts before it. Their keys are written past the prefix and dropped with the tree."""
-        first = self.root_logits[:, None]
-        if depth <= 1:
-            return first
+        far ahead whatever the drafts before it; with a catch-up pending, that catch-up and the mask positions run
+        as one forward. Their keys are written past the prefix and dropped with the tree."""
         n, cache = depth - 1, self.cache
         if n >= self.head.block_size:
             raise ValueError(f"this parallel head drafts {self.head.block_size} positions per pass; asked for {depth}")
+        if n and self._pending:  # the catch-up and the mask positions in one head pass
+            masked = self._run_pending(n)
+            return torch.cat([self._logits[:, None], self.head.logits(masked).to(self._logits.dtype)], 1)
+        first = self.root_logits[:, None]
+        if depth <= 1:
+            return first
         host = list(cache.host_lengths)
         if min(host) == max(host):
             pos = torch.arange(host[0], host[0] + n, device=self.device).expand(self.batch, n)

@@ -101,12 +101,21 @@ class ParallelHead(Eagle3Head, kind="parallel"):
         """The block's ``n`` mask positions after each row's cached prefix -> their outputs [B, n, H] (the marginals of
         depths 2..n+1 are :meth:`logits` of them). ``mask`` None: causal within the block after each row's prefix. The
         cache length does not move."""
+        return self.forward_block(None, None, n, cache, position_ids, mask)
+
+    def forward_block(self, tokens: torch.Tensor | None, features: torch.Tensor | None, n: int, cache: KVCache,
+                      position_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Verified pairs (``tokens`` [B, w] one ahead of head-space ``features`` [B, w, H], or None) followed by ``n``
+        mask positions, in one forward -> outputs [B, w + n, H]: a step's catch-up and its whole draft in one head
+        pass. ``position_ids`` [B, w + n]; ``mask`` the dense visibility (None: causal after each row's prefix)."""
         B, dt = cache.batch, self.dtype
-        emb = self.mask_embed.to(dt).expand(B, n, -1)
-        h = self.mask_hidden.to(dt).expand(B, n, -1)
-        mask, cos, sin = self._mask_rope(n, cache, position_ids, mask)
+        emb, h = self.mask_embed.to(dt).expand(B, n, -1), self.mask_hidden.to(dt).expand(B, n, -1)
+        if tokens is not None:
+            emb = torch.cat([self.target.model.embed_tokens(tokens).to(dt), emb], 1)
+            h = torch.cat([features.to(dt), h], 1)
+        mask, cos, sin = self._mask_rope(emb.shape[1], cache, position_ids, mask)
         backend = "eager" if self.target.attn_backend == "eager" else "sdpa"
-        with one_row_matmuls(emb, B * n == 1):
+        with one_row_matmuls(emb, emb.shape[0] * emb.shape[1] == 1):
             return self.layer(emb, h, cos, sin, cache, mask, backend)
 
     def forward_train(self, tokens: torch.Tensor, features: torch.Tensor, anchor: torch.Tensor,
