@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from treedec.models import head_formats_peagle as peagle
+import treedec.models.head_formats_peagle as peagle
 from treedec.models.checkpoint import (INDEX, WEIGHTS, CheckpointError, _open, _weight_map, check_finite,
                                        read_json_object)
 from treedec.models.config import MODEL_TYPES, SUPPORTED_ARCHITECTURES, LlamaConfig
