@@ -46,9 +46,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from treedec.bench.machine import machine_info
 from treedec.bench.methods import (
-    Method, Prompt, RunOutput, SWEEP_STAR, build_methods, build_policies, head_configs, head_info, head_name,
-    load_heads, load_prompts, prompt_source_name, rejects, resolve_auto, sweep_methods, temperature_key,
+    Method, Prompt, RunOutput, SWEEP_STAR, build_methods, build_policies,
+    load_prompts, prompt_source_name, resolve_auto, sweep_methods, temperature_key,
 )
+from treedec.bench.heads import head_configs, head_info, head_name, load_heads, rejects
 from treedec.bench.timing import time_methods
 
 

@@ -276,69 +276,6 @@ def tree_config(bench: DictConfig, name: str):
     return bench.trees[name]
 
 
-# --------------------------------------------------------------------------- draft heads
-def head_configs(cfg: DictConfig) -> dict[str, DictConfig] | None:
-    """``bench.draft_heads`` as {short name: draft config}; None when it is null (the ``draft`` group's head alone).
-
-    An entry is a draft config name (``conf/draft/NAME.yaml``: short name NAME) or a head directory or bundled head
-    name (``conf/draft/path.yaml`` with that path: short name the directory's name). The ``draft`` group's
-    ``dtype`` and ``quantize`` apply to every head.
-    """
-    from treedec.bench.config import draft_head_entry
-    from treedec.models.paths import CONF
-
-    heads = cfg.bench.get("draft_heads")
-    if heads is None:
-        return None
-    out = {}
-    for entry in heads:
-        short, file = draft_head_entry(str(entry))
-        node = OmegaConf.load(file or CONF / "draft" / "path.yaml")
-        if file is None:
-            node.path = str(entry)
-        for key in ("dtype", "quantize"):
-            if key in cfg.draft:
-                node[key] = cfg.draft[key]
-        out[short] = node
-    return out
-
-
-def load_heads(cfg: DictConfig, target, draft) -> dict[str, object] | None:
-    """The heads of ``bench.draft_heads`` bound to ``target`` (None when it is null); ``draft``, the head load_stack
-    loaded from the first entry, is reused."""
-    from treedec.config_checks import instantiate_checked
-
-    nodes = head_configs(cfg)
-    if nodes is None:
-        return None
-    heads = {}
-    for i, (short, node) in enumerate(nodes.items()):
-        heads[short] = draft if i == 0 else instantiate_checked(
-            node, target=target, dtype=node.get("dtype") or target.dtype, device=target.device).eval()
-        log.info("draft head %s: %s (%s%s)", short, node.path, heads[short].config.kind,
-                 f", block_size {heads[short].block_size}" if getattr(heads[short], "one_pass", False) else "")
-    return heads
-
-
-def head_info(heads: dict[str, object], nodes: dict[str, DictConfig]) -> dict[str, dict]:
-    """metrics.json's ``heads``: per short name its path, kind, dtype and (one-pass heads) block size."""
-    return {short: {"path": str(nodes[short].path), "kind": h.config.kind, "one_pass": bool(getattr(h, "one_pass", False)),
-                    "block_size": getattr(h, "block_size", None) if getattr(h, "one_pass", False) else None,
-                    "dtype": str(h.dtype).removeprefix("torch.")}
-            for short, h in heads.items()}
-
-
-def rejects(policy, head) -> str | None:
-    """Why ``policy`` cannot draft from ``head`` (its ``check_head``'s TreeError), or None."""
-    from treedec.tree.tree import TreeError
-
-    try:
-        policy.check_head(head)
-    except TreeError as exc:
-        return str(exc)
-    return None
-
-
 def resolve_auto(cfg: DictConfig) -> dict[str, str]:
     """Replace ``bench.learned_path`` / ``bench.assistant_path`` = auto by what they mean here (bundled.py).
 
@@ -369,11 +306,6 @@ def build_policies(cfg: DictConfig) -> dict:
     return out
 
 
-def head_name(name: str, head: str | None) -> str:
-    """A row's name: ``chain``, or with bench.draft_heads ``chain@tiny_code`` (a sampled row adds ``@T`` after)."""
-    return name if head is None else f"{name}@{head}"
-
-
 def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None = None,
                   why: dict[str, str] | None = None, heads: dict | None = None) -> tuple[list[Method], dict[str, str]]:
     """treedec's methods from ``bench.methods`` (and their sampled variants); returns (methods, skipped).
@@ -382,6 +314,8 @@ def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None
     ``METHOD@HEAD``, the first head with ``policies``' own objects (batched.py shares them), the others with
     new ones; vanilla runs once. A (method, head) pair whose policy rejects the head (``check_head``) is skipped.
     """
+    from treedec.bench.heads import head_name, rejects
+
     from treedec.config_checks import instantiate_checked
     from treedec.sampling import SamplingParams
 

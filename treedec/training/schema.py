@@ -303,8 +303,7 @@ def _check_train(cfg: DictConfig) -> None:
         raise ConfigError(f"draft_arch.kind={draft.get('kind')!r} is not a head kind: draft_arch=eagle, "
                           f"draft_arch=eagle3 or draft_arch=parallel")
     if draft.get("kind") == "parallel" and not (isinstance(draft.get("block_size"), int) and draft["block_size"] >= 1):
-        raise ConfigError(f"draft_arch.block_size={draft.get('block_size')!r}: a parallel head drafts a whole number "
-                          f">= 1 of positions per pass (conf/draft_arch/parallel.yaml: 8)")
+        raise ConfigError(f"draft_arch.block_size={draft.get('block_size')!r}: a whole number >= 1 of positions per pass")
     _at_least(cfg, "optim.unroll", 1, " (null: 3 for eagle3, 1 for eagle)")
     if "target" in draft:
         raise ConfigError("draft_arch.target is set from model.path; drop draft_arch.target")
