@@ -3,8 +3,10 @@ import pytest
 import torch
 
 from treedec.decoding.drafter import Drafter
+from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.tree import Tree, TreeError
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
+from treedec.tree.policies.best_first import BestFirstPolicy
 from treedec.tree.shapes import list_shapes, load_shape
 
 from tests.helpers import make_pair
@@ -228,3 +230,136 @@ def test_a_top1_chain_drafts_with_fewer_kernels_and_the_same_tokens():
     assert torch.equal(t_lean.tokens, t_general.tokens) and t_lean.is_chain and not t_general.is_chain
     assert kernels(b) - kernels(a) >= 2 * 5, (a.ops, b.ops)
     assert a.host_reads == b.host_reads == 0
+
+
+# ---------------------------------------------------------------- one-pass (parallel) heads
+
+
+def head_passes(monkeypatch) -> dict:
+    """Count every forward of a parallel head (``forward``: a catch-up; ``forward_block``: mask positions, with or
+    without a catch-up before them in the same pass; ``forward_one``: an EAGLE chain node's lean pass)."""
+    from treedec.models.parallel import ParallelHead
+
+    calls = {"forward": 0, "forward_block": 0, "forward_one": 0}
+    for name in calls:
+        real = getattr(ParallelHead, name)
+
+        def counted(self, *a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(ParallelHead, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 5])
+def test_a_parallel_chain_costs_one_head_pass_per_step(depth, monkeypatch):
+    """A one-pass head drafts a chain of depths 2..K with one forward over the mask positions, and a step's catch-up
+    rides in that same forward: a whole generation costs one head pass per drafted step (depth 1: the catch-up
+    alone), however deep the chain."""
+    from tests.helpers import parallel_pair
+
+    target, head = parallel_pair(2, K=5, sharpen=4.0)
+    calls = head_passes(monkeypatch)
+    dec = SpeculativeDecoder(target, head, ChainPolicy(depth), eos_ids=[])
+    steps, passes = [], []
+    total = lambda: calls["forward"] + calls["forward_block"] + calls["forward_one"]  # noqa: E731
+    res = dec.generate([[1, 2, 3, 4], [5, 6]], 30, hook=lambda info: (steps.append(info.tree.size),
+                                                                       passes.append(total())))
+    assert len(steps) == res.stats.steps > 5 and all(s == depth + 1 for s in steps)
+    assert passes == list(range(1, len(steps) + 1)), calls  # one pass per step, the first step's included
+    assert calls["forward_one"] == 0
+    assert calls["forward_block"] == (len(steps) if depth > 1 else 0), calls
+    assert total() == len(steps) + 1  # and generate's end flushes the last catch-up (one more pass)
+    # and drafted alone, after the catch-up: one pass over the mask positions, nothing else
+    d = dec.drafter
+    with torch.inference_mode():
+        d.flush()
+        before = dict(calls)
+        tree = ChainPolicy(depth).draft(d)
+    assert tree.size == depth + 1
+    assert calls["forward_block"] - before["forward_block"] == (depth > 1) and calls["forward"] == before["forward"]
+
+
+@pytest.mark.parametrize("policy", [lambda: ChainPolicy(5), lambda: BestFirstPolicy(12, 4)], ids=["chain", "best_first"])
+def test_a_parallel_heads_mask_positions_do_not_stay_in_the_draft_cache(policy):
+    """After every step the draft cache (with what is pending) holds exactly the verified prefix, as the target's
+    cache does; and at the end the drafter's marginals are those of a fresh drafter that caught up on the whole
+    verified sequence at once (so no mask position's key was kept, or seen, where a verified pair now is)."""
+    from treedec.models.parallel import ParallelHead
+    from tests.helpers import parallel_pair
+
+    target, head = parallel_pair(3, K=5, sharpen=4.0)
+    dec = SpeculativeDecoder(target, head, policy(), eos_ids=[])
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    accepted = [[] for _ in prompts]  # each row's tokens accepted by the steps (those past its budget too)
+    checked, last_active = [], []
+
+    def hook(info):
+        d = dec.drafter
+        pending = [sum(p.n_host[b] for p in d._pending) for b in range(d.batch)]
+        lens = [n + k for n, k in zip(d.cache.host_lengths, pending)]
+        checked.append(lens == dec.cache.host_lengths)
+        for a, toks in zip(accepted, info.tokens):
+            a.extend(toks)
+        last_active[:] = info.active
+
+    res = dec.generate(prompts, 25, hook=hook)
+    assert len(checked) == res.stats.steps and all(checked)
+    seqs = [p + out[:1] + a for p, out, a in zip(prompts, res.tokens, accepted)]  # prompt, the prefill's token, steps'
+    for b, s in enumerate(seqs):
+        assert s[len(prompts[b]):][:25] == res.tokens[b]
+    with torch.inference_mode():
+        got = dec.drafter.marginals(5).float()
+        for b, s in enumerate(seqs):
+            ids = torch.tensor([s])
+            feats = head.features(target.forward_train(ids, layer_inputs=head.feature_layers_needed)).float()
+            fresh = Drafter(head, 1, 128)
+            fresh.catch_up(ids[:, 1:], feats[:, :-1], None, [len(s) - 1], ids[:, -1])
+            want = fresh.marginals(5)[0].float()
+            # depth 1 is the root's: a row that finished before the last step keeps its cache but not its root state
+            # (the step's catch-up of no pair leaves it undefined, and nothing reads it); its mask positions still see
+            # its own prefix alone
+            d0 = 0 if last_active[b] else 1
+            torch.testing.assert_close(got[b, d0:], want[d0:], rtol=1e-4, atol=1e-4)
+            assert fresh.cache.host_lengths == [len(s) - 1]
+    assert any(last_active) and not all(last_active)  # (both kinds of row were checked)
+    assert isinstance(head, ParallelHead)
+
+
+def test_a_catch_up_and_its_mask_positions_in_one_pass_equal_the_two_passes():
+    """Drafter.marginals with a catch-up pending (one forward: the catch-up, then the mask positions) gives the same
+    marginals and draft cache as flushing the catch-up first and then running the mask positions: over ragged rows
+    (a row whose catch-up is shorter than the step's widest, so padding sits between its pairs and its mask
+    positions) and packed catch-ups of several steps."""
+    from tests.helpers import parallel_pair
+
+    target, head = parallel_pair(4, K=5, sharpen=2.0)
+    g = torch.Generator().manual_seed(4)
+    F = 3 * 64
+
+    def run(fused: bool):
+        d = Drafter(head, 3, 128)
+        out = []
+        with torch.inference_mode():
+            for lens in [(5, 9, 2), (1, 3, 2), (2, 1, 4), (3, 3, 3)]:
+                w = max(lens)
+                toks = torch.randint(0, 64, (3, w), generator=torch.Generator().manual_seed(sum(lens) * 7 + w))
+                feats = torch.randn(3, w, F, generator=torch.Generator().manual_seed(sum(lens) * 11 + w))
+                d.catch_up(toks, feats, torch.tensor(lens), list(lens), toks[torch.arange(3), torch.tensor(lens) - 1])
+                if len(out) == 1:  # two catch-ups pending at once: packed before the pass
+                    out.append(None)
+                    continue
+                if not fused:
+                    d.flush()
+                out.append(d.marginals(4).float())
+                assert d.cache.host_lengths == [int(x) for x in d.cache.lengths]
+            return out, list(d.cache.host_lengths), d.cache.k[..., : min(d.cache.host_lengths), :].clone()
+
+    (one, lens1, k1), (two, lens2, k2) = run(True), run(False)
+    assert lens1 == lens2
+    for a, b in zip(one, two):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-4)
+    del g
