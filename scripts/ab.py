@@ -5,6 +5,7 @@
     python scripts/ab.py --batch 4 --serve 16 --static-too vanilla chain:5 auto   # continuous vs static batches
 
 A method is ``vanilla``, ``chain:D``, ``static`` (EAGLE's 26-node shape), ``dynamic:T/D/K`` (calibrated),
+``best_first:T/D`` (DDTree's tree from a one-pass head: ``+NAME`` of a parallel head),
 ``auto`` (``tree=auto``; on an older REV without it, that code's ``tree.total_tokens=auto`` as its bench ran it)
 or ``lookup:D`` (prompt lookup beside a D-deep chain), with ``@fp32`` / ``@bf16`` / ``@auto`` for the draft head's
 dtype (default auto), or ``@int8`` for the auto dtype's head with int8 weights (``draft.quantize=int8``), then
@@ -57,9 +58,13 @@ def policy(kind: str, arg: str, P, head: str = "tiny-code-eagle", knobs: dict | 
         if hasattr(P, "AutoPolicy"):
             return P.AutoPolicy(**calibrated, **knobs)
         return P.DynamicPolicy(total_tokens="auto", depth=7, top_k=4, min_depth=5, chain_depth=10, **calibrated)
+    if kind == "best_first":
+        T, d = map(int, arg.split("/"))
+        return P.BestFirstPolicy(total_tokens=T, depth=d)
     if kind == "lookup":
         return P.LookupPolicy(P.ChainPolicy(int(arg)))
-    raise SystemExit(f"unknown method {kind!r}: vanilla, chain:D, static, dynamic:T/D/K, auto or lookup:D")
+    raise SystemExit(f"unknown method {kind!r}: vanilla, chain:D, static, dynamic:T/D/K, best_first:T/D, auto or "
+                     "lookup:D")
 
 
 def policy_knobs(spec: str) -> tuple[str, dict]:
