@@ -22,7 +22,7 @@ import torch
 from treedec.sampling import SamplingParams
 from treedec.tree.policies.base import TreePolicy, kept_tree, kept_tree_constants, whole
 from treedec.tree.policies.dynamic import Pool
-from treedec.tree.tree import Tree
+from treedec.tree.tree import Tree, TreeError
 
 
 class BestFirstPolicy(TreePolicy):
@@ -38,6 +38,12 @@ class BestFirstPolicy(TreePolicy):
         self.max_rank = self.k - 1
         self.max_inputs = self.max_depth - 1  # draft-cache slots past the prefix a step writes: the mask positions
         self._const: tuple = ()
+
+    def validate(self, vocab_size: int) -> None:
+        if self.k > vocab_size:
+            raise TreeError(f"tree.total_tokens={self.total_tokens} takes the {self.k} best tokens of each depth's "
+                            f"marginal, but the draft vocabulary has {vocab_size}: set tree.total_tokens <= "
+                            f"{vocab_size + 1}")
 
     def _constants(self, B: int, dev) -> dict:
         key = (B, str(dev))
