@@ -11,6 +11,7 @@ import treedec.config_checks as checks
 import treedec.config_schema as schema
 from treedec.sampling import SamplingParams
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, LearnedPolicy, LookupPolicy, StaticPolicy
+from treedec.tree.policies.best_first import BestFirstPolicy
 from treedec.tree.policies.learned import save_learned
 from treedec.tree.shapes import SHAPE_DIR, list_shapes
 
@@ -18,7 +19,8 @@ CONF = SHAPE_DIR.parents[1]
 GROUPS = ("tree", "sampling", "kernel", "model", "draft")
 OPTIONS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in GROUPS}
 POLICY = {"static": StaticPolicy, "dynamic": DynamicPolicy, "chain": ChainPolicy, "learned": LearnedPolicy,
-          "dynamic_sample": DynamicPolicy, "lookup": LookupPolicy, "auto": AutoPolicy}
+          "dynamic_sample": DynamicPolicy, "lookup": LookupPolicy, "auto": AutoPolicy,
+          "best_first": BestFirstPolicy}
 
 
 @pytest.fixture(scope="module")

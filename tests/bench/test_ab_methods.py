@@ -14,10 +14,11 @@ def test_auto_takes_its_config_keys():
 def test_fixed_methods_and_unknown():
     assert policy("chain", "7", P).max_depth == 7
     pol = policy("dynamic", "16/6/2", P)
+    assert (policy("best_first", "24/6", P).total_tokens, policy("best_first", "24/6", P).max_depth) == (24, 6)
     assert (pol.total_tokens, pol.max_depth, pol.top_k) == (16, 6, 2)
     with pytest.raises(SystemExit, match="only auto takes"):
         policy("chain", "7", P, knobs={"depth": 3})
-    with pytest.raises(SystemExit, match=r"dynamic:T/D/K, auto"):
+    with pytest.raises(SystemExit, match=r"dynamic:T/D/K, best_first:T/D, auto"):
         policy("bushy", "", P)
 
 
