@@ -2,9 +2,11 @@
 
 A tiny-vocabulary target makes the exact joint distribution of the first three tokens cheap to
 compute; thousands of batch rows (independent draws) are generated in one call and compared
-with a chi-square test at p ~ 1e-4. Tokens 2 and 3 come from tree verification.
+with a chi-square test at p ~ 1e-4. Tokens 2 and 3 come from tree verification. A one-pass (parallel) head's cases
+(:data:`PARALLEL`) draft from per-depth marginals: best-first trees, and chains of top-1 or sampled drafts.
 """
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,9 +17,11 @@ from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.decoding.verify import Verdict
 from treedec.profiling import count_ops
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, LearnedPolicy, StaticPolicy
+from treedec.tree.policies.base import TreePolicy
+from treedec.tree.policies.best_first import BestFirstPolicy
 from treedec.tree.policies.learned import save_learned
 
-from tests.helpers import make_pair
+from tests.helpers import make_pair, parallel_pair
 from .stats import fits
 
 V, N, PROMPT = 5, 3000, [1, 2, 3, 4]
@@ -39,7 +43,22 @@ CASES = {
     "learned_topk": (learned, SamplingParams(0.9, top_p=0.9)),
     "chain_sampled_drafts": (lambda _: ChainPolicy(3, sample_drafts=True), SamplingParams(1.0)),
     "static_sampled_drafts": (lambda _: StaticPolicy(shape="balanced_2x3", sample_drafts=True), SamplingParams(1.2)),
+    # a one-pass head (PARALLEL): T - 1 = 5 = the vocabulary, every token a child of the root
+    "best_first": (lambda _: BestFirstPolicy(6, 3), SamplingParams(1.0)),
+    "best_first_top_p": (lambda _: BestFirstPolicy(4, 3), SamplingParams(0.8, top_k=4, top_p=0.9)),
+    "parallel_chain": (lambda _: ChainPolicy(3), SamplingParams(1.3, top_p=0.9)),  # depth = block_size
+    "parallel_chain_sampled_drafts": (lambda _: ChainPolicy(3, sample_drafts=True), SamplingParams(1.0)),
 }
+PARALLEL = {"best_first", "best_first_top_p", "parallel_chain", "parallel_chain_sampled_drafts"}
+
+
+def pair(case: str):
+    """The case's target and draft head: an EAGLE head, or (:data:`PARALLEL`) a sharpened one-pass head of block 3
+    over the same tiny vocabulary (seed 0: its trees are 3 deep and a fifth of the rows accept all three drafts, so
+    tokens 2 and 3 often come from deep accepts)."""
+    if case in PARALLEL:
+        return parallel_pair(0, K=3, k=0, sharpen=3.0, vocab=V, hidden=32, heads=2, kv_heads=1, peaked=4.0)
+    return make_pair(7, vocab=V, hidden=32, heads=2, kv_heads=1, peaked=4.0)
 
 
 @torch.inference_mode()
@@ -65,14 +84,15 @@ def sample_first_three(target, draft, policy, params, seed=0):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_matches_target_distribution(case, tmp_path):
-    target, draft = make_pair(7, vocab=V, hidden=32, heads=2, kv_heads=1, peaked=4.0)
+    target, draft = pair(case)
     make_policy, params = CASES[case]
     samples = sample_first_three(target, draft, make_policy(tmp_path), params)
     assert fits(samples, exact_joint(target, params))
 
 
 @pytest.mark.slow
-def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch):
+@pytest.mark.parametrize("case", ["dynamic_topk", "best_first"])
+def test_a_wrong_acceptance_rule_fails_the_same_test(case, monkeypatch):
     """A bonus redrawn from the whole of p (not p outside the rejected children) must be detected."""
     real = speculative.accept_paths
 
@@ -84,13 +104,14 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch):
         return acc
 
     monkeypatch.setattr(speculative, "accept_paths", biased)
-    target, draft = make_pair(7, vocab=V, hidden=32, heads=2, kv_heads=1, peaked=4.0)
-    make_policy, params = CASES["dynamic_topk"]
+    target, draft = pair(case)
+    make_policy, params = CASES[case]
     assert not fits(sample_first_three(target, draft, make_policy(None), params), exact_joint(target, params))
 
 
 @pytest.mark.slow
-def test_a_wrong_specinfer_rule_fails_the_same_test(monkeypatch):
+@pytest.mark.parametrize("case", ["chain_sampled_drafts", "parallel_chain_sampled_drafts"])
+def test_a_wrong_specinfer_rule_fails_the_same_test(case, monkeypatch):
     """Sampled drafts: accepting children without the residual update must be detected."""
 
     def biased(children, tokens, logits, params, draft_probs=None, generator=None):
@@ -104,9 +125,36 @@ def test_a_wrong_specinfer_rule_fails_the_same_test(monkeypatch):
             path.append(node)
 
     monkeypatch.setattr(speculative, "verify_sampling", biased)
-    target, draft = make_pair(7, vocab=V, hidden=32, heads=2, kv_heads=1, peaked=4.0)
-    make_policy, params = CASES["chain_sampled_drafts"]
+    target, draft = pair(case)
+    make_policy, params = CASES[case]
     assert not fits(sample_first_three(target, draft, make_policy(None), params), exact_joint(target, params))
+
+
+class ShiftedDraftProbs(TreePolicy):
+    """A parallel chain of sampled drafts that records each node's children's distribution one depth off: node d gets
+    q_{d+2}, the marginal its grandchild was drawn from, where its child was drawn from q_{d+1} (the last drafted node
+    keeps its own)."""
+
+    def __init__(self, inner: TreePolicy):
+        self.inner = inner
+        self.max_depth, self.max_size, self.max_inputs, self.max_rank = (inner.max_depth, inner.max_size,
+                                                                         inner.max_inputs, inner.max_rank)
+        self.reads = inner.reads
+
+    def draft(self, drafter, params=None, generator=None):
+        tree = self.inner.draft(drafter, params, generator)
+        q = tree.draft_probs
+        return replace(tree, draft_probs=torch.cat([q[:, 1:-1], q[:, -2:]], 1), _cache={})
+
+
+@pytest.mark.slow
+def test_a_parallel_chain_recording_the_wrong_marginal_fails_the_same_test():
+    """Sampled drafts from per-depth marginals: the SpecInfer rule must see, at each node, the marginal its child was
+    drawn from; recording the depth below's must be detected."""
+    target, draft = pair("parallel_chain_sampled_drafts")
+    make_policy, params = CASES["parallel_chain_sampled_drafts"]
+    policy = ShiftedDraftProbs(make_policy(None))
+    assert not fits(sample_first_three(target, draft, policy, params), exact_joint(target, params))
 
 
 @pytest.mark.slow
