@@ -49,6 +49,7 @@ ONE_PASS_POLICIES = {
     "best_first_flat": lambda: BestFirstPolicy(total_tokens=6, depth=1),  # no mask position: the root's top 5
     "best_first_vocab": lambda: BestFirstPolicy(total_tokens=41, depth=3),  # k = T - 1 = the 40-token draft vocabulary
     "lookup_chain": lambda: LookupPolicy(ChainPolicy(depth=4)),  # a copied chain beside a one-pass chain
+    "auto": lambda: AutoPolicy(max_depth=5, top_k=3, max_total_tokens=24),  # chains and best-first trees per step
 }
 
 # head kind -> (seeds, new tokens, max prompt length, the pair, its policies): EAGLE-3 (and parallel) heads over a
@@ -66,7 +67,7 @@ ONE_ROW = [(policy, head, seed) for head, (seeds, *_, pols) in HEADS.items() if 
 ONE_ROW += [(policy, "parallel", seed) for policy, seeds in [
     ("chain", range(3)), ("chain_block", [1]), ("best_first", range(3)), ("best_first_block", [0, 2]),
     ("best_first_flat", [1]), ("best_first_vocab", [0, 2]), ("lookup_chain", [1, 2]),
-    ("best_first_whole_vocab", [2])] for seed in seeds]
+    ("auto", range(3)), ("best_first_whole_vocab", [2])] for seed in seeds]
 # T - 1 = 64: every token of the whole vocabulary at depth 1, and a tree of T > 64 nodes (two mask words)
 ONE_PASS_POLICIES["best_first_whole_vocab"] = lambda: BestFirstPolicy(total_tokens=65, depth=2)
 
@@ -86,7 +87,7 @@ RAGGED = [("eagle", seed, backend) for seed in range(2) for backend in ("eager",
 RAGGED = [(policy, *case) for case in RAGGED for policy in POLICIES]
 # a one-pass head's mask positions over ragged rows (each row's own prefix), through both head attention paths
 RAGGED += [(policy, "parallel", seed, backend) for policy, seed, backend in
-           [("chain_block", 0, "eager"), ("best_first", 0, "sdpa"), ("lookup_chain", 0, "sdpa")]]
+           [("chain_block", 0, "eager"), ("best_first", 0, "sdpa"), ("lookup_chain", 0, "sdpa"), ("auto", 0, "sdpa")]]
 RAGGED += [pytest.param(policy, "parallel", seed, backend, marks=pytest.mark.slow) for policy, seed, backend in
            [("best_first_block", 1, "eager"), ("best_first_vocab", 1, "sdpa")]]  # ~5 s each
 

@@ -48,8 +48,9 @@ CASES = {
     "best_first_top_p": (lambda _: BestFirstPolicy(4, 3), SamplingParams(0.8, top_k=4, top_p=0.9)),
     "parallel_chain": (lambda _: ChainPolicy(3), SamplingParams(1.3, top_p=0.9)),  # depth = block_size
     "parallel_chain_sampled_drafts": (lambda _: ChainPolicy(3, sample_drafts=True), SamplingParams(1.0)),
+    "parallel_auto": (lambda _: AutoPolicy(max_depth=3, top_k=3, max_total_tokens=6), SamplingParams(0.9, top_p=0.95)),
 }
-PARALLEL = {"best_first", "best_first_top_p", "parallel_chain", "parallel_chain_sampled_drafts"}
+PARALLEL = {"best_first", "best_first_top_p", "parallel_chain", "parallel_chain_sampled_drafts", "parallel_auto"}
 
 
 def pair(case: str):

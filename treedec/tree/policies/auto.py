@@ -77,8 +77,11 @@ class AutoPolicy(TreePolicy):
         shapes = [(1, 0, 1)] + [(1, d, d + 1) for d in range(1, D + 1) if d + 1 <= most]
         shapes += [(k, d, t) for d in range(2, D + 1) for t in SIZES
                    if k > 1 and d + 1 <= t <= min(most, k * d + 1 if one_pass else n_drafted(k, d) + 1)]
-        self.shapes, self.top_k = shapes, k
         T = max(t for _, _, t in shapes + [(1, 1, 2)])
+        if one_pass:  # a best-first tree of t nodes takes each depth's t - 1 best: the largest tree's width serves all
+            k = T - 1
+            shapes = [(k if w > 1 else 1, d, t) for w, d, t in shapes]
+        self.shapes, self.top_k = shapes, k
         if one_pass:  # raw marginals: a calibration describes an autoregressive head's node scores
             self.trees = DynamicPolicy(total_tokens=2, depth=max(D, 1), top_k=1, calibration=None)
             self.pools = BestFirstPolicy(total_tokens=T, depth=max(D, 1))
