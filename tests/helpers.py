@@ -93,6 +93,20 @@ def parallel_pair(seed: int = 0, K: int = 5, k: int = 40, sharpen: float = 1.0, 
 
 
 @torch.inference_mode()
+def host_reads_per_step(dec, seed: int = 0, warm: int = 8, n: int = 50) -> tuple[float, int, object, dict]:
+    """Host reads per decoding step of ``dec`` over a two-row batch, after a warm-up call (plans, constants and step
+    costs built): (reads per step, the steps they were counted over, the timed call's result, the reads by kind)."""
+    from treedec.profiling import count_ops
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [[1, 2, 3], [4, 5]]
+    dec.generate(prompts, warm, generator=g)
+    marks = []
+    with count_ops() as c:
+        res = dec.generate(prompts, n, generator=g, hook=lambda _: marks.append(c.host_reads))
+    return (marks[-1] - marks[0]) / (len(marks) - 1), len(marks) - 1, res, c.reads
+
+
 def full_logits(model: Transformer, ids, position_offset: int = 0) -> torch.Tensor:
     """Logits [B, T, V] of one plain forward over ``ids`` from an empty cache."""
     ids = torch.as_tensor(ids, dtype=torch.long)

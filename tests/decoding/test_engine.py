@@ -13,7 +13,7 @@ from treedec.profiling import count_ops
 from treedec.tree import TreeError
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, StaticPolicy
 
-from tests.helpers import OraclePolicy, greedy_reference, make_pair
+from tests.helpers import OraclePolicy, greedy_reference, host_reads_per_step, make_pair
 
 POLICIES = {
     "chain": lambda: ChainPolicy(4),
@@ -46,14 +46,9 @@ def test_tree_auto_reads_the_device_once_per_step(params):
     target, draft = make_pair(1, layers=12, hidden=32, heads=2, kv_heads=1)
     # a step clock, not the wall's: the shapes chosen (and so the rare top-p misses) are the same every run
     dec = SpeculativeDecoder(target, draft, AutoPolicy(5, 4, clock=itertools.count().__next__), params)
-    g = torch.Generator().manual_seed(0)
-    dec.generate([[1, 2, 3], [4, 5]], 40, generator=g)  # the step costs measured, the shapes' plans built
-    marks = []
-    with count_ops() as c:
-        res = dec.generate([[1, 2, 3], [4, 5]], 60, generator=g, hook=lambda _: marks.append(c.host_reads))
+    per_step, steps, res, reads = host_reads_per_step(dec, warm=40, n=60)
     assert res.stats.steps > 10
-    per_step = (marks[-1] - marks[0]) / (len(marks) - 1)
-    assert per_step <= 1 + 1 / (len(marks) - 1), c.reads  # a rare top-p miss may add one
+    assert per_step <= 1 + 1 / steps, reads  # a rare top-p miss may add one
 
 
 def test_vanilla_reads_once_per_step():

@@ -20,7 +20,7 @@ from treedec.tree.policies.best_first import BestFirstPolicy
 from treedec.tree.policies.learned import save_learned
 from treedec.tree.policies.lookup import LookupPolicy
 
-from tests.helpers import eagle3_pair, make_pair, parallel_pair
+from tests.helpers import eagle3_pair, host_reads_per_step, make_pair, parallel_pair
 
 
 class FakeDrafter:
@@ -225,14 +225,9 @@ def test_best_first_reads_the_device_once_per_step(params):
     """A decoding step with a best-first tree reads the host once (the step's read): drafting adds none."""
     target, head = parallel_pair(1, K=4, sharpen=4.0)
     dec = SpeculativeDecoder(target, head, BestFirstPolicy(12, 4), params)
-    g = torch.Generator().manual_seed(0)
-    dec.generate([[1, 2, 3], [4, 5]], 8, generator=g)  # plans and constants built
-    marks = []
-    with count_ops() as c:
-        res = dec.generate([[1, 2, 3], [4, 5]], 50, generator=g, hook=lambda _: marks.append(c.host_reads))
+    per_step, steps, res, reads = host_reads_per_step(dec)
     assert res.stats.steps > 10
-    per_step = (marks[-1] - marks[0]) / (len(marks) - 1)
-    assert per_step <= 1 + 1 / (len(marks) - 1), c.reads  # a rare top-p miss may add one
+    assert per_step <= 1 + 1 / steps, reads  # a rare top-p miss may add one
 
 
 def learned_policy(tmp_path):
