@@ -177,7 +177,10 @@ def markdown(metrics: dict) -> str:
 
         lines += batched_markdown(metrics["batched"])
     if metrics.get("skipped"):
-        lines += ["", "Skipped: " + "; ".join(f"`{k}`: {v}" for k, v in metrics["skipped"].items())]
+        why: dict[str, list[str]] = {}  # one line per reason: a head skips the same trees at every budget
+        for name, reason in metrics["skipped"].items():
+            why.setdefault(reason, []).append(f"`{name}`")
+        lines += [""] + [f"Skipped {', '.join(names)}: {reason}" for reason, names in why.items()]
     if metrics.get("failures"):
         lines += ["", "**FAILURES**:", *[f"- {f}" for f in metrics["failures"]]]
     return "\n".join(lines) + "\n"
