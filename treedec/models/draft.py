@@ -302,8 +302,9 @@ class DraftHead(nn.Module):
     @classmethod
     def load(cls, path: str | Path, target: Transformer | None = None, dtype=None, device=None,
              quantize: str | None = None) -> "DraftHead":
-        """Load a bundled head ("tiny-code-eagle", "tiny-code-eagle3") or a directory (draft_config.json +
-        draft.safetensors, or a published EAGLE / EAGLE-3 / speculators layout); never unpickles.
+        """Load a bundled head ("tiny-code-eagle", "tiny-code-eagle3", "tiny-code-parallel") or a directory
+        (draft_config.json + draft.safetensors, or a published EAGLE / EAGLE-3 / P-EAGLE / speculators layout); never
+        unpickles.
 
         ``dtype``: None keeps the file's; "auto" is :func:`~treedec.models.draft_dtype.inference_dtype` for the target
         (and, for an fp32 head of a bf16 CPU target, a bf16 copy for wide batches); else a dtype or its name.
