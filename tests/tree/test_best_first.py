@@ -14,13 +14,13 @@ from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.profiling import count_ops
 from treedec.sampling import SamplingParams
 from treedec.tree import Tree, TreeError
-from treedec.tree.policies import ChainPolicy, DynamicPolicy, LearnedPolicy, StaticPolicy
+from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, LearnedPolicy, StaticPolicy
 from treedec.tree.policies.base import topk_logp
 from treedec.tree.policies.best_first import BestFirstPolicy
 from treedec.tree.policies.learned import save_learned
 from treedec.tree.policies.lookup import LookupPolicy
 
-from tests.helpers import eagle3_pair, host_reads_per_step, make_pair, parallel_pair
+from tests.helpers import eagle3_pair, greedy_reference, host_reads_per_step, make_pair, parallel_pair
 
 
 class FakeDrafter:
@@ -269,3 +269,26 @@ def test_a_best_first_tree_wider_than_the_draft_vocabulary_names_total_tokens():
     SpeculativeDecoder(target, head, BestFirstPolicy(41, 3))  # T - 1 = 40 = the draft vocabulary: fine
     with pytest.raises(TreeError, match="total_tokens"):
         SpeculativeDecoder(target, head, BestFirstPolicy(60, 3))
+
+
+@pytest.mark.parametrize("top_k", [1, 4])
+def test_tree_auto_with_a_one_pass_head_plays_chains_and_best_first_trees_of_their_own_width(top_k):
+    """A one-pass head: auto's candidates are no deeper than its block; a best-first tree of t nodes pools each depth's
+    t - 1 best (not the largest tree's); top_k 1 still means chains and plain steps only."""
+    target, head = parallel_pair(0, K=5)
+    policy = AutoPolicy(max_depth=8, top_k=top_k, max_total_tokens=24)
+    SpeculativeDecoder(target, head, policy)
+    assert max(d for _, d, _ in policy.shapes) == 5
+    trees = [(k, t) for k, d, t in policy.shapes if k > 1]
+    assert (not trees) if top_k == 1 else (trees and all(k == t - 1 for k, t in trees))
+    assert {d for k, d, t in policy.shapes if k == 1} == set(range(6))  # a plain step and a chain of every depth
+
+
+def test_tree_auto_sizes_best_first_trees_to_the_draft_vocabulary():
+    """A 40-token draft vocabulary: auto's best-first trees stop at 41 nodes (each depth's 40 tokens), with no error
+    to lower a setting the user never set, and decoding is still vanilla's."""
+    target, head = parallel_pair(0, K=5, k=40, sharpen=4.0)
+    policy = AutoPolicy()
+    dec = SpeculativeDecoder(target, head, policy)
+    assert max(t for k, _, t in policy.shapes if k > 1) == 32  # the largest candidate size <= 41
+    assert dec.generate([[1, 2, 3]], 40).tokens[0] == greedy_reference(target, [1, 2, 3], 40)

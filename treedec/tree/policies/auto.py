@@ -67,20 +67,21 @@ class AutoPolicy(TreePolicy):
         self.calibration = self.trees.calibration
         self._setup(one_pass=False)
 
-    def _setup(self, one_pass: bool, block_size: int = 0) -> None:
+    def _setup(self, one_pass: bool, block_size: int = 0, vocab: int = 0) -> None:
         """The candidates and fresh estimates: EAGLE-2 pools of width ``top_k`` for an autoregressive head; for a
-        one-pass head, chains and best-first trees (:class:`BestFirstPolicy`) up to its ``block_size``."""
+        one-pass head, chains and best-first trees (:class:`BestFirstPolicy`) up to its ``block_size``, of at most
+        ``vocab`` + 1 nodes (a depth's ``vocab`` tokens all drafted)."""
         D, k, most = self._args
-        if one_pass:
-            D, k = min(D, block_size), most - 1
-        self.one_pass, self._mode = one_pass, (one_pass, block_size)
+        if one_pass:  # best-first trees take any width; top_k 1 still means chains and plain steps only
+            D, k = min(D, block_size), (min(most - 1, vocab) if k > 1 else 1)
+        self.one_pass, self._mode = one_pass, (one_pass, block_size, vocab)
         shapes = [(1, 0, 1)] + [(1, d, d + 1) for d in range(1, D + 1) if d + 1 <= most]
         shapes += [(k, d, t) for d in range(2, D + 1) for t in SIZES
-                   if k > 1 and d + 1 <= t <= min(most, k * d + 1 if one_pass else n_drafted(k, d) + 1)]
+                   if k > 1 and d + 1 <= t <= min(most, k + 1 if one_pass else n_drafted(k, d) + 1)]
         T = max(t for _, _, t in shapes + [(1, 1, 2)])
-        if one_pass:  # a best-first tree of t nodes takes each depth's t - 1 best: the largest tree's width serves all
+        if one_pass:  # a best-first tree of t nodes needs each depth's t - 1 best: its own width, so small trees pool few
             k = T - 1
-            shapes = [(k if w > 1 else 1, d, t) for w, d, t in shapes]
+            shapes = [(t - 1 if w > 1 else 1, d, t) for w, d, t in shapes]
         self.shapes, self.top_k = shapes, k
         if one_pass:  # raw marginals: a calibration describes an autoregressive head's node scores
             self.trees = DynamicPolicy(total_tokens=2, depth=max(D, 1), top_k=1, calibration=None)
@@ -115,7 +116,7 @@ class AutoPolicy(TreePolicy):
     def check_head(self, head) -> None:
         """Any head: a one-pass head's candidates are its chains and best-first trees, no deeper than it drafts."""
         one = bool(getattr(head, "one_pass", False))
-        mode = (one, head.block_size if one else 0)
+        mode = (one, head.block_size, head.config.draft_vocab_size or head.config.vocab_size) if one else (False, 0, 0)
         if mode != self._mode:
             self._setup(*mode)
 
