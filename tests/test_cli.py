@@ -47,22 +47,34 @@ def test_write_text_atomic_follows_the_umask_and_leaves_no_temp(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["metrics.json"]
 
 
-def test_readme_results_command_runs_the_shipped_learned_tree():
-    """The README's "Results" bench command has no learned_path: bench's default must find the shipped tree."""
-    import yaml
+def test_readme_results_commands_compose_validate_and_name_shipped_heads():
+    """The README's "Results" bench commands run as written: each composes and validates as a bench config, and each
+    head of its bench.draft_heads is a shipped draft config whose bundled head is in the package."""
+    import shlex
 
-    from treedec.tree.policies import LearnedPolicy
+    from hydra import compose, initialize_config_dir
+
+    from treedec.config_checks import validate
+    from treedec.models.draft_config import BUNDLED_DRAFTS
+    from treedec.models.paths import CONF
 
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## Results"):]
     section = section[:section.index("\n## ", 4)]
-    assert "`python -m treedec.bench bench.num_threads=2`" in section and "learned" in section
-    from treedec.models.paths import ASSETS, CONF
-
-    conf = yaml.safe_load((CONF / "bench.yaml").read_text())
-    assert conf["bench"]["learned_path"] == "auto" and "learned" in conf["bench"]["methods"]
-    shipped = ASSETS / "tiny-code-eagle" / "learned_tree.yaml"
-    assert LearnedPolicy(str(shipped)).max_size == 48  # the tree the README's table reports
+    block = section[section.index("```bash"):section.index("```", section.index("```bash") + 7)]
+    commands = [c for c in block.replace("\\\n", " ").splitlines() if c.startswith("python -m treedec.bench")]
+    assert len(commands) >= 2
+    heads = set()
+    for command in commands:
+        args = shlex.split(command.split("  #")[0])[3:]
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(config_name="bench", overrides=args)
+        validate(cfg, "bench")
+        heads |= set(cfg.bench.draft_heads or [])
+    assert {"tiny_code", "tiny_code_eagle3", "tiny_code_parallel"} <= heads
+    for head in heads:
+        path = OmegaConf.load(CONF / "draft" / f"{head}.yaml").path
+        assert (BUNDLED_DRAFTS[path] / "draft.safetensors").is_file(), head
 
 
 @pytest.mark.parametrize("entry, arg, new", [
