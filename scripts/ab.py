@@ -86,8 +86,13 @@ def revision_package(rev: str) -> str:
                          text=True).stdout.strip()
     name = f"treedec_{sha}"
     tmp = Path(tempfile.mkdtemp(prefix="treedec-ab-"))
-    archive = subprocess.run(["git", "archive", sha, "treedec"], cwd=ROOT, check=True, capture_output=True).stdout
+    top = subprocess.run(["git", "ls-tree", "--name-only", sha, "conf/__init__.py"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout.strip()  # conf/ at the top level ships as treedec.conf
+    archive = subprocess.run(["git", "archive", sha, "treedec", *(["conf"] if top else [])], cwd=ROOT, check=True,
+                             capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+    if top:
+        (tmp / "conf").rename(tmp / "treedec" / "conf")
     (tmp / "treedec").rename(tmp / name)
     for f in (tmp / name).rglob("*.py"):
         f.write_text(re.sub(r"\btreedec(?=\.|\s+import\b)", name, f.read_text()))

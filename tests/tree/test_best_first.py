@@ -272,16 +272,19 @@ def test_a_best_first_tree_wider_than_the_draft_vocabulary_names_total_tokens():
 
 
 @pytest.mark.parametrize("top_k", [1, 4])
-def test_tree_auto_with_a_one_pass_head_plays_chains_and_best_first_trees_of_their_own_width(top_k):
-    """A one-pass head: auto's candidates are no deeper than its block; a best-first tree of t nodes pools each depth's
-    t - 1 best (not the largest tree's); top_k 1 still means chains and plain steps only."""
-    target, head = parallel_pair(0, K=5)
-    policy = AutoPolicy(max_depth=8, top_k=top_k, max_total_tokens=24)
-    SpeculativeDecoder(target, head, policy)
+def test_tree_auto_with_a_one_pass_head_plays_chains_and_best_first_trees_from_one_pool(top_k):
+    """A one-pass head: auto's candidates are no deeper than its block; every best-first tree comes from one pool of
+    the largest tree's T - 1 best per depth (what observe() reads for every tree); top_k 1 means chains only."""
+    target, head = parallel_pair(0, K=5, sharpen=4.0)
+    policy = AutoPolicy(max_depth=8, top_k=top_k, max_total_tokens=20)
+    dec = SpeculativeDecoder(target, head, policy)
     assert max(d for _, d, _ in policy.shapes) == 5
     trees = [(k, t) for k, d, t in policy.shapes if k > 1]
-    assert (not trees) if top_k == 1 else (trees and all(k == t - 1 for k, t in trees))
+    assert (not trees) if top_k == 1 else (trees and {k for k, _ in trees} == {max(t for _, t in trees) - 1})
     assert {d for k, d, t in policy.shapes if k == 1} == set(range(6))  # a plain step and a chain of every depth
+    prompt = [1, 2, 3]
+    assert dec.generate([prompt], 120).tokens[0] == greedy_reference(target, prompt, 120)
+    assert top_k == 1 or any(T > D + 1 for T, D in policy.history)  # trees were played (and observed)
 
 
 def test_tree_auto_sizes_best_first_trees_to_the_draft_vocabulary():

@@ -79,9 +79,9 @@ class AutoPolicy(TreePolicy):
         shapes += [(k, d, t) for d in range(2, D + 1) for t in SIZES
                    if k > 1 and d + 1 <= t <= min(most, k + 1 if one_pass else n_drafted(k, d) + 1)]
         T = max(t for _, _, t in shapes + [(1, 1, 2)])
-        if one_pass:  # a best-first tree of t nodes needs each depth's t - 1 best: its own width, so small trees pool few
+        if one_pass:  # one pool serves every tree (observe() reads what each would have held): the largest's T - 1 best
             k = T - 1
-            shapes = [(t - 1 if w > 1 else 1, d, t) for w, d, t in shapes]
+            shapes = [(k if w > 1 else 1, d, t) for w, d, t in shapes]
         self.shapes, self.top_k = shapes, k
         if one_pass:  # raw marginals: a calibration describes an autoregressive head's node scores
             self.trees = DynamicPolicy(total_tokens=2, depth=max(D, 1), top_k=1, calibration=None)
