@@ -45,7 +45,8 @@ def save_head(head: nn.Module, path: str | Path) -> None:
 def load_head(cls: type, path: str | Path, target: Transformer | None = None, dtype=None, device=None,
               quantize: str | None = None) -> nn.Module:
     """``DraftHead.load``: a head (``cls``, by its config's kind) from a bundled head ("tiny-code-eagle",
-    "tiny-code-eagle3", "tiny-code-parallel") or a directory (draft_config.json + draft.safetensors, or a published layout).
+    "tiny-code-eagle3", "tiny-code-parallel") or a directory (draft_config.json + draft.safetensors, or a published
+    layout).
 
     ``dtype``: None keeps the file's; "auto" is :func:`inference_dtype` for the target; else a dtype or its name.
     ``quantize``: "int8" rounds the head's weights to int8 for its passes of few rows (:mod:`treedec.models.quantized`;
