@@ -11,6 +11,7 @@ from treedec.sampling import SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.profiling import count_ops
 from treedec.tree import TreeError
+from treedec.tree.cost import StepCost
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, StaticPolicy
 
 from tests.helpers import OraclePolicy, greedy_reference, host_reads_per_step, make_pair
@@ -41,13 +42,18 @@ def test_at_most_four_host_reads_per_step_whatever_the_depth_of_the_model(layers
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, top_p=0.95)], ids=["greedy", "sample"])
-def test_tree_auto_reads_the_device_once_per_step(params):
+def test_tree_auto_reads_the_device_once_per_step(params, tmp_path):
     """Its estimates ride the step's one read (host copies started before it, read after it)."""
     target, draft = make_pair(1, layers=12, hidden=32, heads=2, kv_heads=1)
-    # a step clock, not the wall's: the shapes chosen (and so the rare top-p misses) are the same every run
-    dec = SpeculativeDecoder(target, draft, AutoPolicy(5, 4, clock=itertools.count().__next__), params)
+    # a step clock and a fixed step-cost profile, not the wall's: the shapes chosen (and so the rare top-p misses)
+    # are the same every run, however loaded the machine
+    policy = AutoPolicy(5, 4, clock=itertools.count().__next__)
+    dec = SpeculativeDecoder(target, draft, policy, params)
+    # drafts nearly free and a flat verify: trees and chains of every size pay even for this random draft
+    profile = {"verify": {1: 1.0, 64: 1.05}, "draft": {k: {1: 0.001, 5: 0.005} for k, _, _ in policy.shapes}}
+    policy.use_cost(lambda pol: StepCost(pol.shapes, {"device": "fixed"}, lambda rows: profile, tmp_path))
     per_step, steps, res, reads = host_reads_per_step(dec, warm=40, n=60)
-    assert res.stats.steps > 10
+    assert res.stats.steps > 10 and sum(T > D + 1 for T, D in policy.history) > 20  # mostly trees were played
     assert per_step <= 1 + 1 / steps, reads  # a rare top-p miss may add one
 
 
