@@ -79,7 +79,7 @@ class AutoPolicy(TreePolicy):
         shapes += [(k, d, t) for d in range(2, D + 1) for t in SIZES
                    if k > 1 and d + 1 <= t <= min(most, k + 1 if one_pass else n_drafted(k, d) + 1)]
         T = max(t for _, _, t in shapes + [(1, 1, 2)])
-        if one_pass and k > 1:  # one pool of the largest tree's T - 1 best per depth serves every tree (observe() reads it)
+        if one_pass and k > 1:  # one pool of the largest tree's T - 1 best serves every tree (observe() reads it)
             k = T - 1
             shapes = [(k if w > 1 else 1, d, t) for w, d, t in shapes]
         self.shapes, self.top_k = shapes, k
