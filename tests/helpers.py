@@ -156,18 +156,11 @@ class OraclePolicy(TreePolicy):
     def check_head(self, head) -> None:
         self.inner.check_head(head)
 
-    @property
-    def wants_cost(self) -> bool:
-        return self.inner.wants_cost
-
-    def use_cost(self, make) -> None:
-        self.inner.use_cost(make)
+    def prepare(self, *args, **kwargs) -> None:
+        self.inner.prepare(*args, **kwargs)
 
     def begin(self, prompts, first) -> None:
         self.inner.begin(prompts, first)
-
-    def interrupt(self) -> None:
-        self.inner.interrupt()
 
     def observe(self, info) -> None:
         self.inner.observe(info)

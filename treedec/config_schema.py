@@ -83,8 +83,6 @@ class AutoTreeSchema:  # conf/tree/auto.yaml
     max_depth: int = 10
     top_k: int = 4
     max_total_tokens: int = 64
-    calibration: Optional[str] = "auto"
-    cost_cache: Optional[str] = None
     draft_path: Optional[str] = None
 
 

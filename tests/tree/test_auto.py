@@ -1,4 +1,4 @@
-"""tree=auto: the choice rule, the step-cost profile and its cache, and the acceptance correction."""
+"""tree=auto: the rule, its estimates (the defects each test pins are named), the step-cost table and its cache."""
 import json
 import logging
 from types import SimpleNamespace
@@ -7,214 +7,231 @@ import numpy as np
 import pytest
 import torch
 
-from treedec.tree.cost import StepCost, cache_dir
-from treedec.tree.policies import AutoPolicy
-from treedec.tree.tree import TreeError
+from treedec.tree.policies import AutoPolicy, ChainPolicy
+from treedec.tree.policies.auto.cost import DECAY, STALE, StepCost
+from treedec.tree.policies.auto.policy import MAX_GAP
+from treedec.tree.policies.auto.profile import profile_key
 
 
 class FakeCost:
-    """A synthetic step-cost model: seconds per shape from a formula of (rows, width, depth, T)."""
+    """Seconds per shape from a formula of (rows, width, depth, T); records what the steps measured."""
 
     def __init__(self, policy, fn):
         self.shapes, self.fn, self.seen = policy.shapes, fn, []
 
     def seconds(self, rows):
-        return np.array([self.fn(rows, k, d, t) for k, d, t in self.shapes])
-
-    def profiled(self, rows):
-        return self.seconds(rows)
+        return np.array([self.fn(rows, k, d, t) for k, d, t in self.shapes], dtype=float)
 
     def observe(self, rows, shape, seconds):
         self.seen.append((rows, shape, seconds))
 
 
-def started(cost_fn, c=0.8, gain=0.0, **kw) -> AutoPolicy:
-    """A policy past its measuring steps: chain continuation ``c`` at every depth; a tree of T nodes and depth D
-    reaches each of its depths with ``gain`` * (T - D - 1) more than its chain (each node beyond the chain's adds
-    ``gain``)."""
+def policy(cost_fn=lambda rows, k, d, t: 1.0 + 0.1 * d + 0.01 * t, **kw) -> AutoPolicy:
     pol = AutoPolicy(calibration=None, **kw)
-    pol.cost, pol._plan = FakeCost(pol, cost_fn), []
-    pol.promise[:] = c
-    for i in pol._tree:
-        _, d, t = pol.shapes[i]
-        pol.S[i, :d] = gain * (t - d - 1)
+    pol.cost = FakeCost(pol, cost_fn)
     return pol
 
 
-def rate(pol, rows):
-    return (1 + pol.expected()) / pol.cost.seconds(rows)
+def play(pol, i, promised, accepted, rows=1):
+    """One step of shape ``i`` whose scores promised ``promised`` (a chain: reach per depth [D]; a pool:
+    [depth limit, T - 1, depth]) and whose rows accepted ``accepted`` drafts each."""
+    pol._step = (rows, i)
+    pol._pending = None if promised is None else torch.as_tensor(np.asarray(promised, dtype=np.float32))
+    pol.observe(SimpleNamespace(seconds=None, n_accept=[a + 1 for a in accepted], active=[True] * len(accepted)))
+
+
+def index(pol, k, d, t):
+    return pol.shapes.index((k, d, t))
+
+
+def chain_promise(c, D):
+    return c ** np.arange(1, D + 1)
+
+
+def pool_promise(pol, D, per_depth, p=0.9):
+    """A pool drafted to depth D whose best nodes, best first, sit at the depths ``per_depth`` lists (each ``p``)."""
+    n = pol.max_size - 1
+    out = np.zeros((D - 1, n, D))
+    for lim in range(2, D + 1):
+        order = [d for d in per_depth if d <= lim][:n]
+        for j in range(n):
+            for d in order[: j + 1]:
+                out[lim - 2, j, d - 1] += p
+    return out
+
+
+def test_a_tree_is_credited_with_its_own_nodes_not_its_chains_reach():
+    """Defect 1: a tree whose nodes are all at depth 1 reaches depth 1 only, however far its chain goes."""
+    pol = policy(max_depth=4, top_k=4, max_total_tokens=8)
+    play(pol, index(pol, 1, 4, 5), chain_promise(0.95, 4), [4])  # chains go deep
+    flat = pool_promise(pol, 4, [1, 1, 1, 1, 1, 1, 1], p=0.13)  # all at depth 1 (each row may accept one of them)
+    play(pol, index(pol, 4, 4, 8), flat, [1])
+    e = pol.expected()
+    assert e[index(pol, 4, 3, 8)] <= 1.0 + 1e-6  # depth 1 at most, not a 3-deep chain's 2.7
+    assert e[index(pol, 1, 3, 4)] > 2.5
 
 
 def test_the_rule_picks_the_most_tokens_per_second():
-    # memory-bound verify (flat in T), a draft pass per depth: deep chains pay until continuation runs out
-    pol = started(lambda rows, k, d, t: 1.0 + 0.1 * d + 0.001 * t, c=0.9, gain=0.02)
-    i = pol.choose(1)
-    assert i == int(np.argmax(rate(pol, 1)))
-    assert pol.shapes[i][0] == 4  # 2 % more a node for a per mille of verify each: a wide tree
-    assert pol.shapes[i][1] >= 5
+    pol = policy(lambda rows, k, d, t: 1.0 + 0.1 * d + 0.001 * t * rows, max_depth=6, top_k=4, max_total_tokens=32)
+    play(pol, index(pol, 1, 6, 7), chain_promise(0.9, 6), [6])
+    play(pol, index(pol, 4, 6, 32), pool_promise(pol, 6, [1, 2, 3, 4, 5, 6] * 6, p=0.15), [6])
+    value = (1 + pol.expected()) / pol.cost.seconds(1)
+    assert pol.choose(1) == int(np.nanargmax(value))
+    # a verify that grows with the tokens: at 64 rows the tree costs far more, a chain wins
+    assert pol.shapes[pol.choose(64)][0] == 1
 
 
-def test_it_shrinks_to_a_chain_then_to_plain_decoding_when_verify_is_compute_bound():
-    verify = lambda rows, t: 1.0 + 0.02 * rows * t  # noqa: E731  (cost grows with the tokens verified)
-    pol = started(lambda rows, k, d, t: verify(rows, t) + 0.05 * d * (1 + k * rows / 64), c=0.7, gain=0.05)
-    small, large, huge = (pol.shapes[pol.choose(b)] for b in (1, 16, 400))
-    assert small[0] == 4 and small[2] > small[1] + 1  # one row: a bushy tree
-    assert large[0] == 1 and large[2] == large[1] + 1  # 16 rows: a chain
-    assert huge == (1, 0, 1)  # 400 rows: the root alone
-    assert huge[1] < large[1] <= small[1]
+def test_the_online_correction_converges_to_what_the_target_accepts():
+    """A calibration that promises twice what the target accepts is corrected within a few dozen steps."""
+    pol = policy(max_depth=4, top_k=1)
+    i = index(pol, 1, 4, 5)
+    rng = np.random.default_rng(0)
+    promise = chain_promise(0.9, 4)
+    for _ in range(60):  # the truth: each depth is reached with half the promised chance
+        u = rng.random()
+        play(pol, i, promise, [int((u < promise / 2).sum())])
+    e, truth = pol.expected()[i], (promise / 2).sum()
+    assert abs(e - truth) < 0.35 * truth, (e, truth)
 
 
-def test_chains_only_with_top_k_one_and_bad_settings_are_refused():
-    pol = AutoPolicy(max_depth=6, top_k=1, calibration=None)
-    assert {k for k, _, _ in pol.shapes} == {1} and pol.max_size == 7 and pol._plan == [6]
-    for bad in ({"max_depth": 2.5}, {"top_k": "3"}, {"max_total_tokens": 1}, {"max_depth": 0}):
-        with pytest.raises(TreeError, match="whole number"):
-            AutoPolicy(calibration=None, **bad)
+@pytest.mark.parametrize("kind", ["chains accept nothing", "plain steps win"])
+def test_no_shape_is_locked_out(kind):
+    """Defect 7: after chains that accept nothing, plain steps win, yet chains are played again, ever less often
+    while they keep losing, but at least every MAX_GAP steps."""
+    pol = policy(lambda rows, k, d, t: 1.0 + 0.5 * d, max_depth=4, top_k=1)
+    played = []
+    for step in range(600):
+        i = pol.choose(1)
+        played.append(i)
+        k, d, t = pol.shapes[i]
+        play(pol, i, None if d == 0 else chain_promise(0.5, d), [0])
+    chains = [s for s, i in enumerate(played) if pol.shapes[i][1] > 0]
+    assert len(chains) >= 600 // MAX_GAP and max(np.diff(chains)) <= MAX_GAP
+    assert len(chains) < 30  # it mostly decodes plainly
 
 
-def test_the_first_steps_count_the_deepest_chain_on_four_rows_then_draft_the_deepest_pool():
-    pol = AutoPolicy(max_depth=5, top_k=3, calibration=None)
-    pol.cost = FakeCost(pol, lambda *a: 1.0)
-    chain = pol.shapes.index((1, 5, 6))
-    for _ in range(2):  # two rows a step: two steps
-        assert pol.choose(2) == chain
-        pol._pending = (chain, torch.full((5,), 0.5))
-        pol.observe(info([3, 6]))
-    assert pol.shapes[pol.choose(2)][:2] == (3, 5)
+def test_a_tree_the_target_starts_accepting_wins_back():
+    pol = policy(lambda rows, k, d, t: 1.0 + 0.05 * d + 0.005 * t, max_depth=4, top_k=4, max_total_tokens=16)
+    good = False
+    for step in range(400):
+        i = pol.choose(1)
+        k, d, t = pol.shapes[i]
+        if d == 0:
+            play(pol, i, None, [0])
+        elif k == 1:
+            play(pol, i, chain_promise(0.3, d), [0])
+        else:
+            play(pol, i, pool_promise(pol, d, list(range(1, d + 1)) * 8, p=0.12), [d if step > 200 else 0])
+        good |= step > 200 and k > 1 and step < 200 + MAX_GAP + 40 and pol.shapes[pol.choose(1)][0] > 1
+    assert good
 
 
-def info(n_accept):
-    return SimpleNamespace(active=[True] * len(n_accept), n_accept=n_accept)
+def test_chain_scores_follow_the_sampling_temperature_when_tempered():
+    """Defect 4: auto's chains score at the temperature its trees score at."""
+    from tests.helpers import make_pair
+    from treedec.decoding.drafter import Drafter
+    from treedec.sampling import SamplingParams
+
+    target, draft = make_pair(3)
+    head = draft.bind(target)
+    drafter = Drafter(head, 1, 64)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    pre = target(ids, target.new_cache(1, 8), logits=torch.tensor([[3]]), layer_inputs=head.feature_layers_needed)
+    drafter.catch_up(torch.tensor([[2, 3, 4, 5]]), head.features(pre), None, [4], torch.tensor([5]))
+    hot, cold = (ChainPolicy(3, scores=True, tempered=t).draft(drafter, SamplingParams(0.5)) for t in (True, False))
+    assert torch.equal(hot.tokens, cold.tokens)
+    assert (hot.scores[:, 1:] < cold.scores[:, 1:] - 1e-4).any() or (hot.scores[:, 1:] > cold.scores[:, 1:] + 1e-4).any()
+    again = ChainPolicy(3, scores=True, tempered=True).draft(drafter, SamplingParams())  # greedy: temperature 1
+    assert torch.allclose(again.scores, cold.scores)
 
 
-def test_the_chain_estimate_converges_on_a_biased_calibration():
-    """The scores promise a continuation of 0.5 a depth; every row accepts all 3 drafts: within a few dozen steps
-    the continuation is near 1 at the depths counted, and the 3-deep chain's estimate near the 3 drafts it gets."""
-    pol = started(lambda *a: 1.0)
-    chain = pol.shapes.index((1, 3, 4))
-    for step in range(40):
-        pol._pending = (chain, torch.tensor([0.5, 0.25, 0.125]))
-        pol.observe(info([4, 4]))
-        if step == 0:  # 2 prior rows at the pooled count (itself 2 rows at 0.5 and 6 at 1: 0.875), 2 observed at 1
-            assert pol.continuation[:3] == pytest.approx([0.9375] * 3)
-    assert pol.continuation[:3] == pytest.approx([1, 1, 1], abs=0.03)
-    assert pol.continuation[3:] == pytest.approx(pol.continuation[3])  # never counted: the count over all depths
-    assert pol.expected()[chain] == pytest.approx(3, abs=0.1)
+# --------------------------------------------------------------------------------------------- the cost table
+SHAPES = [(1, 0, 1), (1, 1, 2), (1, 4, 5), (4, 3, 16)]
 
 
-def test_rows_that_stop_early_lower_the_continuation_only_where_they_stop():
-    pol = started(lambda *a: 1.0, c=0.5)
-    chain = pol.shapes.index((1, 4, 5))
-    pol._pending = (chain, torch.tensor([0.5, 0.25, 0.125, 0.0625]))
-    pol.observe(info([3, 5, 1]))  # accepted 2, 4 and 0 drafts
-    hits, trials = np.array([2, 2, 1, 1]), np.array([3, 2, 2, 1])
-    pooled = (2 * 0.5 + hits.sum()) / (2 + trials.sum())
-    assert pol.continuation[:4] == pytest.approx((2 * pooled + hits) / (2 + trials))
+def table(scale=1.0):
+    return {"verify": {1: 1.0 * scale, 2: 1.1 * scale, 16: 2.0 * scale},
+            "draft": {1: {1: 0.1 * scale, 4: 0.4 * scale}, 4: {1: 0.2 * scale, 3: 0.6 * scale}}}
 
 
-def test_a_long_stretch_of_plain_steps_fades_back_to_the_count_over_all_depths():
-    pol = started(lambda rows, k, d, t: 1.0 if d == 0 else 1e9, c=0.5)  # drafting never pays: plain steps
-    chain = pol.shapes.index((1, 2, 3))
-    pol._pending = (chain, torch.tensor([0.5, 0.25]))
-    pol.observe(info([3] * 8 + [1] * 8))  # half the rows accept both drafts, half none
-    before = pol.continuation.copy()
-    drafter = type("D", (), {"batch": 1, "root_tokens": torch.zeros(1, dtype=torch.long)})()
+def test_seconds_are_table_seconds_and_never_negative():
+    """Defect 2: a table steps beat 3x, or a disturbed point, never predicts zero or negative seconds."""
+    t = table()
+    t["verify"][2] = 5.0  # a disturbed run: above the T=16 point (lowered to it)
+    cost = StepCost(SHAPES, {"device": "x"}, lambda rows, have: t)
+    cost.prepare(1)
+    s = cost.seconds(1)
+    assert s[0] == 1.0 and s[1] == pytest.approx(2.0 + 0.1) and s[3] == pytest.approx(2.0 + 0.6)
     for _ in range(200):
-        assert pol.draft(drafter).size == 1
-    pooled = (2 * 0.5 + 16) / (2 + 24)
-    assert before[0] == pytest.approx((2 * pooled + 8) / (2 + 16)) and pol.continuation[:2] == pytest.approx(
-        [pooled, pooled], abs=0.01)
+        cost.observe(1, 2, 0.01)
+    assert (cost.seconds(1) > 0).all()
 
 
-def test_tree_reach_and_gamma():
-    pol = AutoPolicy(max_depth=3, top_k=2, calibration=None)
-    pol.cost = FakeCost(pol, lambda *a: 1.0)
-    chain = pol.shapes.index((1, 3, 4))
-    pol._pending = (chain, torch.tensor([0.8, 0.4, 0.1]))
-    pol.observe(info([1]))
-    assert pol.promise[:3] == pytest.approx([0.8, 0.5, 0.25])  # the first measurement replaces the prior
-    tree = pol.shapes.index((2, 3, 4))
-    mass = torch.zeros(2, 10, 3)  # [depth limits 2..3, T - 1, depth]: the best T - 1 nodes' reach per depth
-    mass[1, 2] = torch.tensor([1.0, 0.5, 0.05])  # two children of the root, one grandchild
-    pol._pending = (tree, mass)
-    reach = np.cumprod(pol.continuation)[:3]
-    pol.observe(info([3]))  # two drafts accepted
-    assert pol.S[tree] == pytest.approx([0.2, 0.1, 0.0]) and not pol.S[chain].any()
-    assert pol.gamma == pytest.approx((0.9 + 2 - reach.sum()) / (0.9 + 0.3))
-    assert pol.reach()[tree] == pytest.approx(np.minimum(1, np.cumprod(pol.continuation)[:3] + pol.gamma * pol.S[tree]))
-
-
-def test_every_candidate_drafts_a_valid_tree_of_its_own_size_and_depth():
-    from tests.decoding.test_policies import primed_drafter
-
-    pol = AutoPolicy(max_depth=4, top_k=3, max_total_tokens=16, calibration=None)
-    pol.cost = FakeCost(pol, lambda *a: 1.0)
-    drafter = primed_drafter()
-    for i, (k, d, t) in enumerate(pol.shapes):
-        pol.choose = lambda rows, i=i: i
-        with torch.inference_mode():
-            tree = pol.draft(drafter)
-        assert tree.size == t and (tree.parents[:, 1:] >= 0).all()
-        assert int(tree.depth.max()) == d if k == 1 else int(tree.depth.max()) <= d  # a tree keeps its best nodes
-        pol.observe(info([1, 1]))
-
-
-# ------------------------------------------------------------------------------------ the step-cost profile
-def entry(scale=1.0):
-    return {"verify": {1: 1.0 * scale, 2: 2.0 * scale, 8: 8.0 * scale}, "draft": {1: {1: 0.1, 4: 0.4}}}
-
-
-SHAPES = [(1, 0, 1), (1, 1, 2), (1, 4, 5)]
-
-
-def test_profile_round_trip_interpolates_and_refines(tmp_path):
+def test_the_table_is_kept_and_each_run_measures_only_what_it_lacks(tmp_path):
+    """Defect 8: runs that differ only in their largest tree or depth share one file and measure only the points it
+    lacks; a smaller run measures nothing."""
     calls = []
-    cost = StepCost(SHAPES, {"device": "x"}, lambda rows: calls.append(rows) or entry(rows), tmp_path)
-    assert cost.seconds(1) == pytest.approx([1.0, 2.1, 5.4])  # verify at T=5 between 2 and 8, draft at depth 4
-    assert cost.seconds(2) == pytest.approx(np.array([1.0, 2.1, 5.4]) + (np.array([4, 8, 20]) - [1, 2, 5]) / 3)
-    assert calls == [1, 4] and cost.path.is_file()  # rows 2: between the measured 1 and 4
-    again = StepCost(SHAPES, {"device": "x"}, lambda rows: pytest.fail("measured again"), tmp_path)
-    assert again.seconds(2) == pytest.approx(cost.seconds(2))  # a later process loads it
-    again.observe(1, 2, 10.8)  # 5.4 s over the profile: the cell moves 0.3 of the way, the others by the step's rest
-    assert again.seconds(1)[2] == pytest.approx(5.4 + 0.3 * 5.4)
-    assert again.seconds(1)[0] == pytest.approx(1.0 + 0.3 * 5.4)
+
+    def measure_for(shapes):
+        def measure(rows, have):
+            calls.append((rows, sorted(have.get("verify", {}))))
+            full = table()
+            return {"verify": {t: s for t, s in full["verify"].items() if t <= max(x[2] for x in shapes) or t <= 2},
+                    "draft": {k: v for k, v in full["draft"].items() if k in {x[0] for x in shapes}}}
+        return measure
+
+    small = SHAPES[:3]
+    StepCost(small, {"device": "x"}, measure_for(small), tmp_path).prepare(1)
+    StepCost(SHAPES, {"device": "x"}, measure_for(SHAPES), tmp_path).prepare(1)
+    StepCost(SHAPES[:2], {"device": "x"}, measure_for(SHAPES), tmp_path).prepare(1)
+    assert [c[0] for c in calls] == [1, 1] and calls[1][1] == [1, 2]  # the second was handed the first's points
+    assert len(list(tmp_path.iterdir())) == 1
+    calls.clear()
+    StepCost(SHAPES, {"device": "x"}, measure_for(SHAPES), tmp_path).prepare(4)  # 4 rows: measured at 4 (1 is kept)
+    assert [c[0] for c in calls] == [4]
 
 
-def test_a_corrupt_or_stale_profile_is_measured_again_with_a_warning(tmp_path, caplog):
-    measured = []
-    make = lambda key: StepCost(SHAPES, key, lambda rows: measured.append(rows) or entry(), tmp_path)  # noqa: E731
-    make({"device": "x", "threads": 2}).seconds(1)
-    path = next(tmp_path.glob("step-cost-*.json"))
-    with caplog.at_level(logging.WARNING):
-        stale = make({"device": "x", "threads": 4})  # same file (threads are not in its name), another setup
-        assert stale.seconds(1) == pytest.approx([1.0, 2.1, 5.4])
-    assert "measured for another setup (threads)" in caplog.text and measured == [1, 1]
-    path.write_text("{not json")
-    with caplog.at_level(logging.WARNING):
-        make({"device": "x", "threads": 4}).seconds(1)
-    assert "not a readable step-cost profile" in caplog.text and measured == [1, 1, 1]
-    assert json.loads(path.read_text())["key"]["threads"] == 4  # rewritten whole
-
-
-def test_the_cache_folder_follows_the_key_then_the_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv("TREEDEC_CACHE", str(tmp_path / "a"))
-    assert cache_dir() == tmp_path / "a" and cache_dir(tmp_path / "b") == tmp_path / "b"
-    monkeypatch.delenv("TREEDEC_CACHE")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cache_dir() == tmp_path / "xdg" / "treedec"
-
-
-def test_an_unwritable_cache_never_fails_a_run(tmp_path, caplog):
-    blocked = tmp_path / "a-file"
-    blocked.write_text("not a folder")  # the cache folder cannot be made under it
-    with caplog.at_level(logging.WARNING):
-        assert StepCost(SHAPES, {"device": "x"}, lambda rows: entry(), blocked / "cache").seconds(1)[0] == 1.0
-    assert "could not keep the step-cost profile" in caplog.text
-
-
-def test_a_wide_batch_is_profiled_at_64_rows_and_extended_linearly(tmp_path):
+@pytest.mark.parametrize("bad", ["not json", {"rows": {"1": {"verify": {}, "draft": {"1": {"1": 0.1}}}}},
+                                 {"rows": {"1": {"verify": {"1": 1.0}, "draft": {}}}},
+                                 {"rows": {"1": {"verify": {"1": "nan"}, "draft": {"1": {"1": 0.1}}}}},
+                                 {"rows": {"1": {"verify": {"1": -1.0}, "draft": {"1": {"1": 0.1}}}}},
+                                 {"rows": {"1": {"verify": {"1": 0.0}, "draft": {"1": {"1": 0.1}}}}},
+                                 {"rows": {"1": {"verify": {"1": 1e999}, "draft": {"1": {"1": 0.1}}}}}],
+                         ids=["corrupt", "empty verify", "empty draft", "nan", "negative", "zero", "inf"])
+def test_a_bad_cache_is_measured_again_with_a_warning_naming_it(bad, tmp_path, caplog):
+    """Defect 6: an empty, corrupt, non-finite or non-positive table never fails a run nor is used."""
+    first = StepCost(SHAPES, {"device": "x"}, lambda rows, have: table(), tmp_path)
+    first.path.parent.mkdir(parents=True, exist_ok=True)
+    first.path.write_text(bad if isinstance(bad, str) else json.dumps(bad).replace('"nan"', "NaN"))
     calls = []
-    cost = StepCost(SHAPES, {"device": "x"}, lambda rows: calls.append(rows) or entry(rows), tmp_path)
-    at16, at64 = np.array([16.0, 32.1, 80.4]), np.array([64.0, 128.1, 320.4])  # entry(rows) scales verify by rows
-    assert cost.seconds(112) == pytest.approx(at64 + (at64 - at16))  # 112 rows: as far past 64 as 64 is past 16
-    assert sorted(calls) == [16, 64]
+    with caplog.at_level(logging.WARNING):
+        cost = StepCost(SHAPES, {"device": "x"}, lambda rows, have: calls.append(rows) or table(), tmp_path)
+        cost.prepare(1)
+    assert calls == [1] and str(cost.path) in caplog.text
+    assert np.isfinite(cost.seconds(1)).all() and (cost.seconds(1) > 0).all()
+
+
+def test_steps_that_keep_disagreeing_with_the_table_remeasure_it(tmp_path, caplog):
+    """Defect 3 (second half): a table measured on a loaded machine is not trusted forever."""
+    calls = []
+    cost = StepCost(SHAPES, {"device": "x"}, lambda rows, have: calls.append(rows) or table(3.0), tmp_path)
+    cost.prepare(1)
+    for _ in range(round(2 / DECAY)):  # the steps take a third of the table's time
+        cost.observe(1, 0, 1.0)
+    assert cost.ratio[1] < 1 / STALE and cost.stale
+    with caplog.at_level(logging.WARNING):
+        cost.prepare(1)
+    assert calls == [1, 1] and str(cost.path) in caplog.text and not cost.stale
+
+
+def test_the_profile_key_names_compile_and_quantisation():
+    """Defect 3: an int8 or compiled target is another machine as far as step costs go."""
+    from tests.helpers import make_pair
+    from treedec.models.quantized import quantize_linears
+
+    target, draft = make_pair(1)
+    head = draft.bind(target)
+    plain = profile_key(target, head, False)
+    assert profile_key(target, head, True) != plain
+    quantize_linears(target)
+    assert profile_key(target, head, False)["target"] != plain["target"]

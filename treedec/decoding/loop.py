@@ -89,6 +89,10 @@ class Decoder:
         """Cut the batch to slots ``order`` (slot j gets old slot ``order[j]``): per-row state follows."""
         raise NotImplementedError(f"{type(self).__name__} cannot drop rows (serve with compact=False)")
 
+    def _prepare(self, rows: int, context: int) -> None:
+        """One-time work before decoding a batch of ``rows`` rows attending over about ``context`` tokens is timed
+        (a tree policy measuring this machine): reported apart, as ``stats.prepare_time``."""
+
     def _check_serve(self, compact: bool) -> None:
         """Refuse, before any work, a ``serve`` this decoder cannot run."""
 
@@ -131,6 +135,9 @@ class Decoder:
             return GenerateResult(out.tokens, stats)
         rowgen = _row_generators(generator, len(rows), self.sampling, width)
         dev = self.target.device
+        t_start = time.perf_counter()
+        self._prepare(width, max(map(len, rows)) + max_new_tokens // 2)
+        stats.prepare_time = time.perf_counter() - t_start
         timer = Timer(dev, timing)
         t_start = time.perf_counter()
         live, queue = list(range(width)), deque(range(width, len(rows)))

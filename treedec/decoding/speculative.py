@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import time
 from typing import Mapping, Sequence
 
 import torch
@@ -26,7 +27,6 @@ from treedec.decoding.prompt_checks import normalize_eos, pad_prompts, static_ro
 from treedec.decoding.stats import DecodeStats, StepInfo, Timer
 from treedec.sampling import RowStreams, SamplingParams, as_sampling, next_token, settle
 from treedec.decoding.vanilla import pick
-from treedec.decoding.profile import step_cost
 from treedec.decoding.verify import (Acceptance, accept_chain, accept_paths, acceptance_counts, add_chain_counts,
                                      emitted, node_choices, verify_sampling)
 from treedec.errors import ConfigError
@@ -74,16 +74,19 @@ class SpeculativeDecoder(Decoder):
         :func:`~treedec.decoding.prompt_checks.static_room`; the draft head stays eager). The first ``generate`` of a
         bucket pays the compile time."""
         self.sampling = as_sampling(sampling)
-        policy.check_head(draft)  # (tree=auto fits its candidates to the head here)
+        policy.check_head(draft)  # (a policy that sizes its trees fits its candidates to the head here)
         check_policy(policy, target.config.context_length)
         self.target, self.draft, self.policy = target, draft.bind(target), policy
         self.eos = normalize_eos(eos_ids, target.config.eos_ids)
         policy.validate(draft.config.draft_vocab_size or target.config.vocab_size)
-        if policy.wants_cost:  # tree=auto sizes its trees by this machine's measured step costs
-            policy.use_cost(lambda pol: step_cost(target, self.draft, pol, getattr(pol, "cost_cache", None)))
         self.compile, self._verify, self._room = compile, None, 0
 
     # --------------------------------------------------------------------------------- the loop
+    def _prepare(self, rows: int, context: int) -> None:
+        self.policy.prepare(self.target, self.draft, rows, context,
+                            lambda b, room: Drafter(self.draft.for_batch(b), b, room + Drafter.MAX_PENDING),
+                            self.compile)
+
     def _prefill(self, rows: list[list[int]], max_new_tokens: int, generator, longest: int = 0) -> list[int]:
         tgt, pol, dev = self.target, self.policy, self.target.device
         if self.draft.target is not tgt:  # the head object was bound to another decoder's target since: take it back
@@ -129,7 +132,6 @@ class SpeculativeDecoder(Decoder):
     def _admit(self, slots: list[int], rows: list[list[int]], generator) -> list[int]:
         """New prompts take finished rows' slots: prefilled in caches of their own (target and draft), then
         moved in (``put_rows``); the other rows' state is untouched."""
-        self.policy.interrupt()  # the prefill is no step: tree=auto's clock must not charge it to the last one
         longest = max(map(len, rows))
         cache = self.target.new_cache(len(rows), longest)
         drafter = Drafter(self.drafter.head, len(rows), longest + Drafter.MAX_PENDING)
@@ -158,6 +160,7 @@ class SpeculativeDecoder(Decoder):
         return Tree.root_only(self.drafter.root_tokens)
 
     def _step(self, active: list[bool], generator, timer: Timer) -> tuple[StepInfo, int]:
+        t0 = time.perf_counter()
         tgt, pol, cache = self.target, self.policy, self.cache
         ctx = tgt.config.context_length
         if self._active != active:  # rows finish rarely: refresh the device copies only then
@@ -170,7 +173,7 @@ class SpeculativeDecoder(Decoder):
         tree = pol.draft(self.drafter, self.sampling, generator) if fits else self._root_only()
         timer.lap("draft")
         if tree.size == 1:
-            return self._plain_step(tree, active, fits, timer)
+            return self._plain_step(tree, active, fits, timer, t0)
         depth_cap = pol.max_depth
         # Finished rows may sit past the context: clamp their (ignored) positions.
         pos = (cache.lengths[:, None] + tree.depth).clamp(max=ctx - 1)
@@ -195,11 +198,12 @@ class SpeculativeDecoder(Decoder):
         timer.lap("commit")
         self._index += 1
         info = StepInfo(self._index, list(active), [r[1:1 + k] for r, k in zip(packed, n_host)], n_host,
-                        tree, acc.path, res.logits, inner_n_accept=inner_n)
+                        tree, acc.path, res.logits, inner_n_accept=inner_n, seconds=time.perf_counter() - t0)
         self.policy.observe(info)  # host values only (the step's one read has happened)
         return info, tree.size
 
-    def _plain_step(self, tree: Tree, active: list[bool], fits: bool, timer: Timer) -> tuple[StepInfo, int]:
+    def _plain_step(self, tree: Tree, active: list[bool], fits: bool, timer: Timer,
+                    t0: float) -> tuple[StepInfo, int]:
         """The root alone, as vanilla decodes: a mask-free one-token forward, the target's pick at the
         root (greedy or one draw, its one host read), ``advance``; the drafter only records the pair."""
         tgt, cache = self.target, self.cache
@@ -218,7 +222,7 @@ class SpeculativeDecoder(Decoder):
         timer.lap("commit")
         self._index += 1
         info = StepInfo(self._index, list(active), [[t] if a else [] for t, a in zip(toks, active)], n_host,
-                        tree, self._root_path, res.logits)
+                        tree, self._root_path, res.logits, seconds=time.perf_counter() - t0)
         self.policy.observe(info)
         return info, 1
 

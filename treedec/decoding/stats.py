@@ -35,6 +35,7 @@ class DecodeStats:
     tree_nodes: int = 0  # verified tree nodes summed over passes (root included)
     time: dict = field(default_factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))
     total_time: float = 0.0
+    prepare_time: float = 0.0  # one-time work before decoding (tree=auto's profile): never in total_time or tok/s
 
     @property
     def steps(self) -> int:
@@ -70,7 +71,8 @@ class DecodeStats:
     def merge(self, other: "DecodeStats") -> "DecodeStats":
         """A new stats object holding both runs."""
         out = DecodeStats(batch=max(self.batch, other.batch))
-        for name in ("new_tokens", "target_passes", "row_steps", "step_tokens", "prefills", "tree_nodes", "total_time"):
+        for name in ("new_tokens", "target_passes", "row_steps", "step_tokens", "prefills", "tree_nodes", "total_time",
+                     "prepare_time"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         for name in ("accepted", "depth_hits", "depth_trials", "rank_hits", "rank_trials"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
@@ -83,7 +85,7 @@ class DecodeStats:
         forwards = self.target_passes + self.prefills
         return {
             "steps": self.target_passes, "row_steps": self.row_steps, "new_tokens": self.new_tokens,
-            "tau": self.tau, "tokens_per_s": self.tokens_per_s,
+            "tau": self.tau, "tokens_per_s": self.tokens_per_s, "prepare_s": self.prepare_time,
             "target_forwards": forwards,
             "target_forwards_per_token": forwards / self.new_tokens if self.new_tokens else None,
             "mean_tree_size": self.tree_nodes / self.target_passes if self.target_passes else 0.0,
@@ -120,6 +122,7 @@ class StepInfo:
     path: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     inner_n_accept: list[int] | None = None
+    seconds: float | None = None  # the step's wall time, draft to host read (policies that time their shapes)
 
     def tried_ranks(self, row: int) -> list[tuple[int, int, int]]:
         """(child depth, siblings tried, accepted sibling index or -1) along row's path (reads the device)."""

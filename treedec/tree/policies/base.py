@@ -121,8 +121,6 @@ class ForestAncestry:
 class TreePolicy:
     """Draws a tree of candidates from a drafter; subclasses are the static/dynamic/chain/learned policies."""
 
-    wants_cost = False  # the decoder hands it a step-cost model (use_cost): tree=auto sizes its trees by it
-
     max_depth: int  # deepest node below the root
     max_size: int  # T, root included
     max_inputs: int  # tree nodes the draft head reads per step (its cache must hold them)
@@ -155,12 +153,11 @@ class TreePolicy:
         """A generation starts: each row's prompt and first token (host lists, in batch order). Policies that read
         the context (prompt lookup) keep it; the others ignore it."""
 
-    def use_cost(self, make) -> None:
-        """``make(policy)`` -> this machine's step-cost model of ``policy`` (called when :attr:`wants_cost`)."""
-
-    def interrupt(self) -> None:
-        """The loop does work between two steps that is no step (a new prompt's prefill): a policy that times its
-        steps stops the clock, so that work is not charged to the step before it."""
+    def prepare(self, target, head, rows: int, context: int, new_drafter, compiled: bool = False) -> None:
+        """One-time work before decoding is timed (its seconds are reported apart as ``prepare_s``): a policy that
+        sizes its trees by this machine's costs measures them here. ``rows``: the batch; ``context``: the tokens a
+        row attends over; ``new_drafter(rows, room)``: a drafter of its own, so the decoder's state is untouched;
+        ``compiled``: the verify pass is ``torch.compile``d."""
 
     def admit(self, slots, prompts, first) -> None:
         """New prompts took batch slots ``slots`` (continuous batching): like :meth:`begin`, for those rows alone."""
@@ -169,8 +166,8 @@ class TreePolicy:
         """The batch was cut to rows ``order`` (their old slots, in the new order): per-row state follows."""
 
     def observe(self, info) -> None:
-        """What the step just verified (a :class:`~treedec.decoding.stats.StepInfo`): policies that learn online
-        (tree=auto) use it; fixed shapes ignore it."""
+        """What the step just verified and how long it took (a :class:`~treedec.decoding.stats.StepInfo`): policies
+        that learn online use it; fixed shapes ignore it."""
 
     def validate(self, vocab_size: int) -> None:
         """Fail before decoding when the policy asks for more distinct tokens than the vocabulary has."""

@@ -103,12 +103,8 @@ class LookupPolicy(TreePolicy):
     def check_head(self, head) -> None:
         self.inner.check_head(head)
 
-    @property
-    def wants_cost(self) -> bool:
-        return self.inner.wants_cost
-
-    def use_cost(self, make) -> None:
-        self.inner.use_cost(make)
+    def prepare(self, target, head, rows: int, context: int, new_drafter, compiled: bool = False) -> None:
+        self.inner.prepare(target, head, rows, context, new_drafter, compiled)
 
     @property
     def history(self) -> list | None:
@@ -124,9 +120,6 @@ class LookupPolicy(TreePolicy):
         self.outran = [False] * len(self.rows)
         self._skipped, self._inner_size = False, 1
         self.inner.begin(prompts, first)
-
-    def interrupt(self) -> None:
-        self.inner.interrupt()
 
     def admit(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], first: Sequence[int]) -> None:
         for j, p, t in zip(slots, prompts, first):
@@ -160,7 +153,6 @@ class LookupPolicy(TreePolicy):
                          and all(o and c for o, c, on in zip(self.outran, copies, self.active) if on))
         if self._skipped:
             self.skipped_steps += 1
-            self.inner.interrupt()  # the step that just ended was the inner policy's: its clock stops here
             # the roots padded to the last inner tree's size: the same verify shape as the step before (compile=True
             # builds no graph for it, oneDNN no primitive; the head passes saved cost ~10x those tokens)
             return self._merge(Tree.root_only(drafter.root_tokens, self._inner_size), copies, self._width(copies))

@@ -1,0 +1,168 @@
+"""What a step of each candidate shape costs here: a profiled table, kept per machine, refined by the steps timed.
+
+A step of shape (width k, depth D, T tokens) costs verify(T) + draft(k, D) (T = 1: a plain step, no draft). Both
+are measured by :func:`~treedec.tree.policies.auto.profile.measure` at the batch's row count and at one row, at a
+few T and D (linear between them, held flat past them and made non-decreasing in T and D: never negative), once per key: device,
+models and their dtypes and module types, backend, threads, compile, torch. The table is kept as JSON in
+:func:`cache_dir`; a file that is unreadable, empty, non-finite or implausible is measured again with a warning
+naming it, and runs that need more T or depth than it holds measure only what is missing. Online, each timed step
+moves its row count's ratio (measured over table seconds) by :data:`DECAY`; a ratio that stays off by more than
+:data:`STALE` marks the table stale, and the next run re-measures it, with a warning. The cost only sizes trees.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from treedec.atomic import write_text_atomic
+
+log = logging.getLogger(__name__)
+
+DECAY = 0.05  # weight of one step in every online estimate (acceptance, reach, cost): they weigh the last ~20 steps
+STALE = 2.0  # a table the timed steps keep beating or missing by this factor is measured again
+
+Shape = tuple[int, int, int]  # (width k, depth D, verified tokens T); (1, 0, 1) is a plain decoding step
+Table = dict  # {"verify": {T: s}, "draft": {k: {D: s}}}
+
+
+def cache_dir(override: str | os.PathLike | None = None) -> Path:
+    """``override`` (``AutoPolicy(cost_cache=...)``), else ``$TREEDEC_CACHE``, else ``$XDG_CACHE_HOME/treedec``, else
+    ``~/.cache/treedec``."""
+    if override:
+        return Path(override).expanduser()
+    if os.environ.get("TREEDEC_CACHE"):
+        return Path(os.environ["TREEDEC_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "treedec"
+
+
+def _curve(points: dict[int, float], xs: np.ndarray) -> np.ndarray:
+    """Piecewise-linear through ``points``, held flat past the ends, and non-decreasing (a later point below an
+    earlier one, a disturbed run, lowers the earlier)."""
+    keys = sorted(points)
+    ys = np.minimum.accumulate(np.array([points[k] for k in keys])[::-1])[::-1]
+    return np.interp(xs, keys, ys)
+
+
+def _sane(table) -> bool:
+    """A table of positive finite seconds with at least one point per curve (a hand-edited or cut file: no)."""
+    try:
+        values = [*table["verify"].values(), *(s for d in table["draft"].values() for s in d.values())]
+        return bool(table["verify"]) and bool(table["draft"]) and all(table["draft"].values()) and all(
+            isinstance(s, (int, float)) and math.isfinite(s) and s > 0 for s in values)
+    except (AttributeError, KeyError, TypeError):
+        return False
+
+
+class StepCost:
+    """Predicted seconds of every candidate shape at B rows."""
+
+    def __init__(self, shapes: Sequence[Shape], key: dict, measure: Callable[[int, Table], Table],
+                 folder: str | os.PathLike | None = None):
+        """``measure(rows, have)`` -> the table at ``rows`` rows, given the points ``have`` already holds."""
+        self.shapes, self.measure = list(shapes), measure
+        self.key = {k: str(v) for k, v in key.items()}
+        name = hashlib.sha1(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = cache_dir(folder) / f"step-cost-{name}.json"
+        self.tables: dict[int, Table] = self._load()
+        self.ratio: dict[int, float] = {}  # rows -> EMA of measured / table seconds
+        self.stale, self._seen = False, 0
+        a = np.array(self.shapes)
+        self._k, self._d, self._t = a[:, 0], a[:, 1], a[:, 2]
+        self._cache: dict[int, np.ndarray] = {}
+
+    def _load(self) -> dict[int, Table]:
+        if not self.path.exists():
+            return {}
+        try:
+            rows = json.loads(self.path.read_text())["rows"]
+            tables = {int(b): {"verify": {int(t): float(s) for t, s in e["verify"].items()},
+                               "draft": {int(k): {int(d): float(s) for d, s in v.items()}
+                                         for k, v in e["draft"].items()}} for b, e in rows.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("%s is not a readable step-cost profile (%s); measuring again", self.path, e)
+            return {}
+        bad = [b for b, t in tables.items() if not _sane(t)]
+        if bad:
+            log.warning("%s holds empty, non-finite or implausible step costs (rows %s); measuring again",
+                        self.path, bad)
+        return {b: t for b, t in tables.items() if b not in bad}
+
+    def _missing(self, table: Table | None) -> bool:
+        if table is None:
+            return True
+        widths = {int(k) for k, d in zip(self._k, self._d) if d}
+        return (max(table["verify"]) < self._t.max() or not widths <= set(table["draft"])
+                or any(max(table["draft"][k]) < self._d[self._k == k].max() for k in widths))
+
+    def prepare(self, rows: int) -> bool:
+        """Measure what the table lacks at ``rows`` rows and one row (or all of it, when stale) -> whether it
+        measured."""
+        need = [b for b in sorted({1, rows}) if self.stale or self._missing(self.tables.get(b))]
+        if self.stale:
+            log.warning("the steps timed disagreed with %s by more than %gx; measuring this machine's step costs "
+                        "again", self.path, STALE)
+        for b in need:
+            self.tables[b] = self.measure(b, {} if self.stale else self.tables.get(b, {}))
+        self.stale = False
+        if need:
+            self._cache.clear()
+            self._save()
+        return bool(need)
+
+    def _save(self) -> None:
+        rows = {str(b): {"verify": {str(t): s for t, s in sorted(e["verify"].items())},
+                         "draft": {str(k): {str(d): s for d, s in sorted(v.items())} for k, v in e["draft"].items()}}
+                for b, e in sorted(self.tables.items())}
+        try:
+            write_text_atomic(self.path, json.dumps({"key": self.key, "rows": rows}, indent=1) + "\n")
+        except OSError as e:  # a read-only cache: measured again next time, never a failed run
+            log.warning("could not keep the step-cost profile in %s (%s); set $TREEDEC_CACHE to a writable "
+                        "folder", self.path, e)
+
+    def _table(self, rows: int) -> np.ndarray:
+        """Table seconds of every shape at ``rows`` rows: linear in rows between the measured row counts."""
+        if rows not in self._cache:
+            have = sorted(self.tables)
+            per = []
+            for b in have:
+                t = self.tables[b]
+                draft = np.zeros(len(self.shapes))
+                for k, curve in t["draft"].items():
+                    on = (self._k == k) & (self._d > 0)
+                    draft[on] = _curve(curve, self._d[on])
+                per.append(_curve(t["verify"], self._t) + draft)
+            lo = max([b for b in have if b <= rows] or have[:1])
+            hi = min([b for b in have if b >= rows] or have[-1:])
+            w = 0.0 if hi == lo else (rows - lo) / (hi - lo)
+            self._cache[rows] = (1 - w) * per[have.index(lo)] + w * per[have.index(hi)]
+        return self._cache[rows]
+
+    def seconds(self, rows: int) -> np.ndarray:
+        """Predicted seconds of every shape at ``rows`` rows: the table, scaled by what the steps measured."""
+        return self._table(rows) * self._ratio(rows)
+
+    def _ratio(self, rows: int) -> float:
+        if rows not in self.ratio:  # a row count not timed yet starts from the nearest one that was
+            near = min(self.ratio, key=lambda b: abs(b - rows), default=None)
+            self.ratio[rows] = 1.0 if near is None else self.ratio[near]
+        return self.ratio[rows]
+
+    def observe(self, rows: int, shape: int, seconds: float) -> None:
+        """A step of shape index ``shape`` at ``rows`` rows took ``seconds``."""
+        table = self._table(rows)[shape]
+        if not (math.isfinite(seconds) and seconds > 0):
+            return
+        r = self.ratio[rows] = self._ratio(rows) * (1 - DECAY) + DECAY * seconds / table
+        self._seen += 1
+        if self._seen > 1 / DECAY and not 1 / STALE < r < STALE and rows in self.tables:
+            self.stale = True  # steady disagreement at a measured row count: the next run measures again
+
+
+__all__ = ["StepCost", "cache_dir"]

@@ -1,0 +1,216 @@
+"""``tree=auto``: each step, the shape with the most expected tokens per second on this machine.
+
+The candidates are the plain step (T = 1), the top-1 chain of every depth, and trees of every depth at node budgets
+T of powers of two up to ``max_total_tokens``: EAGLE-2 trees of width ``top_k`` with an autoregressive head,
+best-first trees with a one-pass head. Each step plays the one that maximises
+
+    (1 + E[accepted drafts]) / predicted step seconds,
+
+which is (rows + E[accepted over the batch]) / seconds up to the rows.
+
+**Expected accepted drafts.** A node is accepted exactly when its whole path is, so E[accepted] is the sum of the
+nodes' path-acceptance chances, and at most one node per depth is on the accepted path, so the chance a row
+reaches depth d is the sum over the tree's nodes at d. A node's chance is its draft score (cumulative, calibrated
+per depth by the head's ``calibration.yaml`` when it ships one) times rho_d, what the target actually accepted at
+depth d over what the scores promised there, over the last ~1/DECAY steps of any shape, starting at 1: a
+calibration made on other text, under another temperature, or none, converges to this text within a few dozen
+steps. The best T-node tree holds its T - 1 best-scored nodes (a parent never scores below its child): one global
+order, so every (depth, T) of one drafted pool is read from its sorted prefix sums at once. The verify pass is
+[rows, T]: a node left out of one row saves nothing, so the budget is T - 1 nodes a row, summed over the batch.
+
+**What each shape promises** is the mean of its reach per depth over the steps that drafted it (a chain of depth D
+drafts every shallower chain; a pool every tree of its width and at most its depth). A group not played (chains,
+trees) is played again after a gap that starts at 1/DECAY steps and doubles while it keeps losing, up to MAX_GAP:
+one step at depth two past the group's best, so no shape is ever locked out and plain decoding never sticks.
+
+**Step seconds** come from :class:`~.cost.StepCost`, profiled once per machine before decoding starts
+(:meth:`prepare`, reported apart) and scaled by the steps the decoder timed (``StepInfo.seconds``).
+
+The choice uses earlier steps' estimates, so a step reads nothing from the device beyond the decoder's one read:
+this step's scores are copied to the host without waiting and read in :meth:`observe`.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from treedec.sampling import SamplingParams
+from treedec.tree import calibration as calib
+from treedec.tree.policies.auto.cost import DECAY, StepCost
+from treedec.tree.policies.auto.profile import measure, profile_key
+from treedec.tree.policies.base import TreePolicy, whole
+from treedec.tree.policies.best_first import BestFirstPolicy
+from treedec.tree.policies.dynamic import DynamicPolicy, n_drafted
+from treedec.tree.policies.static import ChainPolicy
+from treedec.tree.tree import Tree, TreeError
+
+MAX_GAP = 128  # most steps a losing group of shapes (chains, trees) waits before it is played again
+
+
+class AutoPolicy(TreePolicy):
+    reads = "either"
+
+    def __init__(self, max_depth: int = 10, top_k: int = 4, max_total_tokens: int = 64, draft_path: str | None = None,
+                 calibration="auto", cost_cache: str | None = None):
+        """``top_k`` 1: chains and plain steps only. ``calibration``: as :class:`DynamicPolicy`'s (``auto``: the
+        head's ``calibration.yaml`` beside ``draft_path``). ``cost_cache``: the profile's folder (None: $TREEDEC_CACHE,
+        else ~/.cache/treedec)."""
+        self._args = (whole(max_depth, "max_depth"), whole(top_k, "top_k"),
+                      whole(max_total_tokens, "max_total_tokens", 2))
+        self.calibration = calib.resolve(calibration, draft_path)
+        self.cost_cache, self.history = cost_cache, []
+        self._setup(False)
+
+    def _setup(self, one_pass: bool, block_size: int = 0, vocab: int = 0) -> None:
+        """The candidates of a head kind, and fresh estimates."""
+        D, k, most = self._args
+        if one_pass:  # one pool of the largest tree's T - 1 best per depth holds every best-first tree
+            D, k = min(D, block_size), (min(most - 1, vocab) if k > 1 else 1)
+        sizes = sorted({2 ** j for j in range(2, most.bit_length())} | {most})
+        shapes = [(1, 0, 1)] + [(1, d, d + 1) for d in range(1, D + 1) if d + 1 <= most]
+        shapes += [(k, d, t) for d in range(2, D + 1) for t in sizes
+                   if k > 1 and d + 1 < t <= min(most, k + 1 if one_pass else n_drafted(k, d) + 1)]
+        self.shapes, self.one_pass, self._mode = shapes, one_pass, (one_pass, block_size, vocab)
+        a = np.array(shapes)
+        self._k, self._d, self._t = a[:, 0], a[:, 1], a[:, 2]
+        self.max_depth, self.max_size = int(self._d.max()), int(self._t.max())
+        if self.max_depth < 1:
+            raise TreeError(f"tree=auto needs max_total_tokens >= 2, got {most}")
+        self.groups = [g for g in (np.flatnonzero(self._k == 1)[1:], np.flatnonzero(self._k > 1)) if len(g)]
+        wide = max(self._k)
+        if one_pass:
+            self.pools = BestFirstPolicy(total_tokens=max(self.max_size, 2), depth=self.max_depth)
+        else:
+            self.pools = DynamicPolicy(total_tokens=self.max_size, depth=self.max_depth, top_k=wide,
+                                       calibration=self.calibration)
+        self.top_k, self.max_rank = wide, wide - 1
+        self.max_inputs = max(self.pools.max_inputs, self.max_depth)
+        self._chains = {d: ChainPolicy(d, scores=True, tempered=True) for d in range(1, self.max_depth + 1)}
+        self.reach = np.full((len(shapes), self.max_depth), np.nan)  # promised reach per depth (nan: never drafted)
+        self._seen = np.zeros(len(shapes))
+        self._hits = np.zeros(self.max_depth)  # decayed rows that reached each depth ...
+        self._promised = np.zeros(self.max_depth)  # ... and the scores' promise for them
+        self._since, self._gap = [0] * len(self.groups), [round(1 / DECAY)] * len(self.groups)
+        self._best = -1  # the winning group (-1: the plain step)
+        self.cost, self._cost_key, self._step, self._pending = None, None, None, None
+
+    def check_head(self, head) -> None:
+        """Any head: a one-pass head's candidates are its chains and best-first trees, no deeper than it drafts."""
+        one = bool(getattr(head, "one_pass", False))
+        mode = (one, head.block_size, head.config.draft_vocab_size or head.config.vocab_size) if one else (False, 0, 0)
+        if mode != self._mode:
+            self._setup(*mode)
+
+    # ----------------------------------------------------------------------------------------- cost
+    def prepare(self, target, head, rows: int, context: int, new_drafter, compiled: bool = False) -> None:
+        """Profile this machine's step costs at ``rows`` rows unless a kept table already has them."""
+        key = profile_key(target, head, compiled)
+        if self.cost is None or (self._cost_key is not None and self._cost_key != key):
+            self.cost, self._cost_key = StepCost(
+                self.shapes, key, lambda b, have: measure(target, head, self, b, have, context, new_drafter),
+                self.cost_cache), key
+        self.cost.prepare(rows)
+
+    def draft_shape(self, drafter, k: int, depth: int) -> None:
+        """Draft one shape as a step would (the profile times this)."""
+        if k == 1:
+            self._chains[depth].draft(drafter)
+        else:
+            self.pools.select(self.pools.pool(drafter, None, depth, k), int(self._t[self._d == depth].max()))
+
+    # ------------------------------------------------------------------------------------- the rule
+    def expected(self) -> np.ndarray:
+        """E[accepted drafts] of every candidate (nan: never drafted)."""
+        rho = (1 + self._hits) / (1 + self._promised)
+        reach = np.minimum(1.0, np.nan_to_num(self.reach) * rho)
+        e = np.minimum.accumulate(reach, axis=1).sum(1)  # a path reaches depth d only through d - 1
+        return np.where(np.isnan(self.reach[:, 0]) & (self._d > 0), np.nan, e)
+
+    def choose(self, rows: int) -> int:
+        """The shape to play at ``rows`` rows: the best by expected tokens per second, or a due group's probe."""
+        value = (1 + self.expected()) / self.cost.seconds(rows)
+        best = int(np.nanargmax(value))
+        group = next((g for g, idx in enumerate(self.groups) if best in idx), -1)
+        if group != self._best:  # the winning kind changed (plain, chain, tree): look around again soon
+            self._gap = [round(1 / DECAY)] * len(self.groups)
+        self._best = group
+        for g, idx in enumerate(self.groups):
+            if best in idx:
+                self._since[g] = 0
+                continue
+            self._since[g] += 1
+            if self._since[g] >= self._gap[g] or np.isnan(value[idx]).all():
+                self._since[g], self._gap[g] = 0, min(2 * self._gap[g], MAX_GAP)
+                return self._probe(idx, value)
+        return best
+
+    def _probe(self, idx: np.ndarray, value: np.ndarray) -> int:
+        """The group's best shape, two levels deeper (what it drafts covers every shallower one); never drafted: its
+        deepest and largest."""
+        known = idx[~np.isnan(value[idx])]
+        if not len(known):
+            return int(idx[np.lexsort((self._t[idx], self._d[idx]))[-1]])
+        top = known[np.argmax(value[known])]
+        depth = min(self._d[top] + 2, self._d[idx].max())
+        at = idx[self._d[idx] == depth]
+        return int(at[np.argmin(np.abs(self._t[at] - self._t[top]))])
+
+    # ------------------------------------------------------------------------------------- the step
+    def draft(self, drafter, params: SamplingParams | None = None, generator: torch.Generator | None = None) -> Tree:
+        if self.cost is None:
+            raise TreeError("tree=auto needs this machine's step costs: decode through SpeculativeDecoder (it calls "
+                            "prepare before decoding)")
+        i = self.choose(drafter.batch)
+        k, D, T = (int(x) for x in self.shapes[i])
+        self.history.append((T, D))
+        self._step, self._pending = (drafter.batch, i), None
+        if D == 0:
+            return Tree.root_only(drafter.root_tokens)
+        if k == 1:
+            tree = self._chains[D].draft(drafter, params)
+            edge = tree.scores[:, 1:] - tree.scores[:, :-1]  # [B, D] each depth's draft log-prob
+            depths = torch.arange(1, D + 1, device=edge.device)
+            logp = edge if self.calibration is None or self.one_pass else self.calibration.log_accept(edge, depths)
+            self._pending = _host(logp.cumsum(-1).exp().mean(0))  # [D] reach of each depth, mean over rows
+            return tree
+        pool = self.pools.pool(drafter, params, D, k)
+        limits = torch.arange(2, D + 1, device=pool.score.device)[:, None, None]
+        probs = torch.where(pool.depth[None] <= limits, pool.score[None].exp(), 0.0)  # [depth limit, B, n]
+        best = probs.sort(-1, descending=True)
+        where = pool.depth.expand_as(probs).gather(-1, best.indices)[..., None]  # the sorted nodes' depths
+        by_depth = torch.zeros(*probs.shape, D + 1, device=probs.device).scatter_(-1, where, best.values[..., None])
+        self._pending = _host(by_depth.mean(1).cumsum(1)[..., 1:])  # [limit, T - 1, depth]: the best T - 1 nodes
+        return self.pools.select(pool, T)
+
+    def observe(self, info) -> None:
+        """Fold the step's time, its scores' promise and what its rows accepted into the estimates."""
+        if self._step is None:
+            return
+        (rows, i), self._step = self._step, None
+        if info.seconds is not None:
+            self.cost.observe(rows, i, info.seconds)
+        self._hits *= 1 - DECAY
+        self._promised *= 1 - DECAY
+        if self._pending is None:
+            return
+        drafted, self._pending = self._pending.numpy(), None
+        D, n = int(self._d[i]), self.max_depth
+        if self._k[i] == 1:  # every chain up to D
+            held = np.flatnonzero((self._k == 1) & (self._d >= 1) & (self._d <= D))
+            new = np.where(np.arange(n)[None] < self._d[held, None], np.pad(drafted, (0, n - D))[None], 0.0)
+        else:  # every tree of this width up to D
+            held = np.flatnonzero((self._k == self._k[i]) & (self._d <= D) & (self._d >= 2))
+            new = np.pad(drafted[self._d[held] - 2, self._t[held] - 2], ((0, 0), (0, n - D)))
+        self._seen[held] += 1
+        w = np.maximum(DECAY, 1 / self._seen[held])[:, None]  # a shape's first steps replace, then an EMA
+        self.reach[held] = np.where(np.isnan(self.reach[held]), new, self.reach[held] + w * (new - self.reach[held]))
+        played = new[np.flatnonzero(held == i)[0]]
+        accepted = np.array([a - 1 for a, on in zip(info.n_accept, info.active) if on])
+        if len(accepted):
+            self._hits += (accepted[:, None] >= np.arange(1, n + 1)).sum(0)
+            self._promised += len(accepted) * played
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's host copy, started without waiting (read after the step's one host read)."""
+    return t.detach().to("cpu", non_blocking=True)
