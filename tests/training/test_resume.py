@@ -22,6 +22,7 @@ from treedec.training.run_dir import JobError, find_resume_checkpoint
 from treedec.tree.shapes import SHAPE_DIR
 
 from tests.helpers import TINY_ARCH
+from tests.training.test_draft_training import target_dir, train_cfg  # noqa: F401  (the tiny target, a short job)
 
 CONF = str(SHAPE_DIR.parents[1])
 REPO = Path(__file__).resolve().parents[2]
@@ -166,8 +167,7 @@ def test_requeue_has_exactly_one_owner(monkeypatch):
 def test_slurm_launcher_config_keys_run_dirs_by_job_name():
     from omegaconf import OmegaConf
 
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
-                        reason="the optional slurm extra (hydra-submitit-launcher) is not installed; not a dev dependency")
+    import hydra_plugins.hydra_submitit_launcher  # noqa: F401  (the slurm extra is a test dependency: no skip)
     with initialize_config_dir(config_dir=CONF, version_base="1.3", job_name="train"):
         cfg = compose(config_name="train", overrides=["hydra/launcher=slurm", "hydra.job.name=my-head", "trainer=ddp"],
                       return_hydra_config=True)
@@ -177,3 +177,30 @@ def test_slurm_launcher_config_keys_run_dirs_by_job_name():
     assert cfg.hydra.sweep.dir == "outputs/slurm/my-head" and sweep["subdir"] == "${hydra.job.num}"  # no timestamps
     assert launcher.submitit_folder.startswith("outputs/slurm/my-head/") and launcher.name == "my-head"
     assert cfg.trainer.strategy == "ddp" and cfg.trainer.precision == "bf16-mixed" and cfg.requeue == "auto"
+
+
+def test_resuming_with_another_head_shape_names_the_setting(target_dir, corpus, tmp_path, monkeypatch):  # noqa: F811
+    """Issue 46 item 2: re-running a run dir with another head kind (or block size) is one ``Error:`` line naming
+    the setting that differs from the run it would resume and the fix, not a state-dict traceback; the checkpoint
+    is kept."""
+    import re
+
+    from treedec.cli import entry
+    from treedec.train import run
+
+    same = ("draft_arch.draft_vocab_size=48", "eval.every_n_steps=0", "export_dir=null")
+    run(train_cfg(target_dir, corpus, tmp_path, 2, "draft_arch=parallel", "draft_arch.block_size=3", *same))
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    kept = ckpt.read_bytes()
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    for change, now, then, fix in [
+        (("draft_arch=eagle3",), "draft_arch.kind=eagle3", "draft_arch.kind=parallel", "draft_arch=parallel"),
+        (("draft_arch=parallel", "draft_arch.block_size=4"), "draft_arch.block_size=4", "draft_arch.block_size=3",
+         "draft_arch.block_size=3")]:
+        with pytest.raises(SystemExit) as e:
+            entry(run)(train_cfg(target_dir, corpus, tmp_path, 4, *change, *same))
+        assert re.fullmatch(rf"Error: this job has {now}, but the run in {re.escape(str(tmp_path / 'run'))} that it "
+                            rf"would resume has {then} \(the settings its checkpoint last\.ckpt was trained "
+                            rf"with\): pass {fix} to resume that run, or a new hydra\.run\.dir to start another; "
+                            r"the checkpoints there are kept", str(e.value.code)), e.value.code
+        assert ckpt.read_bytes() == kept

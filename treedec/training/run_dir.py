@@ -1,7 +1,8 @@
 """What a training job's run dir holds, read before the job starts: its lock (one live job per run dir,
 :class:`RunDirLock`), the ``metrics.json`` of a job that already finished (:func:`finished_metrics`), and the
-newest *readable* checkpoint to resume from (:func:`find_resume_checkpoint`). A run dir that cannot be used
-as asked is a :class:`JobError`.
+newest *readable* checkpoint to resume from (:func:`find_resume_checkpoint`), which must have been written with
+this job's head kind and sizes (:class:`SameShapeAsResumed`). A run dir that cannot be used as asked is a
+:class:`JobError`.
 
 Lightning writes a checkpoint to a temporary file and then moves it into place; the move is an atomic rename
 only when the temporary directory (``$TMPDIR``, /tmp) is on the run dir's file system, otherwise it is a copy
@@ -18,6 +19,7 @@ import socket
 import sys
 from pathlib import Path
 
+import lightning as L
 from omegaconf import DictConfig
 
 from treedec.training.schedule import seconds
@@ -205,3 +207,66 @@ def find_resume_checkpoint(run_dir: str | os.PathLike) -> str | None:
     if bad:
         log.warning("resuming from %s (step %d), the newest intact checkpoint", best, step)
     return str(best)
+
+
+# The hyperparameters a checkpoint's weights are shaped by, and the train/pretrain keys that set them.
+SHAPE_SETTINGS = {"draft": "draft_arch", "arch": "model_arch", "target_path": "model.path", "init_from": "init_from"}
+
+
+def _show(value) -> str:
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_show(v) for v in value) + "]"
+    return str(value)
+
+
+def _settings(hparams: dict) -> dict[str, object]:
+    """The shape settings of a module's hyperparameters, by the key a user sets (``draft_arch.kind`` ...)."""
+    out: dict[str, object] = {}
+    for name, key in SHAPE_SETTINGS.items():
+        if name not in hparams:
+            continue
+        value = hparams[name]
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
+def check_same_shape(checkpoint: str | os.PathLike, hparams: dict) -> None:
+    """Raise :class:`JobError` naming each setting that differs between this job (its module's ``hparams``) and
+    the run whose ``checkpoint`` it would resume (the head kind and sizes, the model's architecture, the target,
+    the start head): that checkpoint's weights do not fit this job's module."""
+    import torch
+
+    path = Path(checkpoint)
+    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters") or {}
+    before, now = _settings(saved), _settings(dict(hparams))
+    differ = [k for k in dict.fromkeys([*now, *before]) if k in now and before.get(k) != now.get(k)
+              and (k in before or now[k] is not None)]
+    if not differ:
+        return
+    if "draft_arch.kind" in differ:  # another kind of head: its sizes differ as a consequence
+        differ = ["draft_arch.kind"]
+    here = ", ".join(f"{k}={_show(now.get(k))}" for k in differ)
+    then = ", ".join(f"{k}={_show(before.get(k))}" for k in differ)
+    fix = " ".join(f"draft_arch={_show(before.get(k))}" if k == "draft_arch.kind" else f"{k}={_show(before.get(k))}"
+                   for k in differ)
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    raise JobError(f"this job has {here}, but the run in {run_dir} that it would resume has {then} (the settings "
+                   f"its checkpoint {path.name} was trained with): pass {fix} to resume that run, or a new "
+                   f"hydra.run.dir to start another; the checkpoints there are kept")
+
+
+class SameShapeAsResumed(L.Callback):
+    """Before Lightning loads the checkpoint to resume (at ``setup``): :func:`check_same_shape`, so a changed head
+    kind or size is one line naming the setting, not a state-dict traceback."""
+
+    def __init__(self, checkpoint: str | os.PathLike | None):
+        self.checkpoint = checkpoint
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.checkpoint is not None and stage == "fit":
+            check_same_shape(self.checkpoint, dict(pl_module.hparams))

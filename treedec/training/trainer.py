@@ -38,7 +38,8 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 
 from treedec.training.preemption import ResumeState, SaveOnSigterm, preempted_status, requeue_plugins
-from treedec.training.run_dir import JobError, RunDirLock, find_resume_checkpoint, finished_metrics
+from treedec.training.run_dir import (JobError, RunDirLock, SameShapeAsResumed, find_resume_checkpoint,
+                                     finished_metrics)
 
 log = logging.getLogger("treedec.training")
 
@@ -161,11 +162,11 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *callbacks: L.Callback) -> tup
     if added:
         kwargs["plugins"] = trainer_plugins + added
     on_sigterm = SaveOnSigterm(run_dir / "checkpoints" / "last.ckpt")  # last: after every other batch-end hook
+    resume = find_resume_checkpoint(run_dir)
     trainer = hydra.utils.instantiate(
         cfg.trainer, default_root_dir=str(run_dir),
-        callbacks=[ckpt, ResumeState(), *callbacks, *extra, LogProgress(every), on_sigterm],
+        callbacks=[ckpt, ResumeState(), SameShapeAsResumed(resume), *callbacks, *extra, LogProgress(every), on_sigterm],
         logger=build_loggers(cfg, run_dir), **kwargs)
-    resume = find_resume_checkpoint(run_dir)
     if resume:
         log.info("resuming from %s", resume)
     return trainer, resume
