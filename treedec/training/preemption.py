@@ -6,7 +6,8 @@ with the same weights, bit for bit, as one that ran through (CPU, one process).
 
 SIGTERM: the step being trained finishes, ``checkpoints/last.ckpt`` is saved (:class:`SaveOnSigterm`), and the
 job exits with status 143 (:data:`PREEMPTED`), or 0 when Lightning requeued the SLURM job
-(:func:`preempted_status`). Who requeues a SLURM job: :func:`requeue_plugins`.
+(:func:`preempted_status`); a job that submitit runs first waits for submitit's requeue signal
+(:func:`await_submitit_requeue`). Who requeues a SLURM job: :func:`requeue_plugins`.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import logging
 import os
 import random
 import signal
+import time
 from pathlib import Path
 
 import lightning as L
@@ -99,6 +101,25 @@ class SaveOnSigterm(L.Callback):
 
         if isinstance(exception, SIGTERMException):
             self._save(trainer)
+
+
+SUBMITIT_GRACE_S = 30.0  # SLURM's default KillWait: how long after a SIGTERM a job is killed anyway
+
+
+def await_submitit_requeue(seconds: float = SUBMITIT_GRACE_S) -> None:
+    """In a job that submitit runs, wait (at most ``seconds``) for its requeue signal before the job exits.
+
+    SLURM preempts a submitit job with SIGTERM and submitit's USR2, one right after the other, in either order.
+    SIGTERM alone stops the training here (after saving ``last.ckpt``); exiting at once could beat the USR2,
+    and a job that is gone when it arrives is never requeued. submitit's USR2 handler requeues the job and ends
+    this process; a plain ``scancel`` (SIGTERM only) exits after the wait. Outside submitit this returns at once."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return
+    log.warning("submitit runs this job: waiting up to %.0f s for its requeue signal (%s)", seconds,
+                os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:  # submitit's handler raises SystemExit in here
+        time.sleep(0.05)
 
 
 def preempted_status(run_dir: str | os.PathLike, since: float) -> int:

@@ -15,7 +15,8 @@ saved (:class:`~treedec.training.preemption.SaveOnSigterm`), and the job exits w
 as if the signal had killed it), without an export or ``metrics.json``, so ``train && bench`` and schedulers
 see a job that did not finish; re-running the same command resumes. Exit status 0 only when Lightning requeued
 the SLURM job (its ``hpc_ckpt_*.ckpt`` was written during this job): the job goes on in its requeued run, and
-SLURM ignores a requeued run's status. A job that submitit requeues is ended by submitit's own handler.
+SLURM ignores a requeued run's status. A job that submitit runs waits a while for submitit's requeue signal
+before it exits; submitit's handler then requeues it and ends it.
 
 Config keys read here: ``trainer`` (instantiated), ``ckpt_every_n_steps``, ``log_every``,
 ``logger`` (a mapping of logger configs, see ``conf/logger/``; absent: CSV in the run dir),
@@ -37,7 +38,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgre
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 
-from treedec.training.preemption import ResumeState, SaveOnSigterm, preempted_status, requeue_plugins
+from treedec.training.preemption import (ResumeState, SaveOnSigterm, await_submitit_requeue, preempted_status,
+                                         requeue_plugins)
 from treedec.training.run_dir import (JobError, RunDirLock, SameShapeAsResumed, find_resume_checkpoint,
                                      finished_metrics)
 
@@ -132,6 +134,7 @@ def run_job(cfg: DictConfig, name: str, body: Callable[[DictConfig, Path], dict]
             log.warning("stopped by SIGTERM before the end: no export and no metrics.json; the checkpoints in %s are "
                         "kept, and the same command (same hydra.run.dir) resumes. Exit status %d%s", run_dir,
                         status, " (Lightning requeued this SLURM job)" if status == 0 else " (128 + SIGTERM)")
+            await_submitit_requeue()
             raise SystemExit(status) from None
 
 
