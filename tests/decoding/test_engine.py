@@ -1,5 +1,4 @@
 """The decoding engine's contracts: host reads per step, τ, the context end, input checks, hooks."""
-import itertools
 import math
 
 import pytest
@@ -11,7 +10,7 @@ from treedec.sampling import SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.profiling import count_ops
 from treedec.tree import TreeError
-from treedec.tree.cost import StepCost
+from treedec.tree.policies.auto.cost import StepCost
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, StaticPolicy
 
 from tests.helpers import OraclePolicy, greedy_reference, host_reads_per_step, make_pair
@@ -45,16 +44,36 @@ def test_at_most_four_host_reads_per_step_whatever_the_depth_of_the_model(layers
 def test_tree_auto_reads_the_device_once_per_step(params, tmp_path):
     """Its estimates ride the step's one read (host copies started before it, read after it)."""
     target, draft = make_pair(1, layers=12, hidden=32, heads=2, kv_heads=1)
-    # a step clock and a fixed step-cost profile, not the wall's: the shapes chosen (and so the rare top-p misses)
-    # are the same every run, however loaded the machine
-    policy = AutoPolicy(5, 4, clock=itertools.count().__next__)
+    policy = AutoPolicy(5, 4, cost_cache=str(tmp_path))
     dec = SpeculativeDecoder(target, draft, policy, params)
-    # drafts nearly free and a flat verify: trees and chains of every size pay even for this random draft
+    # drafts nearly free and a flat verify, whatever the machine's load: trees of every size pay even for this
+    # random draft, and the shapes chosen (so the rare top-p misses) are the same every run
     profile = {"verify": {1: 1.0, 64: 1.05}, "draft": {k: {1: 0.001, 5: 0.005} for k, _, _ in policy.shapes}}
-    policy.use_cost(lambda pol: StepCost(pol.shapes, {"device": "fixed"}, lambda rows: profile, tmp_path))
+    policy.cost = StepCost(policy.shapes, {"device": "fixed"}, lambda rows, have: profile, tmp_path)
+    policy.cost.observe = lambda *a: None  # (the timed steps would pull the table towards this machine's costs)
     per_step, steps, res, reads = host_reads_per_step(dec, warm=40, n=60)
     assert res.stats.steps > 10 and sum(T > D + 1 for T, D in policy.history) > 20  # mostly trees were played
     assert per_step <= 1 + 1 / steps, reads  # a rare top-p miss may add one
+
+
+def test_each_step_is_timed_alone_and_the_policys_preparation_apart(tmp_path):
+    """A step's seconds run from its draft to its read (no prefill, no admitted prompt's prefill in them), and the
+    policy's one-time profile is reported apart, never in tok/s."""
+    target, draft = make_pair(1, layers=12, hidden=32, heads=2, kv_heads=1)
+    policy = AutoPolicy(4, 2, cost_cache=str(tmp_path))
+    seen = []
+    res = SpeculativeDecoder(target, draft, policy).serve([[1, 2, 3], [4, 5], [6]], 12, slots=2,
+                                                          hook=lambda info: seen.append(info))
+    assert res.stats.prepare_time > 0 and policy.cost.tables  # profiled before decoding, on this first run
+    assert sum(policy.cost.ratio.values()) > 0 and all(s is not None and s > 0 for s in map(_seconds, seen))
+    steps = sum(map(_seconds, seen))
+    assert steps <= res.stats.total_time  # the profile is not in total_time
+    again = SpeculativeDecoder(target, draft, AutoPolicy(4, 2, cost_cache=str(tmp_path))).generate([[1, 2]], 4)
+    assert again.stats.prepare_time < res.stats.prepare_time  # the kept table: nothing measured
+
+
+def _seconds(info):
+    return info.seconds
 
 
 def test_vanilla_reads_once_per_step():

@@ -186,22 +186,6 @@ def test_after_copies_outran_the_tree_the_next_step_verifies_them_alone(inner, s
     assert all(n > 0 for a, _, n in steps[1:] if not a)
 
 
-def test_a_step_the_inner_policy_did_not_draft_is_timed_apart():
-    """tree=auto times a step from one draft() to the next: a copy-alone step between them is cut out."""
-    from treedec.tree.policies import AutoPolicy
-
-    now, seen = [0.0], []
-    pol = AutoPolicy(max_depth=3, top_k=1, clock=lambda: now[0])
-    pol.cost = type("Cost", (), {"profiled": lambda self, rows: None, "seconds": lambda self, rows: np.ones(len(pol.shapes)),
-                                 "observe": lambda self, rows, shape, s: seen.append((shape, s))})()
-    drafter = type("D", (), {"batch": 1, "root_tokens": torch.zeros(1, dtype=torch.long)})()
-    pol.choose = lambda rows: 0  # the root alone: nothing to draft
-    for t, call in [(0.0, "draft"), (2.0, "interrupt"), (5.0, "draft"), (6.5, "draft")]:  # the copy: 2.0 to 5.0
-        now[0] = t
-        pol.interrupt() if call == "interrupt" else pol.draft(drafter)
-    assert seen == [(0, 1.5)]
-
-
 class Spy(ChainPolicy):
     """A chain that records what it is told it accepted."""
 

@@ -200,7 +200,7 @@ def _in_prompt_order(info: StepInfo, live: list[int], done: list[bool]) -> StepI
     active = [False] * len(done)
     for j, b in enumerate(live):
         tokens[b], n_accept[b], active[b] = info.tokens[j], info.n_accept[j], info.active[j]
-    return StepInfo(info.index, active, tokens, n_accept)
+    return StepInfo(info.index, active, tokens, n_accept, seconds=info.seconds)
 
 
 def _row_generators(generator, n_prompts: int, sampling: SamplingParams, width: int):

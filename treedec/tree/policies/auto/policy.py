@@ -70,6 +70,8 @@ class AutoPolicy(TreePolicy):
         shapes = [(1, 0, 1)] + [(1, d, d + 1) for d in range(1, D + 1) if d + 1 <= most]
         shapes += [(k, d, t) for d in range(2, D + 1) for t in sizes
                    if k > 1 and d + 1 < t <= min(most, k + 1 if one_pass else n_drafted(k, d) + 1)]
+        if one_pass and k > 1:  # the pool's width: the largest tree's T - 1 best of each depth
+            shapes = [(w if w == 1 else max(t for w2, _, t in shapes if w2 > 1) - 1, d, t) for w, d, t in shapes]
         self.shapes, self.one_pass, self._mode = shapes, one_pass, (one_pass, block_size, vocab)
         a = np.array(shapes)
         self._k, self._d, self._t = a[:, 0], a[:, 1], a[:, 2]
@@ -89,7 +91,8 @@ class AutoPolicy(TreePolicy):
         self.reach = np.full((len(shapes), self.max_depth), np.nan)  # promised reach per depth (nan: never drafted)
         self._seen = np.zeros(len(shapes))
         self._hits = np.zeros(self.max_depth)  # decayed rows that reached each depth ...
-        self._promised = np.zeros(self.max_depth)  # ... and the scores' promise for them
+        self._promised = np.zeros(self.max_depth)  # ... the scores' promise for them ...
+        self._rows = np.zeros(self.max_depth)  # ... and the rows promised anything there
         self._since, self._gap = [0] * len(self.groups), [round(1 / DECAY)] * len(self.groups)
         self._best = -1  # the winning group (-1: the plain step)
         self.cost, self._cost_key, self._step, self._pending = None, None, None, None
@@ -121,7 +124,9 @@ class AutoPolicy(TreePolicy):
     # ------------------------------------------------------------------------------------- the rule
     def expected(self) -> np.ndarray:
         """E[accepted drafts] of every candidate (nan: never drafted)."""
-        rho = (1 + self._hits) / (1 + self._promised)
+        # hits / promise per row, with a prior of one row at 1: a promise of any scale converges alike
+        ratio = np.divide(self._hits, self._promised, out=np.ones(self.max_depth), where=self._promised > 0)
+        rho = (self._rows * ratio + 1) / (self._rows + 1)
         reach = np.minimum(1.0, np.nan_to_num(self.reach) * rho)
         e = np.minimum.accumulate(reach, axis=1).sum(1)  # a path reaches depth d only through d - 1
         return np.where(np.isnan(self.reach[:, 0]) & (self._d > 0), np.nan, e)
@@ -189,8 +194,8 @@ class AutoPolicy(TreePolicy):
         (rows, i), self._step = self._step, None
         if info.seconds is not None:
             self.cost.observe(rows, i, info.seconds)
-        self._hits *= 1 - DECAY
-        self._promised *= 1 - DECAY
+        for sums in (self._hits, self._promised, self._rows):
+            sums *= 1 - DECAY
         if self._pending is None:
             return
         drafted, self._pending = self._pending.numpy(), None
@@ -209,6 +214,7 @@ class AutoPolicy(TreePolicy):
         if len(accepted):
             self._hits += (accepted[:, None] >= np.arange(1, n + 1)).sum(0)
             self._promised += len(accepted) * played
+            self._rows += len(accepted) * (played > 0)
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
