@@ -241,3 +241,14 @@ def test_init_from_accepts_an_exported_head(target_dir, corpus, tmp_path):  # no
     assert module.head.config.target == str(target_dir)
     with pytest.raises(ConfigError, match=r"init_from=.*nowhere: no draft head at"):
         check_job_config(train_cfg(target_dir, corpus, tmp_path, 1, f"init_from={tmp_path / 'nowhere'}"), "train")
+
+
+def test_init_from_a_one_pass_head_takes_draft_arch_block_size():
+    """draft_arch.block_size is honoured when fine-tuning a one-pass head (its mask positions share one input pair,
+    so K is the config's alone): the head trains, measures and exports at the block the saved config names."""
+    from treedec.training.draft import DraftModule
+
+    module = DraftModule("tiny-code", draft={"kind": "parallel", "block_size": 4, "feature_layers": None,
+                                             "draft_vocab_size": 2048}, init_from="tiny-code-parallel",
+                         target_dtype="float32")
+    assert module.head.block_size == module.head.config.block_size == 4

@@ -229,6 +229,27 @@ def test_finished_metrics_decides_by_steps_and_time_cap(tmp_path):
     ("train", "+target_dtype=float32", r"target_dtype is now model\.dtype"),
     ("train", "+draft.kind=eagle3", r"draft is now draft_arch"),
     ("train", "export_dir=treedec/assets/tiny-code-eagle", r"inside the package's assets"),
+    # the head to train against init_from's head and the target (issue 46): one kind, a block that fits, real layers
+    ("train", "init_from=tiny-code-parallel", r"init_from=tiny-code-parallel is a one-pass \(P-EAGLE, kind parallel\) "
+                                              r"head, but draft_arch\.kind=eagle trains an EAGLE-1/2 head: pass "
+                                              r"draft_arch=parallel"),
+    ("train", "init_from=tiny-code-eagle3", r"is an EAGLE-3 head, but draft_arch\.kind=eagle .*draft_arch=eagle3"),
+    ("train", "draft_arch=eagle3 init_from=tiny-code-parallel", r"one-pass .* draft_arch\.kind=eagle3 .*"
+                                                                r"draft_arch=parallel"),
+    ("train", "draft_arch=parallel init_from=tiny-code-eagle", r"is an EAGLE-1/2 head, but draft_arch\.kind=parallel .*"
+                                                               r"from an EAGLE-3 head"),
+    ("train", "draft_arch=parallel draft_arch.block_size=100000", r"draft_arch\.block_size=100000: .* more than "
+                                                                  r"model\.path=tiny-code's 1024; lower draft_arch\."
+                                                                  r"block_size"),
+    ("train", "draft_arch=parallel init_from=tiny-code-parallel draft_arch.block_size=1024", r"draft_arch\.block_size=1024"),
+    ("train", "draft_arch=parallel draft_arch.feature_layers=[2,6,40]", r"draft_arch\.feature_layers=\[2, 6, 40\]: a "
+                                                                        r"one-pass .* model\.path=tiny-code has 12 "
+                                                                        r"\(ids 0\.\.11\)"),
+    ("train", "draft_arch=eagle3 draft_arch.feature_layers=[2,6,12]", r"draft_arch\.feature_layers=\[2, 6, 12\]: an "
+                                                                      r"EAGLE-3 head"),
+    ("train", "draft_arch=parallel init_from={deep}", r"init_from=\S+ is a one-pass \(P-EAGLE, kind parallel\) head "
+                                                      r"reading target layers \[2, 6, 30\], but model\.path=tiny-code "
+                                                      r"has 12 layers"),
     ("pretrain", "+model_arch.num_layers=2", r"unknown key model_arch\.num_layers; .*num_hidden_layers"),
     ("pretrain", "model_arch.num_key_value_heads=3", r"invalid model_arch: num_attention_heads \(8\) must be a "
                                                      r"multiple of num_key_value_heads \(3\)"),
@@ -242,7 +263,14 @@ def test_bad_options_are_refused_before_anything_runs(name, override, message, t
 
     if "paths.tokenizer" in override:  # a directory that holds no tokenizer.json
         override = f"paths.tokenizer={tmp_path}"
-    cfg = compose_cfg(name, [override, f"paths.run_dir={tmp_path / 'run'}"])
+    if "{deep}" in override:  # a one-pass head's config (no weights: refused before they load) for a deeper target
+        from treedec.models.draft_config import BUNDLED_DRAFTS, DRAFT_CONFIG
+
+        head = json.loads((BUNDLED_DRAFTS["tiny-code-parallel"] / DRAFT_CONFIG).read_text())
+        (tmp_path / "deep").mkdir()
+        (tmp_path / "deep" / DRAFT_CONFIG).write_text(json.dumps({**head, "feature_layers": [2, 6, 30]}))
+        override = override.replace("{deep}", str(tmp_path / "deep"))
+    cfg = compose_cfg(name, [*override.split(" "), f"paths.run_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match=message):
         (train if name == "train" else pretrain)(cfg)
     assert not (tmp_path / "run").exists()  # refused before the job made its run dir, data or model

@@ -96,4 +96,21 @@ def load_head(cls: type, path: str | Path, target: Transformer | None = None, dt
     return with_bf16_for_wide_batches(head.prepare(target, quantize), auto)
 
 
-__all__ = ["check_target", "load_head", "save_head"]
+def head_summary(path: str | Path) -> dict:
+    """``{"kind", "block_size", "feature_layers"}`` of the head ``path`` names (bundled name or directory), read from
+    its config alone, no weights: what a config check compares with the options before any model loads
+    (``feature_layers`` None: the kind's default for the target)."""
+    path = head_dir(path)
+    if not (path / DRAFT_CONFIG).is_file():
+        from treedec.models.head_formats_kind import published_summary
+
+        return published_summary(path)
+    try:
+        raw = json.loads((path / DRAFT_CONFIG).read_text())
+        cfg = DraftConfig(**raw)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"corrupt {path / DRAFT_CONFIG}: {e}") from e
+    return {"kind": cfg.kind, "block_size": cfg.block_size, "feature_layers": list(cfg.feature_layers)}
+
+
+__all__ = ["check_target", "head_summary", "load_head", "save_head"]

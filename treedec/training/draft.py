@@ -93,11 +93,13 @@ class DraftModule(WallTimeScheduled):
         if init_from:  # any head DraftHead.load reads: treedec's, exported or published (EAGLE / EAGLE-3)
             self.head = DraftHead.load(init_from, target=target, dtype=torch.float32)
             self.head.config.target = str(target_path)  # (a published head's names its own directory)
-            want = (draft or {}).get("kind")
+            want, block = (draft or {}).get("kind"), int((draft or {}).get("block_size") or 0)
             if want == "parallel" and self.head.config.kind != "parallel":  # P-EAGLE from an EAGLE-3 head
                 from treedec.models.parallel import ParallelHead
 
-                self.head = ParallelHead.from_eagle3(self.head, int((draft or {}).get("block_size") or 0))
+                self.head = ParallelHead.from_eagle3(self.head, block)
+            elif want == "parallel" and block:  # every mask position shares one input pair: K is the config's alone
+                self.head.config.block_size = block  # (draft_arch.block_size, as the saved config says)
         else:
             cfg = DraftConfig.for_target(target.config, target=str(target_path), **(draft or {}))
             self.head = DraftHead(cfg).bind(target)

@@ -294,16 +294,11 @@ def _check_common(cfg: DictConfig, kind: str) -> None:
 def _check_train(cfg: DictConfig) -> None:
     from treedec.models.checkpoint import resolve_path
     from treedec.models.draft import DraftConfig
-    from treedec.models.draft_config import head_dir
+    from treedec.training.draft_arch_checks import check_draft_arch
 
     draft = _get(cfg, "draft_arch") or {}
     check_fields({k: v for k, v in draft.items() if not (k == "feature_layers" and v is None)}, DraftConfig,
                  "draft_arch")
-    if draft.get("kind", "eagle") not in ("eagle", "eagle3", "parallel"):
-        raise ConfigError(f"draft_arch.kind={draft.get('kind')!r} is not a head kind: draft_arch=eagle, "
-                          f"draft_arch=eagle3 or draft_arch=parallel")
-    if draft.get("kind") == "parallel" and not (isinstance(draft.get("block_size"), int) and draft["block_size"] >= 1):
-        raise ConfigError(f"draft_arch.block_size={draft.get('block_size')!r}: a whole number >= 1 of positions per pass")
     _at_least(cfg, "optim.unroll", 1, " (null: 3 for eagle3, 1 for eagle)")
     if "target" in draft:
         raise ConfigError("draft_arch.target is set from model.path; drop draft_arch.target")
@@ -316,12 +311,8 @@ def _check_train(cfg: DictConfig) -> None:
         resolve_path(target)
     except FileNotFoundError as e:
         raise ConfigError(f"model.path={target}: {e}") from None
-    init = _get(cfg, "init_from")
-    if init is not None:  # whatever draft.path accepts (a treedec, exported or published head): one check, the loader's
-        try:
-            head_dir(init)
-        except FileNotFoundError as e:
-            raise ConfigError(f"init_from={init}: {e}") from None
+    # the kind, block and feature layers against init_from's head (any head draft.path accepts) and the target
+    check_draft_arch(draft, _get(cfg, "init_from"), target)
     tok = _get(cfg, "paths.tokenizer")
     if tok is not None and not Path(tok).expanduser().is_file():
         raise ConfigError(f"paths.tokenizer={tok} is not a file; the head trains on the target's own tokenizer "
