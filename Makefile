@@ -18,8 +18,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
+# ARGS reaches Hydra as typed (treedec.cli.split_args: split at spaces outside quotes, quotes kept), so
+# make run ARGS="prompt='def f(x):'" works as python -m treedec.generate "prompt='def f(x):'" does
 run: setup
-	$(PY) -m treedec.generate $(ARGS)
+	$(PY) -c "import sys; from treedec.cli import run_module; run_module('treedec.generate', sys.argv[1])" \
+	  '$(subst ','\'',$(ARGS))'
 
 # pytest's "no tests collected" (exit 5) is a failure, never a silent pass
 test: setup

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import treedec.config_schema  # noqa: F401  (registers schema/calibrate before Hydra composes)
 from treedec.atomic import write_text_atomic
-from treedec.cli import entry, load_stack, refuse_renamed
+from treedec.cli import entry, launch, load_stack
 
 log = logging.getLogger(__name__)
 
@@ -377,5 +377,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    refuse_renamed("calibrate")
-    main()
+    launch("calibrate", main)

@@ -4,7 +4,9 @@
 fix, not a bug: it prints one line ``Error: <what is wrong and how to fix it>`` on stderr and exits with
 status 1, instead of Hydra's traceback. ``HYDRA_FULL_ERROR=1`` shows the traceback again.
 Hydra only passes ``SystemExit`` through (it turns other exceptions into tracebacks, and
-exceptions in callbacks into warnings), hence :func:`fail`.
+exceptions in callbacks into warnings), hence :func:`fail`. What goes wrong before the task runs, while Hydra
+composes the config (an unknown option or key, an override it cannot parse, a config file that is not valid
+YAML), gets the same one line from :func:`launch`, which every ``python -m treedec.<entry>`` runs.
 
 **Output files** are written atomically (:mod:`treedec.atomic`: a temp file, then a rename), so
 a crash or a kill never leaves a half-written ``metrics.json`` for a sweep summary to trip over. A full
@@ -12,10 +14,11 @@ disk is a user error too: one line saying so and that what was written before is
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
-from typing import Any, Callable, NoReturn, TypeVar
+from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
 from treedec.atomic import DISK_FULL
 from treedec.errors import USER_ERRORS  # (ConfigError, CheckpointError, TreeError are ValueErrors)
@@ -47,11 +50,20 @@ def disk_full(exc: OSError) -> str | None:
             f"training job resumes from its newest checkpoint)")
 
 
+def full_error() -> bool:
+    """``HYDRA_FULL_ERROR=1``: every error keeps its traceback."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
 def user_message(exc: BaseException) -> str | None:
-    """The one line a user's mistake prints (a user error, a required key left ``???``, a full disk); None for
-    a bug, which keeps its traceback."""
+    """The one line a user's mistake prints (a user error, a required key left ``???``, a YAML file that does not
+    parse, a full disk); None for a bug, which keeps its traceback."""
     from omegaconf.errors import MissingMandatoryValue
 
+    from treedec.compose_errors import yaml_message
+
+    if (msg := yaml_message(exc)) is not None:
+        return msg
     if isinstance(exc, USER_ERRORS):
         return one_line(exc)
     if isinstance(exc, MissingMandatoryValue) and exc.full_key:  # a ??? key read before (or without) the schema check
@@ -70,12 +82,92 @@ def entry(fn: F) -> F:
             return fn(*args, **kwargs)
         except Exception as exc:
             msg = user_message(exc)
-            if msg is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            if msg is None or full_error():
                 raise
             fail(msg)
 
     return wrapper  # type: ignore[return-value]
 
+
+def launch(name: str, main: Callable[[], Any]) -> None:
+    """Run entry point ``name``'s ``@hydra.main`` function ``main`` as ``python -m treedec.<name>`` does: renamed
+    keys refused first (:func:`refuse_renamed`), then every error of Hydra's composition (an unknown group option
+    or key, an override it cannot parse, a config file that is not valid YAML or does not fit the schema) as one
+    ``Error:`` line (:func:`treedec.compose_errors.composition_message`)."""
+    refuse_renamed(name)
+    with composition_errors_as_one_line(name):
+        main()
+
+
+@contextlib.contextmanager
+def composition_errors_as_one_line(name: str) -> Iterator[None]:
+    """While Hydra runs entry point ``name``: the errors of its composition become one ``Error:`` line.
+
+    Hydra composes inside its own ``run_and_report``, which prints such an error in several lines (or a stripped
+    traceback) and exits before any code of ours runs; that one function is wrapped here, so every mode (run,
+    multirun, ``--cfg``) is covered and anything else (a bug in a task) is still reported by Hydra itself."""
+    import hydra._internal.hydra as hydra_app
+    import hydra._internal.utils as hydra_utils
+
+    from treedec.compose_errors import composition_message
+
+    report = hydra_utils.run_and_report
+
+    def one_line(func: Callable[[], Any]) -> Any:
+        try:
+            return func()
+        except Exception as exc:
+            msg = None if full_error() else composition_message(exc, name)
+            if msg is None:
+                raise
+            fail(msg)
+
+    def run_and_report(func: Callable[[], Any]) -> Any:
+        return report(lambda: one_line(func))
+
+    modules = (hydra_utils, hydra_app)
+    for module in modules:
+        module.run_and_report = run_and_report  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.run_and_report = report  # type: ignore[attr-defined]
+
+
+
+def split_args(text: str) -> list[str]:
+    """A command line given as one string (``make run ARGS="..."``) split as Hydra reads overrides: at spaces
+    outside quotes, the quotes kept (``prompt='def f(x):'`` is one override with a quoted value); a word that is
+    quoted whole is unquoted, as a shell would. An unclosed quote is an error."""
+    words: list[str] = []
+    word, quote, started = "", "", False
+    for ch in text:
+        if quote:
+            word += ch
+            quote = "" if ch == quote else quote
+        elif ch.isspace():
+            if started:
+                words.append(word)
+            word, started = "", False
+        else:
+            word, started = word + ch, True
+            quote = ch if ch in "'\"" else ""
+    if quote:
+        fail(f"ARGS has an unclosed {quote} quote: {text.strip()!r}; close it (ARGS=\"prompt='def f(x):'\")")
+    if started:
+        words.append(word)
+    return [w[1:-1] if w[0] in "'\"" and w.index(w[0], 1) == len(w) - 1 else w for w in words]
+
+
+def run_module(module: str, args: str) -> None:
+    """``python -m <module>`` with the overrides of one string (make's ARGS), split by :func:`split_args`: the
+    shell's own quote removal would turn ``prompt='def f(x):'`` into an override Hydra cannot read."""
+    import runpy
+    import sys
+
+    sys.argv = [module, *split_args(args)]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 RUN_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir")  # made by Hydra before any task code runs
 

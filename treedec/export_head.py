@@ -29,7 +29,7 @@ import torch
 from omegaconf import DictConfig
 
 import treedec.config_schema  # noqa: F401  (registers the structured schema before Hydra composes)
-from treedec.cli import entry, refuse_renamed
+from treedec.cli import entry, launch
 
 log = logging.getLogger(__name__)
 MARKER = ".treedec-export"
@@ -159,5 +159,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    refuse_renamed("export_head")
-    main()
+    launch("export_head", main)

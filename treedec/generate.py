@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import treedec.config_schema  # noqa: F401  (registers the structured schema before Hydra composes)
 from treedec.atomic import write_text_atomic
-from treedec.cli import entry, load_stack, refuse_renamed
+from treedec.cli import entry, launch, load_stack
 
 log = logging.getLogger(__name__)
 
@@ -131,5 +131,4 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    refuse_renamed("generate")
-    main()
+    launch("generate", main)

@@ -24,7 +24,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from treedec.cli import entry, refuse_renamed
+from treedec.cli import entry, launch
 
 log = logging.getLogger(__name__)
 
@@ -136,5 +136,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    refuse_renamed("pretrain")
-    main()
+    launch("pretrain", main)

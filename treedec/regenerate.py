@@ -61,7 +61,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import treedec.config_schema  # noqa: F401  (registers the structured schema before Hydra composes)
-from treedec.cli import entry, load_stack, refuse_renamed
+from treedec.cli import entry, launch, load_stack
 from treedec.regenerate_state import (Preempted, ShardData, ShardWriter, StopOnSigterm, check_manifest,
                                       finished_stats, summarize)
 from treedec.training.predict import Prompt
@@ -245,5 +245,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    refuse_renamed("regenerate")
-    main()
+    launch("regenerate", main)

@@ -23,7 +23,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from treedec.cli import entry, refuse_renamed
+from treedec.cli import entry, launch
 
 log = logging.getLogger(__name__)
 
@@ -132,5 +132,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    refuse_renamed("train")
-    main()
+    launch("train", main)

@@ -13,7 +13,7 @@ import hydra
 from omegaconf import DictConfig
 
 import treedec.config_schema  # noqa: F401  (registers schema/bench before Hydra composes)
-from treedec.cli import entry, refuse_renamed
+from treedec.cli import entry, launch
 
 log = logging.getLogger("treedec.bench")
 
@@ -31,5 +31,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    refuse_renamed("bench")
-    main()
+    launch("bench", main)
