@@ -97,6 +97,8 @@ def run(cfg: DictConfig) -> dict:
     metrics = {"prompt_tokens": len(ids), "text": tok.decode(res.tokens[0]), **stats, "compile_s": compile_s}
     tps = stats["tokens_per_s"]
     summary = f"{stats['new_tokens']} tokens, {_fmt(tps, '.1f')} tok/s, tau {_fmt(stats['tau'], '.2f')}"
+    if stats["prepare_s"] >= 0.005:  # tree=auto's first run here: the step-cost profile, never in tok/s
+        summary += f" (+ {stats['prepare_s']:.2f} s profiling this machine's step costs, once)"
     if cfg.compare:
         gen = torch.Generator(device=target.device).manual_seed(int(cfg.seed))
         van = van_dec.generate(ids, n_new, generator=gen)

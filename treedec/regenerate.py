@@ -162,6 +162,20 @@ def _continuation(tokens: list[int], tok) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------- run
+def reproducible(policy, sampling):
+    """The policy sampled records decode with. A sampled record's tokens depend on the trees its steps verified, and
+    tree=auto's follow this machine's timing: sampled regeneration verifies a fixed 5-deep chain instead, so a re-run
+    or a resumed run samples the same bytes. Greedy output is the target's whatever the tree: auto stays."""
+    from treedec.tree.policies import AutoPolicy, ChainPolicy
+
+    if sampling.greedy or not isinstance(policy, AutoPolicy):
+        return policy
+    log.info("sampled regeneration: tree=auto's shapes follow this machine's timing and a record's samples follow "
+             "its shapes, so a fixed chain (tree=chain tree.depth=5) keeps re-runs byte-identical; pass tree=... to "
+             "choose another fixed tree")
+    return ChainPolicy(5)
+
+
 def run(cfg: DictConfig) -> dict:
     """Regenerate ``cfg.input`` into ``cfg.out_dir``; every option is checked before the model loads."""
     from treedec.config_checks import instantiate_checked, validate
@@ -169,6 +183,7 @@ def run(cfg: DictConfig) -> dict:
     validate(cfg, "regenerate")
     policy = instantiate_checked(cfg.tree, "tree")
     sampling = instantiate_checked(cfg.sampling, "sampling")
+    policy = reproducible(policy, sampling)
     t0 = time.time()
     records, skipped = read_records(str(cfg.input), str(cfg.format), str(cfg.on_error))
     if not records:
