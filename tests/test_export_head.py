@@ -244,3 +244,31 @@ def test_export_records_the_target_fingerprint_and_loading_warns_on_another(tmp_
     out = export_head(unbound, tmp_path / "bundled", "eagle")
     assert json.loads((out / "config.json").read_text())["treedec"] == {
         "target": "tiny-code", "target_fingerprint": unbound.config.target_fingerprint}
+
+
+@pytest.mark.parametrize("fmt", ["eagle", "eagle3"])
+def test_a_one_pass_head_is_refused_naming_what_works(fmt, tmp_path):
+    """No circle: the refusal of a one-pass head names no other format to try, only its treedec directory's use,
+    from its config before its weights load; export_head itself says the same of a loaded head."""
+    from omegaconf import OmegaConf
+
+    from treedec.export_head import run
+    from treedec.models.draft_config import BUNDLED_DRAFTS, DRAFT_CONFIG
+
+    head_dir = tmp_path / "one-pass"  # its config alone: refused before any weights would be read
+    head_dir.mkdir()
+    (head_dir / DRAFT_CONFIG).write_bytes((BUNDLED_DRAFTS["tiny-code-parallel"] / DRAFT_CONFIG).read_bytes())
+    cfg = OmegaConf.create(dict(draft={"_target_": "treedec.models.draft.DraftHead.load", "path": str(head_dir)},
+                                format=fmt, out=str(tmp_path / "out"), dtype=None))
+    with pytest.raises(ValueError) as err:
+        run(cfg)
+    msg = str(err.value)
+    assert f"draft.path={head_dir} is a one-pass (P-EAGLE, kind parallel) head" in msg
+    assert "cannot export one to an engine layout yet" in msg and f"draft=path draft.path={head_dir})" in msg
+    assert "format=parallel" not in msg and "\n" not in msg
+    from tests.helpers import parallel_pair
+
+    with pytest.raises(ValueError, match="the head is a one-pass .* cannot export one") as err:
+        export_head(parallel_pair()[1], tmp_path / "out", fmt)
+    assert "format=parallel" not in str(err.value)
+    assert not (tmp_path / "out").exists()

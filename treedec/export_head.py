@@ -138,12 +138,25 @@ def export_head(head, out: str | os.PathLike, fmt: str, dtype: torch.dtype | Non
     return out
 
 
+def _check_kind(path, fmt: str) -> None:
+    """A head whose kind has no layout ``fmt`` is refused from its config, before its weights load."""
+    from treedec.models.draft_checkpoint import head_summary
+    from treedec.models.head_formats import kind_mismatch
+
+    if path is None:
+        return
+    kind = head_summary(path)["kind"]
+    if kind != fmt:
+        raise ValueError(kind_mismatch(kind, fmt, path))
+
+
 def run(cfg: DictConfig) -> Path:
     from treedec.config_checks import instantiate_checked, validate
     from treedec.models.checkpoint import resolve_dtype
 
     validate(cfg, "export_head")
     _check_out(Path(cfg.out).expanduser())  # before loading anything
+    _check_kind(cfg.draft.get("path"), cfg.format)
     # the file's own dtype and weights: export writes what was trained
     head = instantiate_checked(cfg.draft, dtype=None, quantize=None)
     out = export_head(head, cfg.out, cfg.format, resolve_dtype(cfg.dtype) if cfg.dtype else None)

@@ -324,6 +324,17 @@ def load_published(path: str | Path, build: Callable[[DraftConfig], nn.Module], 
 
 
 # ------------------------------------------------------------------ treedec -> published (export_head)
+def kind_mismatch(kind: str, fmt: str, path=None) -> str:
+    """Why a head of ``kind`` (at ``path``, if known) is not exported as ``fmt``, and what to do instead."""
+    where = f"draft.path={path}" if path else "the head"
+    if kind == "parallel":
+        return (f"{where} is a one-pass (P-EAGLE, kind parallel) head, and treedec cannot export one to an engine "
+                f"layout yet (format=eagle and format=eagle3 hold autoregressive heads only): use its treedec "
+                f"directory as it is (python -m treedec.generate draft=path draft.path={path or '<its directory>'})")
+    return (f"{where} is kind {kind!r}, so it exports as format={kind} (not {fmt}): the layouts differ in more than "
+            f"names (EAGLE-3 fuses three target layers and has its own LM head)")
+
+
 def to_published(head: nn.Module, fmt: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, tensors) of a treedec head in a public layout: ``eagle`` or ``eagle3`` (SpecForge/SGLang).
 
@@ -336,8 +347,7 @@ def to_published(head: nn.Module, fmt: str) -> tuple[dict, dict[str, torch.Tenso
     if fmt not in ("eagle", "eagle3"):
         raise ValueError(f"format={fmt!r}; treedec writes eagle (EAGLE-1/2) or eagle3 (EAGLE-3 / SpecForge)")
     if fmt != c.kind:
-        raise ValueError(f"the head is kind {c.kind!r}, so it exports as format={c.kind} (not {fmt}): the layouts "
-                         "differ in more than names (EAGLE-3 fuses three target layers and has its own LM head)")
+        raise ValueError(kind_mismatch(c.kind, fmt))
     lc = c.layer_config()
     if c.qk_norm:
         raise ValueError("a head with q/k norms (a Qwen3 layer) has no public EAGLE-1/2 or EAGLE-3 layout that "
@@ -376,4 +386,4 @@ def to_published(head: nn.Module, fmt: str) -> tuple[dict, dict[str, torch.Tenso
     return cfg, out
 
 
-__all__ = ["LAYOUTS", "convert", "detect", "load_published", "read_weights", "to_published"]
+__all__ = ["LAYOUTS", "convert", "detect", "kind_mismatch", "load_published", "read_weights", "to_published"]
