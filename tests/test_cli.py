@@ -18,7 +18,7 @@ from treedec.config_schema import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_entry_turns_user_errors_into_one_line(monkeypatch):
+def test_entry_turns_user_errors_into_one_line(monkeypatch, tmp_path):
     @entry
     def job(exc):
         raise exc if isinstance(exc, BaseException) else exc()
@@ -30,6 +30,16 @@ def test_entry_turns_user_errors_into_one_line(monkeypatch):
         assert e.value.code == f"Error: {' '.join(str(exc).split())}"  # a str code: printed on stderr, exit status 1
     with pytest.raises(SystemExit, match=r"^Error: draft\.path is required: pass draft\.path=DIR"):  # item 17
         job(lambda: OmegaConf.create({"draft": {"path": "???"}}).draft.path)  # a ??? read without the schema check
+    bad = tmp_path / "tree.yaml"
+    bad.write_text("choices: [[0], [1]\n")
+
+    def load():
+        with bad.open() as f:
+            return __import__("yaml").safe_load(f)
+
+    with pytest.raises(SystemExit, match=rf"^Error: {re.escape(str(bad))} line 1: not valid YAML \(while parsing a "
+                                         r"flow sequence; .*\); close the list with \]"):  # issue 46 item 1, any file
+        job(load)
     with pytest.raises(TypeError):  # a bug keeps its traceback
         job(TypeError("unsupported format string passed to NoneType.__format__"))
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
