@@ -1,13 +1,8 @@
-"""What a step of each candidate shape costs here: a profiled table, kept per machine, refined by the steps timed.
-
-A step of shape (width k, depth D, T tokens) costs verify(T) + draft(k, D) (T = 1: a plain step, no draft). Both
-are measured by :func:`~treedec.tree.policies.auto.profile.measure` at the batch's row count and at one row, at a
-few T and D (linear between them, held flat past them and made non-decreasing in T and D: never negative), once per key: device,
-models and their dtypes and module types, backend, threads, compile, torch. The table is kept as JSON in
-:func:`cache_dir`; a file that is unreadable, empty, non-finite or implausible is measured again with a warning
-naming it, and runs that need more T or depth than it holds measure only what is missing. Online, each timed step
-moves its row count's ratio (measured over table seconds) by :data:`DECAY`; a ratio that stays off by more than
-:data:`STALE` marks the table stale, and the next run re-measures it, with a warning. The cost only sizes trees.
+"""Seconds of a step of each shape (width k, depth D, T tokens): verify(T) + draft(k, D), from a table profiled
+once per key (machine, models, backend, threads, compile, torch) at the batch's rows and at one row, linear between
+its points and non-decreasing, kept in :func:`cache_dir`. A bad file (unreadable, empty, non-finite, non-positive)
+is measured again with a warning naming it; a run needing more T or depth measures only the missing points. The
+timed steps scale it per row count; a scale off by STALE marks it for re-measurement at the next run.
 """
 from __future__ import annotations
 
@@ -43,11 +38,15 @@ def cache_dir(override: str | os.PathLike | None = None) -> Path:
 
 
 def _curve(points: dict[int, float], xs: np.ndarray) -> np.ndarray:
-    """Piecewise-linear through ``points``, held flat past the ends, and non-decreasing (a later point below an
-    earlier one, a disturbed run, lowers the earlier)."""
+    """Piecewise-linear through ``points``, flat past the ends, non-decreasing (a disturbed high point is lowered)."""
     keys = sorted(points)
     ys = np.minimum.accumulate(np.array([points[k] for k in keys])[::-1])[::-1]
     return np.interp(xs, keys, ys)
+
+
+def _keyed(obj, key: Callable):
+    """Nested dicts with their keys through ``key`` (JSON keeps only string keys)."""
+    return {key(k): _keyed(v, key) for k, v in obj.items()} if isinstance(obj, dict) else obj
 
 
 def _sane(table) -> bool:
@@ -81,10 +80,7 @@ class StepCost:
         if not self.path.exists():
             return {}
         try:
-            rows = json.loads(self.path.read_text())["rows"]
-            tables = {int(b): {"verify": {int(t): float(s) for t, s in e["verify"].items()},
-                               "draft": {int(k): {int(d): float(s) for d, s in v.items()}
-                                         for k, v in e["draft"].items()}} for b, e in rows.items()}
+            tables = _keyed(json.loads(self.path.read_text())["rows"], lambda k: int(k) if k.isdigit() else k)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("%s is not a readable step-cost profile (%s); measuring again", self.path, e)
             return {}
@@ -101,9 +97,8 @@ class StepCost:
         return (max(table["verify"]) < self._t.max() or not widths <= set(table["draft"])
                 or any(max(table["draft"][k]) < self._d[self._k == k].max() for k in widths))
 
-    def prepare(self, rows: int) -> bool:
-        """Measure what the table lacks at ``rows`` rows and one row (or all of it, when stale) -> whether it
-        measured."""
+    def prepare(self, rows: int) -> None:
+        """Measure what the table lacks at ``rows`` rows and one row (all of it, when stale)."""
         need = [b for b in sorted({1, rows}) if self.stale or self._missing(self.tables.get(b))]
         if self.stale:
             log.warning("the steps timed disagreed with %s by more than %gx; measuring this machine's step costs "
@@ -114,14 +109,10 @@ class StepCost:
         if need:
             self._cache.clear()
             self._save()
-        return bool(need)
 
     def _save(self) -> None:
-        rows = {str(b): {"verify": {str(t): s for t, s in sorted(e["verify"].items())},
-                         "draft": {str(k): {str(d): s for d, s in sorted(v.items())} for k, v in e["draft"].items()}}
-                for b, e in sorted(self.tables.items())}
         try:
-            write_text_atomic(self.path, json.dumps({"key": self.key, "rows": rows}, indent=1) + "\n")
+            write_text_atomic(self.path, json.dumps({"key": self.key, "rows": self.tables}, indent=1) + "\n")
         except OSError as e:  # a read-only cache: measured again next time, never a failed run
             log.warning("could not keep the step-cost profile in %s (%s); set $TREEDEC_CACHE to a writable "
                         "folder", self.path, e)

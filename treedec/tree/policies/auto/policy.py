@@ -1,33 +1,13 @@
-"""``tree=auto``: each step, the shape with the most expected tokens per second on this machine.
+"""``tree=auto``: each step, the plain step, chain or tree with the most expected tokens per second here.
 
-The candidates are the plain step (T = 1), the top-1 chain of every depth, and trees of every depth at node budgets
-T of powers of two up to ``max_total_tokens``: EAGLE-2 trees of width ``top_k`` with an autoregressive head,
-best-first trees with a one-pass head. Each step plays the one that maximises
-
-    (1 + E[accepted drafts]) / predicted step seconds,
-
-which is (rows + E[accepted over the batch]) / seconds up to the rows.
-
-**Expected accepted drafts.** A node is accepted exactly when its whole path is, so E[accepted] is the sum of the
-nodes' path-acceptance chances, and at most one node per depth is on the accepted path, so the chance a row
-reaches depth d is the sum over the tree's nodes at d. A node's chance is its draft score (cumulative, calibrated
-per depth by the head's ``calibration.yaml`` when it ships one) times rho_d, what the target actually accepted at
-depth d over what the scores promised there, over the last ~1/DECAY steps of any shape, starting at 1: a
-calibration made on other text, under another temperature, or none, converges to this text within a few dozen
-steps. The best T-node tree holds its T - 1 best-scored nodes (a parent never scores below its child): one global
-order, so every (depth, T) of one drafted pool is read from its sorted prefix sums at once. The verify pass is
-[rows, T]: a node left out of one row saves nothing, so the budget is T - 1 nodes a row, summed over the batch.
-
-**What each shape promises** is the mean of its reach per depth over the steps that drafted it (a chain of depth D
-drafts every shallower chain; a pool every tree of its width and at most its depth). A group not played (chains,
-trees) is played again after a gap that starts at 1/DECAY steps and doubles while it keeps losing, up to MAX_GAP:
-one step at depth two past the group's best, so no shape is ever locked out and plain decoding never sticks.
-
-**Step seconds** come from :class:`~.cost.StepCost`, profiled once per machine before decoding starts
-(:meth:`prepare`, reported apart) and scaled by the steps the decoder timed (``StepInfo.seconds``).
-
-The choice uses earlier steps' estimates, so a step reads nothing from the device beyond the decoder's one read:
-this step's scores are copied to the host without waiting and read in :meth:`observe`.
+Candidates: the plain step, the top-1 chain of every depth, and trees of every depth at T = powers of two up to
+``max_total_tokens`` (EAGLE-2 pools of width ``top_k``; with a one-pass head, best-first trees). A step plays the
+argmax of (1 + E[accepted drafts]) / predicted seconds. E is a sum over the tree's nodes of P(path accepted): the
+draft's (calibrated) score times rho, what the target accepted over what the scores promised, per depth and kind
+(chains, trees), over the last ~1/DECAY steps. What each shape promises is averaged over the steps that drafted it
+(a pool holds every smaller or shallower tree); a kind that keeps losing is played again after a gap that doubles
+up to MAX_GAP steps. Seconds: :class:`~.cost.StepCost`. Choices use earlier steps' estimates, and this step's
+scores are copied to the host without waiting, so a step adds no device read. docs/design.md §9.
 """
 from __future__ import annotations
 
@@ -90,9 +70,9 @@ class AutoPolicy(TreePolicy):
         self._chains = {d: ChainPolicy(d, scores=True, tempered=True) for d in range(1, self.max_depth + 1)}
         self.reach = np.full((len(shapes), self.max_depth), np.nan)  # promised reach per depth (nan: never drafted)
         self._seen = np.zeros(len(shapes))
-        self._hits = np.zeros(self.max_depth)  # decayed rows that reached each depth ...
-        self._promised = np.zeros(self.max_depth)  # ... the scores' promise for them ...
-        self._rows = np.zeros(self.max_depth)  # ... and the rows promised anything there
+        # per kind (chains, trees) and depth: decayed rows that reached it, the scores' promise, the rows promised
+        self._hits, self._promised, self._rows = (np.zeros((2, self.max_depth)) for _ in range(3))
+        self._kind = (self._k > 1).astype(int)  # 0: a chain (or the plain step), 1: a tree
         self._since, self._gap = [0] * len(self.groups), [round(1 / DECAY)] * len(self.groups)
         self._best = -1  # the winning group (-1: the plain step)
         self.cost, self._cost_key, self._step, self._pending = None, None, None, None
@@ -125,9 +105,9 @@ class AutoPolicy(TreePolicy):
     def expected(self) -> np.ndarray:
         """E[accepted drafts] of every candidate (nan: never drafted)."""
         # hits / promise per row, with a prior of one row at 1: a promise of any scale converges alike
-        ratio = np.divide(self._hits, self._promised, out=np.ones(self.max_depth), where=self._promised > 0)
+        ratio = np.divide(self._hits, self._promised, out=np.ones_like(self._hits), where=self._promised > 0)
         rho = (self._rows * ratio + 1) / (self._rows + 1)
-        reach = np.minimum(1.0, np.nan_to_num(self.reach) * rho)
+        reach = np.minimum(1.0, np.nan_to_num(self.reach) * rho[self._kind])
         e = np.minimum.accumulate(reach, axis=1).sum(1)  # a path reaches depth d only through d - 1
         return np.where(np.isnan(self.reach[:, 0]) & (self._d > 0), np.nan, e)
 
@@ -212,9 +192,10 @@ class AutoPolicy(TreePolicy):
         played = new[np.flatnonzero(held == i)[0]]
         accepted = np.array([a - 1 for a, on in zip(info.n_accept, info.active) if on])
         if len(accepted):
-            self._hits += (accepted[:, None] >= np.arange(1, n + 1)).sum(0)
-            self._promised += len(accepted) * played
-            self._rows += len(accepted) * (played > 0)
+            g = self._kind[i]
+            self._hits[g] += (accepted[:, None] >= np.arange(1, n + 1)).sum(0)
+            self._promised[g] += len(accepted) * played
+            self._rows[g] += len(accepted) * (played > 0)
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,7 @@
-"""Times the passes a speculative step is made of, on this machine, for :class:`~.cost.StepCost`.
-
-At one row count: the target's verify pass over T tokens at powers of two up to the largest tree (T = 1: the plain
-pass), and the policy's own draft of each width at depth 1 and at its deepest (with a one-token catch-up, as after a
-step), each the best of :data:`RUNS` after a warm-up, the passes interleaved so none runs with the caches another
-pass left warm. It runs on caches of its own, after a prefix as long as the prompts: the decoder's state is never
-touched. Points the kept table already has are not measured again.
+"""Times a step's passes here at one row count: the verify over T tokens (powers of two up to the largest tree;
+T = 1 the plain pass) and the policy's own draft of each width at depth 1 and its deepest (with a one-token
+catch-up, as after a step), best of RUNS after a warm-up, interleaved so no pass finds the caches another left warm;
+on caches of its own after a prefix as long as the prompts. Points the kept table has are not measured again.
 """
 from __future__ import annotations
 
