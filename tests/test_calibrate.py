@@ -139,6 +139,9 @@ def test_calibrate_config_errors(stack, tmp_path):  # noqa: F811
     ("prompts.source=file", r"prompts\.source=file needs prompts\.file="),
     ("+dp.max_budgte=3", r"dp\.max_budgte.*Did you mean dp\.max_budget\? Keys of dp: max_budget, max_depth"),
     ("model.dtype=bf17", r"invalid model\.dtype: unknown dtype 'bf17'"),
+    ("draft.path=tiny-code-parallel", r"draft\.path=tiny-code-parallel is a one-pass \(P-EAGLE, kind parallel\) head: "
+                                      r"calibrate measures an EAGLE or EAGLE-3 head.* calibrate an autoregressive head "
+                                      r"instead \(draft=tiny_code or draft=tiny_code_eagle3"),  # not tree=...: no group
 ])
 def test_calibrate_rejects_bad_options_before_loading(stack, tmp_path, override, needle):  # noqa: F811
     from treedec.calibrate import run

@@ -236,11 +236,29 @@ def time_hardware(target, draft, table, budgets, depth_limit: int, prefix_len: i
 
 
 # ---------------------------------------------------------------------------------------------- run
+def refuse_one_pass(one_pass: bool, path) -> None:
+    """calibrate measures an autoregressive head (its ranks per depth, for the learned tree and calibration.yaml):
+    a one-pass head is refused with what serves it, before the probe tree would refuse it in generate's terms."""
+    if one_pass:
+        from treedec.errors import ConfigError
+
+        raise ConfigError(f"draft.path={path} is a one-pass (P-EAGLE, kind parallel) head: calibrate measures an EAGLE "
+                         f"or EAGLE-3 head's acceptance by depth and sibling rank for tree=learned and tree=dynamic, "
+                         f"which a one-pass head cannot draft, and its own trees (tree=chain, tree=best_first, "
+                         f"tree=auto in generate) read its raw marginals, so it needs no calibration; calibrate an "
+                         f"autoregressive head instead (draft=tiny_code or draft=tiny_code_eagle3, or draft.path=DIR)")
+
+
 def run(cfg: DictConfig) -> dict:
     """Probe, time, solve and write the learned tree; every option is checked before the model loads."""
     from treedec.config_checks import instantiate_checked, validate
 
     validate(cfg, "calibrate")  # also the probe node by its _target_, before anything loads
+    path = OmegaConf.select(cfg, "draft.path")
+    if path is not None:
+        from treedec.models.draft_checkpoint import head_summary
+
+        refuse_one_pass(head_summary(path)["kind"] == "parallel", path)
     probe = instantiate_checked(cfg.probe, "probe")
     if hasattr(probe, "scores"):  # a static probe records its nodes' draft log-probs for the reliability diagram
         probe.scores = True
@@ -256,6 +274,7 @@ def run(cfg: DictConfig) -> dict:
     torch.manual_seed(int(cfg.seed))
     t_start = time.perf_counter()
     target, tok, draft = load_stack(cfg)
+    refuse_one_pass(getattr(draft, "one_pass", False), path)  # (a draft group of another loader)
     pset = prompt_set(cfg, tok)
     prompts = encode_prompts(cfg, tok, [p.text for p in pset])
     log.info("probing acceptance: %d prompts x %d new tokens, probe tree of %d nodes (depth %d)",
