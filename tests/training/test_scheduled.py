@@ -66,10 +66,11 @@ def test_submitit_job_preempted_is_requeued_and_resumes_exactly(preemption, targ
     the job must still be alive to be requeued, and resumes from step 7."""
     outputs, folder, marker = tmp_path / "outputs", tmp_path / "submitit", tmp_path / "paused"
     pause = "PauseOnce" if preemption == "usr2_mid_step" else "WaitForSigterm"
+    job = [o for o in train_overrides(target_dir, corpus, tmp_path, 12, *EXTRA) if not o.startswith("paths.run_dir=")]
     cmd = [sys.executable, "-m", "treedec.train", "-m", "hydra/launcher=submitit_local", f"paths.output_dir={outputs}",
-           f"hydra.launcher.submitit_folder={folder}", "hydra.launcher.timeout_min=60",  # (< 10 min: submitit counts any signal as a time-out)
-           f"+callbacks.pause={{_target_:tests.training._pause.{pause},at:7,marker:'{marker}'}}",
-           *[o for o in train_overrides(target_dir, corpus, tmp_path, 12, *EXTRA) if not o.startswith("paths.run_dir=")]]
+           f"hydra.launcher.submitit_folder={folder}",
+           "hydra.launcher.timeout_min=60",  # under 10 min, submitit counts any signal as a time-out
+           f"+callbacks.pause={{_target_:tests.training._pause.{pause},at:7,marker:'{marker}'}}", *job]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
     env.pop("HYDRA_FULL_ERROR", None)
 
