@@ -340,7 +340,11 @@ MALFORMED = {  # name: (eagle3 layout?, how the written directory is spoiled, wh
     "d2t_2d": (True, lambda p, sd: _resave(p, sd, d2t=sd["d2t"][None]), r"d2t has shape \(1, 40\).*\(40,\)"),
     "d2t_length": (True, lambda p, sd: _resave(p, sd, d2t=sd["d2t"][:39]), r"d2t has shape \(39,\)"),
     "draft_vocab_vs_lm_head": (True, lambda p, sd: _edit_cfg(p, draft_vocab_size=39),
-                               r"draft_vocab_size 39.*lm_head.weight has 40 rows"),
+                               r"draft_vocab_size is 39, but the weights say 40 \(lm_head.weight has shape \(40, "),
+    "string_layers": (False, lambda p, sd: _edit_cfg(p, num_hidden_layers="1"),
+                      r"\"num_hidden_layers\" is '1', not an integer: write it as the JSON integer 1"),
+    "hidden_vs_fc": (False, lambda p, sd: _edit_cfg(p, hidden_size=128),
+                     r"hidden_size is 128, but the weights say 64 \(fc.weight has shape \(64, 128\)\)"),
     "float_layer_ids": (True, lambda p, sd: _edit_cfg(p, eagle_aux_hidden_state_layer_ids=[2.7, 4, 5]),
                         r"layer ids must be integers.*2\.7"),
     "string_layer_ids": (True, lambda p, sd: _edit_cfg(p, eagle_aux_hidden_state_layer_ids=["2", "4", "5"]),
@@ -591,3 +595,45 @@ def test_peagle_refusals_name_what_is_missing(case, deep_target, tmp_path):
     }
     want["eagle3_with_mask_hidden"] = want["no_mask_key"]
     assert _one_line_error(path, None if case == "no_embed_no_target" else deep_target) == want[case]
+
+
+def _edit_layer_cfg(path, **change):  # the layer's fields: transformer_layer_config in a speculators config
+    cfg = json.loads((path / "config.json").read_text())
+    layer = cfg.get("transformer_layer_config", cfg)
+    layer.update(change)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+# A published P-EAGLE config.json that contradicts its weights: the field, what it says, what the weights say.
+FIELD_VS_WEIGHTS = [  # (dialect, the layer config's change, the error after "<config.json>: ")
+    ("vllm", dict(num_hidden_layers="1"),
+     "\"num_hidden_layers\" is '1', not an integer, and the weights hold 1 layer: write it as the JSON integer 1"),
+    ("speculators", dict(num_hidden_layers="1"),
+     "\"transformer_layer_config.num_hidden_layers\" is '1', not an integer, and the weights hold 1 layer: write it "
+     "as the JSON integer 1"),
+    ("vllm", dict(num_hidden_layers=1.0), "\"num_hidden_layers\" is 1.0, not an integer, and the weights hold 1 layer: "
+                                          "write it as a JSON integer"),
+    ("vllm", dict(hidden_size=2 * H), f"hidden_size is {2 * H}, but the weights say {H} (fc.weight has shape "
+                                      f"({H}, {3 * H}))"),
+    ("speculators", dict(hidden_size=2 * H), f"transformer_layer_config.hidden_size is {2 * H}, but the weights say "
+                                             f"{H} (fc.weight has shape ({H}, {3 * H}))"),
+    ("vllm", dict(vocab_size=V + 1), f"vocab_size is {V + 1}, but the weights say {V} (embed_tokens.weight has shape "
+                                     f"({V}, {H}))"),
+    ("vllm", dict(intermediate_size=I + 1), f"intermediate_size is {I + 1}, but the weights say {I} "
+                                            f"(midlayer.mlp.gate_proj.weight has shape ({I}, {H}))"),
+    ("vllm", dict(num_key_value_heads=NH), f"num_key_value_heads x head_dim ({NH} x {HD}) is {NH * HD}, but the weights "
+                                           f"say {NKV * HD} (midlayer.self_attn.k_proj.weight has shape "
+                                           f"({NKV * HD}, {2 * H}))"),
+    ("vllm", dict(draft_vocab_size=39), "draft_vocab_size is 39, but the weights say 40 (lm_head.weight has shape "
+                                        f"(40, {H}))"),
+]
+
+
+@pytest.mark.parametrize("dialect, change, says", FIELD_VS_WEIGHTS)
+def test_peagle_config_fields_are_checked_against_the_weights(dialect, change, says, deep_target, tmp_path):
+    path, _ = peagle_dir(tmp_path / "h", deep_target, dialect=dialect)
+    (_edit_cfg if "draft_vocab_size" in change else _edit_layer_cfg)(path, **change)
+    assert _one_line_error(path, deep_target) == (
+        f"{path / 'config.json'}: {says}" + ("" if "num_hidden_layers" in change else
+                                            ": the config and the weights disagree; correct config.json (or use the "
+                                            "config.json published with these weights)"))

@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+import treedec.models.head_formats_fields as fields
 import treedec.models.head_formats_peagle as peagle
 from treedec.models.checkpoint import (INDEX, WEIGHTS, CheckpointError, _open, _weight_map, check_finite,
                                        read_json_object)
@@ -70,8 +71,9 @@ def detect(raw: dict, path: Path | str = "config.json") -> str:
         raise ValueError(f"{path}: architectures {archs} (model_type {raw.get('model_type')!r}) is no EAGLE head "
                          f"layout treedec reads: an EAGLE-1/2 head is a 1-layer {' / '.join(SUPPORTED_ARCHITECTURES)}, "
                          "an EAGLE-3 head a LlamaForCausalLMEagle3 or a speculators eagle3 config")
-    if raw.get("num_hidden_layers", 1) != 1:
-        raise ValueError(f"{path} describes a {raw.get('num_hidden_layers')}-layer model, not a 1-layer EAGLE head "
+    n = fields.config_int(raw, "num_hidden_layers", Path(path))
+    if n not in (None, 1):
+        raise ValueError(f"{path} describes a {n}-layer model, not a 1-layer EAGLE head "
                          "(a target model directory? pass it as model.path, and the head as draft.path)")
     return "eagle"
 
@@ -229,18 +231,24 @@ def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftC
         layer_raw = {**raw.get("transformer_layer_config", {}), **{k: raw[k] for k in ("draft_vocab_size",) if k in raw}}
         if not raw.get("transformer_layer_config"):
             raise ValueError(f"{path / 'config.json'}: a speculators config needs transformer_layer_config")
-        if layer_raw.get("num_hidden_layers", 1) != 1:
-            raise ValueError(f"{path}: a {layer_raw['num_hidden_layers']}-layer speculators head; treedec loads 1-layer heads")
+        n = fields.config_int(layer_raw, "num_hidden_layers", path / "config.json",
+                              "transformer_layer_config.num_hidden_layers")
+        if n not in (None, 1):
+            raise ValueError(f"{path}: a {n}-layer speculators head; treedec loads 1-layer heads")
         if raw.get("norm_before_fc") or "input_norm.weight" in src:
             raise ValueError(f"{path}: norm_before_fc heads (an RMSNorm before fc) are not supported")
     lc = _layer_config(layer_raw, path)
+    prefix = "midlayer." if any(k.startswith("midlayer.") for k in src) else "layers.0."  # EAGLE-3/SGLang name it so
+    K = None if layout == "eagle" else _as_int(layer_raw.get("draft_vocab_size") or lc.vocab_size, "draft_vocab_size",
+                                               path)
+    fields.check_shapes(lc, K, src, prefix, path / "config.json",
+                        "transformer_layer_config." if "speculators_model_type" in raw else "")
     masks: dict[str, torch.Tensor] = {}
     if layout == "peagle":  # its mask token's row of embed_tokens, fc(mask_hidden); the rest of the table is checked
         masks, embed = peagle.mask_tensors(src, raw, lc.vocab_size, lc.hidden_size, target, path)
     else:
         embed = src.pop("embed_tokens.weight", None)  # the target's is used; checked against it
     _check_fits(path, lc, target, embed)
-    prefix = "midlayer." if any(k.startswith("midlayer.") for k in src) else "layers.0."  # EAGLE-3/SGLang name it so
     state: dict[str, torch.Tensor] = {}
     for k in list(src):  # the layer: published prefix -> treedec's "layer."
         if k.startswith(prefix):
@@ -256,11 +264,6 @@ def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftC
         if raw.get("target_hidden_size") not in (None, lc.hidden_size):
             raise ValueError(f"{path}: target_hidden_size {raw['target_hidden_size']} != the head's hidden_size "
                              f"{lc.hidden_size}; treedec's EAGLE-3 head reads features of its own width")
-        K = _as_int(layer_raw.get("draft_vocab_size") or lc.vocab_size, "draft_vocab_size", path)
-        lm = src.get("lm_head.weight")
-        if lm is not None and lm.shape[0] != K:
-            raise ValueError(f"{path}: config.json says draft_vocab_size {K}, but lm_head.weight has {lm.shape[0]} "
-                             "rows (one per draft token); the config and the weights disagree")
         ids = _vocab_ids(src, K, lc.vocab_size, path)
         # the residual around attention is hidden_norm(h): vLLM's default for speculators configs without the key
         nbr = _flag(raw, "norm_before_residual", "speculators_model_type" in raw, path)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from treedec.models.head_formats_fields import config_int
+
 MASK_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")  # + dflash_config.mask_token_id (newer vLLM reads it)
 K_KEYS = ("num_speculative_tokens", "num_depths", "para_depths")
 _ARCH = ("peagle", "ptd")  # (case-insensitive) in an architecture name: PEagleDraftModel, PeagleLlamaForCausalLM
@@ -66,8 +68,11 @@ def layer_raw(raw: dict, path: Path, keys=()) -> dict:
             raise ValueError(f"{path / 'config.json'}: a speculators config needs transformer_layer_config")
         lr = {**raw["transformer_layer_config"], **{k: raw[k] for k in ("draft_vocab_size",) if k in raw}}
     found = [int(k.split(".")[1]) + 1 for k in keys if k.startswith("layers.") and k.split(".")[1].isdigit()]
-    n = 1 if lr.get("num_hidden_layers") is None else lr["num_hidden_layers"]
-    n = max(n, *found) if isinstance(n, int) and found else n
+    held = max(found, default=1 if any(k.startswith("midlayer.") for k in keys) else 0)
+    field = ("transformer_layer_config." if lr is not raw else "") + "num_hidden_layers"
+    n = config_int(lr, "num_hidden_layers", path / "config.json", field,
+                   f"{held} layer{'s' if held != 1 else ''}" if held else None)
+    n = max([1 if n is None else n, *found])
     if n != 1:
         raise ValueError(f"{path / 'config.json'}: num_hidden_layers={n}: a {n}-layer P-EAGLE drafter; treedec's draft "
                          "heads have one layer (one EAGLE-3 midlayer), so it cannot be loaded")
