@@ -222,6 +222,7 @@ def test_steps_that_keep_disagreeing_with_the_table_remeasure_it(tmp_path, caplo
     with caplog.at_level(logging.WARNING):
         cost.prepare(1)
     assert calls == [1, 1] and str(cost.path) in caplog.text and not cost.stale
+    assert 1 not in cost.ratio  # the new table starts unscaled: no second re-measurement from the old scale
 
 
 def test_the_profile_key_names_compile_and_quantisation():

@@ -105,7 +105,8 @@ class StepCost:
                         "again", self.path, STALE)
         for b in need:
             self.tables[b] = self.measure(b, {} if self.stale else self.tables.get(b, {}))
-        self.stale = False
+            self.ratio.pop(b, None)  # the new table is the steps' scale
+        self.stale, self._seen = False, 0
         if need:
             self._cache.clear()
             self._save()
