@@ -80,3 +80,22 @@ def test_draft_heads_option_is_checked_before_loading(stack, tmp_path):  # noqa:
                              (f"bench.draft_heads=[{stack / 'draft'},{stack / 'draft'}]", r"both go by 'draft'")]:
         with pytest.raises(ConfigError, match=needle):
             harness.run(compose_bench(stack, tmp_path, "model.path=/nonexistent/model", override))
+
+
+def test_a_bench_whose_every_pair_is_skipped_is_one_error_before_timing(stack, heads, tmp_path, monkeypatch):  # noqa: F811
+    """The user asked for a comparison and no method@head pair can run: one error naming each pair, why it was
+    skipped and what each head can draft, before any timing (not vanilla rows alone and exit status 0)."""
+    from treedec.errors import ConfigError
+
+    monkeypatch.setattr(harness, "time_methods", lambda *a, **k: pytest.fail("timed a bench that compares nothing"))
+    with pytest.raises(ConfigError) as err:
+        harness.run(compose_bench(stack, tmp_path, *TINY, f"bench.draft_heads=[{heads[1]}]",
+                                  "bench.methods=[vanilla,dynamic,static]"))
+    msg = str(err.value)
+    assert msg.startswith("bench.methods=['vanilla', 'dynamic', 'static']: every tree method was skipped, so the bench "
+                          "would compare nothing: dynamic@parallel (DynamicPolicy drafts node by node, one head pass "
+                          "per depth; this draft head is a one-pass (parallel) head that drafts per-position "
+                          "marginals); static@parallel (StaticPolicy drafts node by node"), msg
+    assert re.search(r"choose methods these heads can draft \(bench\.methods=\[vanilla,\.\.\.\] from parallel: "
+                     r"[^;]*\bparallel_chain\b[^;]*\bbest_first\b", msg) and "\n" not in msg and "tree=" not in msg, msg
+    assert not (tmp_path / "metrics.json").exists()

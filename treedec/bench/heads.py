@@ -70,6 +70,37 @@ def rejects(policy, head) -> str | None:
     return None
 
 
+def check_compared(cfg: DictConfig, methods: list, skipped: dict[str, str], heads: dict[str, object]) -> None:
+    """A bench whose every requested tree method was skipped compares nothing but vanilla with itself: one error,
+    before any timing, naming each skipped pair and why, and the methods of ``bench.trees`` each head can draft."""
+    from treedec.bench.methods import method_names
+    from treedec.errors import ConfigError
+
+    asked = [n for n in method_names(cfg.bench) if n != "vanilla"]
+    if not asked or any(m.policy is not None for m in methods):
+        return
+    why = "; ".join(f"{row} ({reason.split(': use ')[0]})" for row, reason in skipped.items())
+    fits = "; ".join(f"{short}: {', '.join(usable_methods(cfg, head)) or 'none'}" for short, head in heads.items())
+    raise ConfigError(f"bench.methods={list(cfg.bench.methods)}: every tree method was skipped, so the bench would "
+                      f"compare nothing: {why}; choose methods these heads can draft (bench.methods=[vanilla,...] "
+                      f"from {fits})")
+
+
+def usable_methods(cfg: DictConfig, head) -> list[str]:
+    """The methods of ``bench.trees`` whose tree ``head`` can feed (those that do not build here are left out)."""
+    from treedec.config_checks import instantiate_checked
+
+    out = []
+    for name in cfg.bench.trees:
+        try:
+            policy = instantiate_checked(cfg.bench.trees[name], f"bench.trees.{name}")
+        except Exception:  # noqa: BLE001 - e.g. learned without a shape file: not a method to offer
+            continue
+        if rejects(policy, head) is None:
+            out.append(name)
+    return out
+
+
 def head_name(name: str, head: str | None) -> str:
     """A row's name: ``chain``, or with bench.draft_heads ``chain@tiny_code`` (a sampled row adds ``@T`` after)."""
     return name if head is None else f"{name}@{head}"
