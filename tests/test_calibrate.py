@@ -63,7 +63,8 @@ def test_calibrate_then_generate_with_learned_tree(stack, tmp_path, corpus, caps
     from hydra.utils import instantiate
 
     assert instantiate(cfg.tree).max_size == 5
-    for extra in (["tree=dynamic", f"tree.calibration={cal_file}"], ["tree=auto", f"tree.calibration={cal_file}"]):
+    # tree=auto reads the calibration.yaml beside its head (tree.draft_path, the draft group's head by default)
+    for extra in (["tree=dynamic", f"tree.calibration={cal_file}"], ["tree=auto", f"tree.draft_path={cal_file.parent}"]):
         with initialize_config_dir(config_dir=CONF, version_base="1.3"):
             cfg = compose(config_name="generate", overrides=overrides(stack, gdir, "compare=true",
                                                                       "stream=false", *extra))

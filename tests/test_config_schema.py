@@ -95,8 +95,8 @@ def test_compose_time_errors(override, needle):
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("+tree.totl_tokens=8", "tree.totl_tokens"),
-    ("tree.total_tokens=many", "tree.total_tokens"),
+    ("tree=dynamic|+tree.totl_tokens=8", "tree.totl_tokens"),
+    ("tree=dynamic|tree.total_tokens=many", "tree.total_tokens"),
     ("+seeed=1", "seeed"),
     ("model.attn_backend=cudnn", "model.attn_backend"),
     ("tree=static|+tree.shape.choicez=[[0]]", "tree.shape.choicez"),

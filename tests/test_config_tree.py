@@ -107,7 +107,8 @@ def test_tree_auto_and_the_dynamic_trees_top_k_auto():
     from treedec.tree.policies import AutoPolicy, DynamicPolicy
 
     def tree(*ov):
-        return instantiate_checked(composed("generate", [*ov, "tree.calibration=null"]).tree, "tree")
+        calibration = ["tree.calibration=null"] if "tree=dynamic" in ov else []
+        return instantiate_checked(composed("generate", [*ov, *calibration]).tree, "tree")
 
     auto = tree("tree=auto")
     assert isinstance(auto, AutoPolicy) and (auto.max_depth, auto.top_k, auto.max_size) == (10, 4, 64)

@@ -130,7 +130,7 @@ class PathsSchema:  # conf/paths/default.yaml
 TREE_SCHEMAS: dict[str, type] = {
     "treedec.tree.policies.static.StaticPolicy": StaticTreeSchema,
     "treedec.tree.policies.dynamic.DynamicPolicy": DynamicTreeSchema,
-    "treedec.tree.policies.auto.AutoPolicy": AutoTreeSchema,
+    "treedec.tree.policies.auto.policy.AutoPolicy": AutoTreeSchema,
     "treedec.tree.policies.static.ChainPolicy": ChainTreeSchema,
     "treedec.tree.policies.learned.LearnedPolicy": LearnedTreeSchema,
     "treedec.tree.sequoia.comb_probe": CombProbeSchema,
