@@ -236,3 +236,18 @@ def test_the_profile_key_names_compile_and_quantisation():
     assert profile_key(target, head, True) != plain
     quantize_linears(target)
     assert profile_key(target, head, False)["target"] != plain["target"]
+
+
+def test_a_depth_no_step_reaches_follows_the_deepest_correction():
+    """Chains played 4 deep, accepted twice what the scores promise: a deeper chain (drafted long ago) is credited
+    alike, not at its raw scores (else a winning chain could never be found too shallow)."""
+    pol = policy(max_depth=6, top_k=1)
+    promise = chain_promise(0.45, 6)
+    pol.reach[index(pol, 1, 6, 7)] = promise
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        u = rng.random(16)
+        play(pol, index(pol, 1, 4, 5), promise[:4], list((u[:, None] < 2 * promise[:4]).sum(1)), rows=16)
+    e = pol.expected()
+    gain = e[index(pol, 1, 6, 7)] - e[index(pol, 1, 4, 5)]
+    assert gain > 1.3 * (promise[4] + promise[5])  # raw scores would add promise[4:6].sum() (rho_4 ~ 1.5 here)

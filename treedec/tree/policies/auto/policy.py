@@ -104,9 +104,12 @@ class AutoPolicy(TreePolicy):
     # ------------------------------------------------------------------------------------- the rule
     def expected(self) -> np.ndarray:
         """E[accepted drafts] of every candidate (nan: never drafted)."""
-        # hits / promise per row, with a prior of one row at 1: a promise of any scale converges alike
+        # hits / promise per row, with a prior of one row at the shallower depth's (depth 1: at 1): a promise of
+        # any scale converges alike, and a depth no step reaches now follows the deepest one that is
         ratio = np.divide(self._hits, self._promised, out=np.ones_like(self._hits), where=self._promised > 0)
-        rho = (self._rows * ratio + 1) / (self._rows + 1)
+        rho, prior = np.ones_like(ratio), np.ones(2)
+        for d in range(self.max_depth):
+            rho[:, d] = prior = (self._rows[:, d] * ratio[:, d] + prior) / (self._rows[:, d] + 1)
         reach = np.minimum(1.0, np.nan_to_num(self.reach) * rho[self._kind])
         e = np.minimum.accumulate(reach, axis=1).sum(1)  # a path reaches depth d only through d - 1
         return np.where(np.isnan(self.reach[:, 0]) & (self._d > 0), np.nan, e)
