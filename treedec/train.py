@@ -38,14 +38,13 @@ def run(cfg: DictConfig) -> dict:
 def _train(cfg: DictConfig, run_dir: Path) -> dict:
     from treedec.data.datasets import frequent_tokens
     from treedec.data.prompts import heldout_prompts
-    from treedec.models.checkpoint import resolve_dtype, resolve_path
-    from treedec.models.draft import DraftHead
+    from treedec.models.checkpoint import resolve_path
     from treedec.models.paths import bundled_dir, export_path
     from treedec.models.tokenizer import load_tokenizer
     from treedec.training.draft import SpeculativeEvalCallback
-    from treedec.training.schedule import seconds, time_budget
-    from treedec.atomic import atomic_dir, write_json
-    from treedec.training.trainer import build_trainer, stop_reason, use_hint
+    from treedec.training.preemption import AfterFit
+    from treedec.training.schedule import time_budget
+    from treedec.training.trainer import build_trainer
 
     t0 = time.time()
     kind = (cfg.draft_arch or {}).get("kind", "eagle")
@@ -86,10 +85,26 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
     trainer, resume = build_trainer(cfg, run_dir, tau_cb)
     tau0 = tau_cb.measure(module) if not resume and trainer.is_global_zero else None
     trainer.fit(module, datamodule=dm, ckpt_path=resume)
+    with AfterFit() as after:  # a SIGTERM from here stops the job before its writes, or not at all (143 <=> none)
+        return _finish(cfg, run_dir, trainer, module, dm, after, export=export, tau_cb=tau_cb, tau0=tau0,
+                       resume=resume, t0=t0, kind=kind)
+
+
+def _finish(cfg: DictConfig, run_dir: Path, trainer, module, dm, after, *, export, tau_cb, tau0, resume, t0,
+            kind: str) -> dict:
+    """After ``fit``: validate, then (rank 0) export the head and write ``metrics.json``, committed together."""
+    from treedec.atomic import atomic_dir, write_json
+    from treedec.data.datasets import frequent_tokens
+    from treedec.models.checkpoint import resolve_dtype
+    from treedec.models.draft import DraftHead
+    from treedec.training.schedule import seconds
+    from treedec.training.trainer import stop_reason, use_hint
+
     stopped_by = stop_reason(trainer)
     val = trainer.validate(module, datamodule=dm, verbose=False)
     if not trainer.is_global_zero:  # DDP: τ, the export and metrics.json are rank 0's
         return {"steps": int(trainer.global_step), "global_rank": int(trainer.global_rank)}
+    after.commit()  # a SIGTERM since fit stops the job here, before anything is written
     if export is not None:
         # A copy bound to the target (its fingerprint is saved), cast, then filled straight from the fp32 weights.
         head = DraftHead(module.head.config).bind(module.target).to(resolve_dtype(cfg.export_dtype))

@@ -49,3 +49,15 @@ class WaitForSigterm(L.Callback):
             deadline = time.time() + self.seconds
             while not trainer.received_sigterm and time.time() < deadline:
                 time.sleep(0.02)
+
+
+class SigtermOnFinalValidation(L.Callback):
+    """SIGTERM this process when the validation after training ends (``trainer.validate``, after ``fit``): a signal
+    that lands after the last step, before the export and metrics.json are written."""
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        import os
+        import signal
+
+        if trainer.state.fn == "validate":
+            os.kill(os.getpid(), signal.SIGTERM)

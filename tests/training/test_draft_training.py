@@ -252,3 +252,34 @@ def test_init_from_a_one_pass_head_takes_draft_arch_block_size():
                                              "draft_vocab_size": 2048}, init_from="tiny-code-parallel",
                          target_dtype="float32")
     assert module.head.block_size == module.head.config.block_size == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["after_the_writes", "before_the_writes"])
+def test_exit_143_means_no_export_and_no_metrics(when, target_dir, corpus, tmp_path):  # noqa: F811
+    """README's promise, at the edges of training: a SIGTERM that lands after the last step but before the writes
+    stops the job with 143 and writes nothing; one that lands once the export and metrics.json are written finds
+    the job complete: exit 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    extra = ("+callbacks.term={_target_:tests.training._pause.SigtermOnFinalValidation}",) \
+        if when == "before_the_writes" else ()
+    module = "tests.training._late_sigterm" if when == "after_the_writes" else "treedec.train"
+    cmd = [sys.executable, "-m", module, f"hydra.run.dir={tmp_path / 'run'}", "num_threads=1",
+           *[o for o in train_overrides(target_dir, corpus, tmp_path, 4, "eval.every_n_steps=0", *extra)
+             if not o.startswith("paths.run_dir=")]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo), "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    log = done.stdout[-3000:] + done.stderr[-3000:]
+    written = [(tmp_path / "run" / "metrics.json").exists(), (tmp_path / "draft" / "draft_config.json").exists()]
+    if when == "after_the_writes":
+        assert done.returncode == 0 and written == [True, True], (done.returncode, log)
+    else:
+        assert done.returncode == 143 == 128 + signal.SIGTERM and written == [False, False], (done.returncode, log)
+        assert "before the export and metrics.json" in log and "Traceback" not in log, log

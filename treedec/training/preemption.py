@@ -122,6 +122,57 @@ def await_submitit_requeue(seconds: float = SUBMITIT_GRACE_S) -> None:
         time.sleep(0.05)
 
 
+class AfterFit:
+    """From the end of ``fit`` to the job's last write, where Lightning no longer stops the job on SIGTERM: a SIGTERM
+    is noted, not fatal. :meth:`commit`, just before the first write, stops a job that received one with Lightning's
+    SIGTERMException (exit 143: checkpoints kept, no export and no metrics.json); from there on the writes finish and
+    the job is complete (exit 0). A command-line job (Hydra's single run, which only exits after this) then ignores
+    SIGTERM, so a signal that lands after its writes cannot turn a finished job into a 143; elsewhere (a sweep,
+    a Python caller) the previous handler comes back."""
+
+    def __enter__(self) -> "AfterFit":
+        import threading
+
+        self.received, self._committed = False, False
+        self._main = threading.current_thread() is threading.main_thread()
+        self._prev = signal.getsignal(signal.SIGTERM)
+        if self._main:  # (Lightning's own handler, inside validate(), calls this one too)
+            signal.signal(signal.SIGTERM, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self.received = True
+
+    def commit(self) -> None:
+        """Stop here if a SIGTERM came since ``fit`` (nothing is written yet); else the job will complete."""
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if self.received:
+            log.warning("SIGTERM after training, before the export and metrics.json: stopping without them")
+            raise SIGTERMException
+        self._committed = True
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._main:
+            signal.signal(signal.SIGTERM, self._prev)
+            if exc_type is None and self._committed:
+                ignore_sigterm_once_complete()
+
+
+def ignore_sigterm_once_complete() -> None:
+    """A job whose export and metrics.json are written is complete: in a command-line job of one run (``python -m
+    treedec.train ...``, not a ``-m`` sweep, whose next job must stop on SIGTERM), which only exits from here, a
+    SIGTERM is ignored, so it cannot end a finished job with 143."""
+    import threading
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if threading.current_thread() is threading.main_thread() and HydraConfig.initialized() and \
+            HydraConfig.get().mode == RunMode.RUN:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def preempted_status(run_dir: str | os.PathLike, since: float) -> int:
     """The exit status of a job that SIGTERM stopped: 0 when Lightning requeued it (on SLURM's requeue signal it
     writes ``hpc_ckpt_<n>.ckpt`` into the run dir, then runs ``scontrol requeue``): the job goes on in its

@@ -13,7 +13,9 @@ step count. A run dir whose job finished (``metrics.json``) is left alone when t
 SIGTERM (a kill, ``scancel``, a preemption): the step being trained finishes, ``checkpoints/last.ckpt`` is
 saved (:class:`~treedec.training.preemption.SaveOnSigterm`), and the job exits with status 143 (128 + SIGTERM,
 as if the signal had killed it), without an export or ``metrics.json``, so ``train && bench`` and schedulers
-see a job that did not finish; re-running the same command resumes. Exit status 0 only when Lightning requeued
+see a job that did not finish; re-running the same command resumes. 143 always means neither was written: after
+training ``train`` stops before its first write (:class:`~treedec.training.preemption.AfterFit`), and a SIGTERM
+that lands once both are written finds the job complete (exit 0). Exit status 0 only when Lightning requeued
 the SLURM job (its ``hpc_ckpt_*.ckpt`` was written during this job): the job goes on in its requeued run, and
 SLURM ignores a requeued run's status. A job that submitit runs waits a while for submitit's requeue signal
 before it exits; submitit's handler then requeues it and ends it.
@@ -38,8 +40,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgre
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 
-from treedec.training.preemption import (ResumeState, SaveOnSigterm, await_submitit_requeue, preempted_status,
-                                         requeue_plugins)
+from treedec.training.preemption import (ResumeState, SaveOnSigterm, await_submitit_requeue,
+                                         ignore_sigterm_once_complete, preempted_status, requeue_plugins)
 from treedec.training.run_dir import (JobError, RunDirLock, SameShapeAsResumed, find_resume_checkpoint,
                                      finished_metrics)
 
@@ -128,7 +130,9 @@ def run_job(cfg: DictConfig, name: str, body: Callable[[DictConfig, Path], dict]
             return done
         started = time.time()
         try:
-            return body(cfg, run_dir)
+            metrics = body(cfg, run_dir)
+            ignore_sigterm_once_complete()  # (its export and metrics.json are written: nothing left to stop)
+            return metrics
         except SIGTERMException:  # Lightning's, a SystemExit of status 0: a preempted job must not read as done
             status = preempted_status(run_dir, started)
             log.warning("stopped by SIGTERM before the end: no export and no metrics.json; the checkpoints in %s are "
