@@ -46,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from treedec.bench.machine import machine_info
 from treedec.bench.methods import (
-    Method, Prompt, RunOutput, SWEEP_STAR, build_methods, build_policies,
+    Method, Prompt, RunOutput, SWEEP_STAR, build_methods, build_policies, method_names,
     load_prompts, prompt_source_name, resolve_auto, sweep_methods, temperature_key,
 )
 from treedec.bench.heads import check_compared, head_configs, head_info, head_name, load_heads, rejects
@@ -259,7 +259,7 @@ def run(cfg: DictConfig) -> dict:
              min(len(p.ids) for p in prompts), max(len(p.ids) for p in prompts), int(bench.max_new_tokens),
              torch.get_num_threads(), str(target.dtype).removeprefix("torch."), cfg.model.attn_backend, target.device)
     methods, skipped = build_methods(cfg, target, draft, eos_ids, policies, why, heads)
-    check_compared(cfg, methods, skipped, heads or {OmegaConf.select(cfg, "draft.path"): draft})
+    check_compared(cfg, method_names(bench), methods, skipped, heads or {OmegaConf.select(cfg, "draft.path"): draft})
     peer_methods, peer_skipped = peer_mod.build_peers(cfg, target, eos_ids, why["hf_assisted"])
     methods += peer_methods
     skipped.update(peer_skipped)

@@ -70,14 +70,14 @@ def rejects(policy, head) -> str | None:
     return None
 
 
-def check_compared(cfg: DictConfig, methods: list, skipped: dict[str, str], heads: dict[str, object]) -> None:
-    """A bench whose every requested tree method was skipped compares nothing but vanilla with itself: one error,
-    before any timing, naming each skipped pair and why, and the methods of ``bench.trees`` each head can draft."""
-    from treedec.bench.methods import method_names
+def check_compared(cfg: DictConfig, names: list[str], methods: list, skipped: dict[str, str],
+                   heads: dict[str, object]) -> None:
+    """A bench whose every requested tree method (of ``names``) was skipped compares nothing but vanilla with itself:
+    one error, before any timing, naming each skipped pair and why, and the methods of ``bench.trees`` each head can
+    draft."""
     from treedec.errors import ConfigError
 
-    asked = [n for n in method_names(cfg.bench) if n != "vanilla"]
-    if not asked or any(m.policy is not None for m in methods):
+    if all(n == "vanilla" for n in names) or any(m.policy is not None for m in methods):
         return
     why = "; ".join(f"{row} ({reason.split(': use ')[0]})" for row, reason in skipped.items())
     fits = "; ".join(f"{short}: {', '.join(usable_methods(cfg, head)) or 'none'}" for short, head in heads.items())
