@@ -124,7 +124,8 @@ def test_a_run_dir_below_a_file_is_refused_before_hydra_makes_it(a_file):
     ("treedec.pretrain", ["paths.run_dir={file}"], "Error: paths.run_dir='{file}' is a file; pass a directory"),
     ("treedec.calibrate", ["dp.max_budget=1"], "Error: dp.max_budget=1: must be >= 2"),
     ("treedec.regenerate", ["input={file}", "out_dir={file}/sub"], "Error: out_dir='{file}/sub' lies below {file}"),
-    ("treedec.export_head", ["format=eagle3", "out={tmp}/x"], "Error: the head is kind 'eagle'"),
+    ("treedec.export_head", ["format=eagle3", "out={tmp}/x"],
+     "Error: draft.path=tiny-code-eagle is kind 'eagle', so it exports as format=eagle (not eagle3)"),
     ("treedec.bench", ["+bench.max_new_token=999"],
      "Error: invalid bench config at bench.max_new_token: Key 'max_new_token' not in 'BenchOptionsSchema'. "
      "Did you mean bench.max_new_tokens?"),
@@ -133,8 +134,8 @@ def test_a_run_dir_below_a_file_is_refused_before_hydra_makes_it(a_file):
 ], ids=["generate", "train", "pretrain", "calibrate", "regenerate", "export_head", "bench", "generate-compose"])
 def test_every_entry_point_prints_one_error_line(module, args, needle, a_file, tmp_path):
     """The real command: a user's mistake is exit status 1, the last stderr line ``Error: ...``, no traceback, and
-    nothing written. The messages themselves are checked in-process (test_user_mistakes_are_one_error_line and
-    each entry point's own tests)."""
+    nothing written. The messages themselves are checked in-process (tests/test_user_mistakes.py and each entry
+    point's own tests)."""
     fill = {"file": a_file, "tmp": tmp_path}
     local_config("# @package _global_\nmodel: {device: [cpu}\n")(None, tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -147,7 +148,7 @@ def test_every_entry_point_prints_one_error_line(module, args, needle, a_file, t
     assert not (tmp_path / "run" / "metrics.json").exists() and not (tmp_path / "x").exists()
 
 
-# ------------------------------------------------------------------ user mistakes: one line, before any work
+# ------------------------------------------------------------------ shared with tests/test_user_mistakes.py's table
 def compose_cfg(name: str, overrides: list[str]):
     """A composed entry-point config with its hydra node (the choices name the group, as in a real run)."""
     from hydra import compose, initialize_config_dir
@@ -164,62 +165,11 @@ def entry_module(name: str):
     return importlib.import_module("treedec.bench.__main__" if name == "bench" else f"treedec.{name}")
 
 
-def entry_run(name: str):
-    """The task body an entry point wraps in :func:`entry` (its ``run``)."""
-    return entry_module(name).run
-
-
-def run_entry_point(name: str, args: list[str], monkeypatch) -> None:
-    """``python -m treedec.<name> <args>``, in-process: a config that Hydra cannot compose goes through the real
-    command (:func:`treedec.cli.launch` around the entry's Hydra main, which stops before any task code); one that
-    composes is handed to the entry's task body (its ``run`` under :func:`entry`), which must stop before any work."""
-    from treedec.cli import launch
-
-    searchpath = [f"hydra.searchpath=[file://{a.split('=', 1)[1]}]" for a in args if a.startswith("--config-dir=")]
-    try:
-        cfg = compose_cfg(name, [a for a in args if not a.startswith("--")] + searchpath)
-    except Exception:
-        monkeypatch.setattr(sys, "argv", [f"treedec.{name}", *args])
-        launch(name, entry_module(name).main)
-        raise AssertionError(f"python -m treedec.{name} {' '.join(args)} ran without an error") from None
-    entry(entry_run(name))(cfg)
-
-
 @pytest.fixture
 def a_file(tmp_path):
     path = tmp_path / "a_file"
     path.write_text("not a directory\n")
     return path
-
-
-def no_gpu(monkeypatch, tmp_path=None):
-    from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
-
-    for acc in (CUDAAccelerator, MPSAccelerator):
-        monkeypatch.setattr(acc, "is_available", staticmethod(lambda: False))
-
-
-def stdin_of(data: bytes, cap: int | None = None):
-    """A setup piping ``data`` to stdin (under a prompt-size cap of ``cap`` bytes)."""
-    def setup(monkeypatch, tmp_path):
-        import io
-
-        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
-        if cap is not None:
-            monkeypatch.setenv("TREEDEC_PROMPT_MAX_BYTES", str(cap))
-    return setup
-
-
-# the cases below, by issue 39's item numbers
-MISTAKES = ["17-draft.path", "17-model.path", "17-no-model-dir", "17-tree.path", "17-data.path", "17-out", "18a-no-gpu",
-            "18b-triton-on-cpu", "18d-run-dir-below-file", "18d-calibrate-out-below-file", "18d-calibrate-out-is-dir",
-            "18d-export-out-below-file", "18d-regenerate-out-dir", "18d-export-dir", "18d-pretrain-run-dir-is-file",
-            "10-dev-zero", "10-file-over-cap", "10-stdin-over-cap", "18c-stdin-not-utf8",
-            # issue 46: a config Hydra cannot compose (item 1: a local config that is not YAML; item 12: the rest)
-            "46.1-local-unclosed-list", "46.1-local-tab", "46.12-no-experiment", "46.12-bench-no-experiment",
-            "46.12-experiment-of-bench", "46.12-train-experiment", "46.12-no-tree", "46.12-tree-key",
-            "46.12-local-list", "46.12-local-key", "46.12-local-empty", "46.12-local-no-header", "46.12-unquoted",
-            "46.12-pretrain-group", "46.12-regenerate-type", "46.12-export-key"]
 
 
 def local_config(text: str):
@@ -228,97 +178,6 @@ def local_config(text: str):
         (tmp_path / "conf" / "local").mkdir(parents=True)
         (tmp_path / "conf" / "local" / "default.yaml").write_text(text)
     return setup
-
-
-LOCAL = "--config-dir={tmp}/conf"
-
-
-@pytest.mark.parametrize("name, overrides, setup, message", [
-    # item 17: a key the chosen group leaves ??? (30 lines of MissingMandatoryValue before)
-    ("generate", ["draft=path"], None, r"draft\.path is required with draft=path: pass draft\.path=DIR"),
-    ("generate", ["model=hf"], None, r"model\.path is required with model=hf: pass model\.path=DIR"),
-    ("generate", ["model.path=/nonexistent/model"], None, r"no model directory at '/nonexistent/model'"),
-    ("generate", ["tree=learned"], None, r"tree\.path is required with tree=learned: pass tree\.path=FILE"),
-    ("train", ["data=jsonl"], None, r"data\.path is required with data=jsonl: pass data\.path=FILE"),
-    ("export_head", [], None, r"out is required: pass out=DIR"),
-    # item 18a: a GPU trainer without a GPU (Lightning's "No supported gpu backend found!" traceback before)
-    ("train", ["trainer=ddp"], no_gpu, r"trainer\.accelerator=gpu needs a GPU, .* trainer\.accelerator=cpu"),
-    # item 18b: the Triton kernel on a CPU outside Triton's interpreter
-    ("generate", ["kernel=triton", "model.device=cpu"], lambda mp, tmp: mp.delenv("TRITON_INTERPRET", raising=False),
-     r"model\.attn_backend=triton \(kernel=triton\) runs on CUDA, .*kernel=sdpa or kernel=auto.*TRITON_INTERPRET=1"),
-    # item 18d: an output path that is a file, or lies below one, for every entry point that writes one
-    ("generate", ["paths.run_dir={file}/run"], None, r"paths\.run_dir='{file}/run' lies below {file}, which is a file"),
-    ("calibrate", ["out={file}/tree.yaml"], None, r"out='{file}/tree\.yaml' lies below {file}, which is a file"),
-    ("calibrate", ["out={tmp}"], None, r"out='{tmp}' is a directory; pass the path of a file to write"),
-    ("export_head", ["out={file}/head"], None, r"out='{file}/head' lies below {file}, which is a file"),
-    ("regenerate", ["input={file}", "out_dir={file}/sub"], None, r"out_dir='{file}/sub' lies below {file}"),
-    ("train", ["export_dir={file}/head"], None, r"export_dir='{file}/head' lies below {file}, which is a file"),
-    ("pretrain", ["paths.run_dir={file}"], None, r"paths\.run_dir='{file}' is a file; pass a directory"),
-    # item 10: prompt text that never ends or is too large, from a file or stdin (item 18c: stdin not UTF-8)
-    ("generate", ["prompt_file=/dev/zero"], None, r"prompt_file='/dev/zero' is not a regular file"),
-    ("generate", ["prompt_file={file}"], lambda mp, tmp: mp.setenv("TREEDEC_PROMPT_MAX_BYTES", "8"),
-     r"prompt_file='{file}' holds 16 bytes, over the 8-byte cap on prompt text; .*TREEDEC_PROMPT_MAX_BYTES=<bytes>"),
-    ("generate", ["prompt_file=-"], stdin_of(b"def f(x):\n    return x\n" * 4, cap=80),
-     r"prompt_file=- \(stdin\) holds more than 80 bytes, over the 80-byte cap"),
-    ("generate", ["prompt_file=-"], stdin_of(b"def f():\n    return '\xff\xfe'\n"),
-     r"prompt_file=- \(stdin\) is not UTF-8 text \(binary data at byte 21\); pipe UTF-8 text in"),
-    # issue 46 item 1: a local config that is not YAML (a ~95-line yaml.parser traceback before)
-    ("generate", [LOCAL], local_config("# @package _global_\nmodel:\n  device: [cpu\n"),
-     r"{tmp}/conf/local/default\.yaml line 3: not valid YAML \(while parsing a flow sequence; expected ',' or "
-     r"'\]', but got '<stream end>'\); close the list with \]"),
-    ("train", [LOCAL], local_config("# @package _global_\nmodel:\n\tdevice: cpu\n"),
-     r"{tmp}/conf/local/default\.yaml line 3: not valid YAML \(.*found character '\\t'.*\); indent with spaces"),
-    # item 12: Hydra's composition errors (several lines of Hydra's own, no Error: before)
-    ("generate", ["experiment=nonexistent"], None,
-     r"experiment=nonexistent: the config group experiment has no option 'nonexistent'\. Pass experiment=<one of: "
-     r"tree_sweep \(generate\), which_tree \(bench\)>"),
-    ("bench", ["experiment=nonexistent"], None, r"experiment=nonexistent: the config group experiment has no option"),
-    ("generate", ["experiment=which_tree"], None,
-     r"experiment=which_tree is an experiment of bench, not of generate: run python -m treedec\.bench "
-     r"experiment=which_tree$"),
-    ("train", ["experiment=which_tree"], None, r"experiment=which_tree is an experiment of bench, not of train"),
-    ("generate", ["tree=nonexistent"], None,
-     r"tree=nonexistent: the config group tree has no option 'nonexistent'\. Pass tree=<one of: auto, best_first, "
-     r"chain, dynamic, .*static>"),
-    ("generate", ["tree=dynamic", "tree.detph=5"], None,
-     r"tree\.detph=5: generate has no key tree\.detph\. Did you mean tree\.depth\? Keys of tree: total_tokens, depth"),
-    ("generate", [LOCAL], local_config("# @package _global_\n- model\n"),
-     r"{tmp}/conf/local/default\.yaml holds a list, not a mapping of keys: write `key: value` lines"),
-    ("bench", [LOCAL], local_config("# @package _global_\nmodel:\n  devcie: cpu\n"),
-     r"{tmp}/conf/local/default\.yaml line 3: bench has no key model\.devcie\. Did you mean model\.device\? Keys of "
-     r"model: path, dtype, device, attn_backend; fix or remove it"),
-    ("generate", [LOCAL], local_config(""),
-     r"{tmp}/conf/local/default\.yaml is empty or lacks the first line `# @package _global_`, so its keys land "
-     r"under `local`.*make `# @package _global_` its first line"),
-    ("calibrate", [LOCAL], local_config("model:\n  device: cpu\n"),
-     r"{tmp}/conf/local/default\.yaml is empty or lacks the first line `# @package _global_`"),
-    ("generate", ["prompt=def f(x):"], None,  # what the shell leaves of make run ARGS="prompt='def f(x):'" before
-     r"cannot read the override 'prompt=def f\(x\):' \(mismatched input '\(' expecting <EOF>\): .*quote the value "
-     r"for Hydra: 'prompt=\"def f\(x\):\"'"),
-    ("pretrain", ["model_arch=tiny_cod"], None,
-     r"model_arch=tiny_cod: the config group model_arch has no option 'tiny_cod'\. Did you mean "
-     r"model_arch=tiny_code\?"),
-    ("regenerate", ["max_new_tokens=many"], None,
-     r"max_new_tokens=many: Value 'many' of type 'str' could not be converted to Integer"),
-    ("export_head", ["formt=eagle3"], None, r"formt=eagle3: export_head has no key formt\. Did you mean format\?"),
-], ids=MISTAKES)
-def test_user_mistakes_are_one_error_line(name, overrides, setup, message, tmp_path, a_file, monkeypatch):
-    """Each mistake stops the entry point with one ``Error:`` line naming the key (or file) and the fix, before any
-    model loads or any file is written (the run dir is never made)."""
-    fill = {"file": a_file, "tmp": tmp_path}
-    overrides = [o.format(**fill) for o in overrides]
-    if not any(o.startswith("paths.run_dir=") for o in overrides):
-        overrides.append(f"paths.run_dir={tmp_path / 'run'}")
-    if setup is not None:
-        setup(monkeypatch, tmp_path)
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    with pytest.raises(SystemExit) as e:
-        run_entry_point(name, overrides, monkeypatch)
-    text = str(e.value.code)
-    assert "\n" not in text and text.startswith("Error: "), text
-    assert re.search(message.format(**{k: re.escape(str(v)) for k, v in fill.items()}), text), text
-    assert not (tmp_path / "run").exists()
-
 
 
 RAISING_TEMPLATE = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system turn comes first') }}{% endif %}"

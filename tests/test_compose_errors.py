@@ -1,6 +1,6 @@
 """What Hydra's composition leaves to treedec.cli.launch: HYDRA_FULL_ERROR=1 keeps Hydra's exception, an experiment
 names the entry points it is for, and make run passes quoted overrides to Hydra (issue 46 item 12; the one-line
-errors themselves are cases of tests/test_cli.py's table of user mistakes)."""
+errors themselves are cases of tests/test_user_mistakes.py's table)."""
 from __future__ import annotations
 
 import os

@@ -244,8 +244,6 @@ def run(cfg: DictConfig) -> dict:
     if bench.num_threads:
         torch.set_num_threads(int(bench.num_threads))
     torch.manual_seed(int(bench.seed))
-    run_dir = Path(cfg.paths.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
 
     nodes = head_configs(cfg)  # bench.draft_heads: every method with every head (null: the draft group's head)
     # load_stack loads the first head as the draft group's (the others load beside it): the first thing that takes
@@ -260,6 +258,8 @@ def run(cfg: DictConfig) -> dict:
              torch.get_num_threads(), str(target.dtype).removeprefix("torch."), cfg.model.attn_backend, target.device)
     methods, skipped = build_methods(cfg, target, draft, eos_ids, policies, why, heads)
     check_compared(cfg, method_names(bench), methods, skipped, heads or {OmegaConf.select(cfg, "draft.path"): draft})
+    run_dir = Path(cfg.paths.run_dir)  # made once the config is known to run, before the timing
+    run_dir.mkdir(parents=True, exist_ok=True)
     peer_methods, peer_skipped = peer_mod.build_peers(cfg, target, eos_ids, why["hf_assisted"])
     methods += peer_methods
     skipped.update(peer_skipped)
