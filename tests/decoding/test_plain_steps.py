@@ -22,8 +22,7 @@ from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
 from treedec.tree.policies.base import TreePolicy
 
 from tests.helpers import OraclePolicy, eagle3_pair, make_pair
-from .stats import fits
-from .test_lossless_sampling import N, PROMPT, V, exact_joint
+from .test_lossless_sampling import N, PROMPT, V, per_position, target_law
 
 LONG_RUN = 2 * Drafter.MAX_PENDING + 3  # (fixed here: an eager run patches MAX_PENDING)
 INNER = {
@@ -196,13 +195,14 @@ def test_plain_steps_only_decode_exactly_as_vanilla(params, batch):
 
 @pytest.mark.parametrize("pattern", ["pt", "tp", "pp"])
 def test_sampling_with_plain_steps_matches_the_target_distribution(pattern):
-    """Chi-square of the first three tokens' joint law when plain steps and trees alternate (as in
+    """The first five tokens' law, position by position, when plain steps and trees alternate (as in
     tests/decoding/test_lossless_sampling.py)."""
     target, draft = make_pair(7, vocab=V, hidden=32, heads=2, kv_heads=1, peaked=4.0)
     params = SamplingParams(1.0, top_p=0.8)
     dec = SpeculativeDecoder(target, draft, MixedPolicy(DynamicPolicy(8, 3, 3), pattern=pattern), params)
-    out = dec.generate([PROMPT] * N, 3, generator=torch.Generator().manual_seed(0))
-    assert fits([tuple(t) for t in out.tokens], exact_joint(target, params))
+    out = dec.generate([PROMPT] * N, 5, generator=torch.Generator().manual_seed(0))  # every depth, then the bonus
+    results = per_position([tuple(t) for t in out.tokens], target_law(target, params))
+    assert all(stat < limit for _, stat, limit in results), results
 
 
 def _per_step(decode, n1: int, n2: int) -> tuple[float, float, int]:
