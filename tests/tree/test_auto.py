@@ -32,12 +32,19 @@ def policy(cost_fn=lambda rows, k, d, t: 1.0 + 0.1 * d + 0.01 * t, **kw) -> Auto
     return pol
 
 
-def play(pol, i, promised, accepted, rows=1):
+def play(pol, i, promised, accepted, rows=1, along=True):
     """One step of shape ``i`` whose scores promised ``promised`` (a chain: reach per depth [D]; a pool:
-    [depth limit, T - 1, depth]) and whose rows accepted ``accepted`` drafts each."""
+    [depth limit, T - 1, (top-1 path's score, other nodes' scores, holds the path), depth]) and whose rows accepted ``accepted`` drafts each, along the
+    top-1 path (``along``) or off it."""
     pol._step = (rows, i)
-    pol._pending = None if promised is None else torch.as_tensor(np.asarray(promised, dtype=np.float32))
-    pol.observe(SimpleNamespace(seconds=None, n_accept=[a + 1 for a in accepted], active=[True] * len(accepted)))
+    if promised is not None and np.ndim(promised) == 1:  # a chain: all on its top-1 path
+        promised = np.stack([promised, np.zeros_like(promised), np.ones_like(promised)])
+    D = pol.max_depth
+    path = torch.arange(100, 100 + D).expand(len(accepted), D)
+    tokens = [list(range(100, 100 + a)) if along else [7] * a for a in accepted]
+    pol._pending = None if promised is None else (torch.as_tensor(np.asarray(promised, dtype=np.float32)), path)
+    pol.observe(SimpleNamespace(seconds=None, n_accept=[a + 1 for a in accepted], active=[True] * len(accepted),
+                                tokens=[t + [0] for t in tokens]))
 
 
 def index(pol, k, d, t):
@@ -49,14 +56,19 @@ def chain_promise(c, D):
 
 
 def pool_promise(pol, D, per_depth, p=0.9):
-    """A pool drafted to depth D whose best nodes, best first, sit at the depths ``per_depth`` lists (each ``p``)."""
+    """A pool drafted to depth D whose best nodes, best first, sit at the depths ``per_depth`` lists (each ``p``);
+    a depth's first node is on the top-1 path when every shallower depth has one before it."""
     n = pol.max_size - 1
-    out = np.zeros((D - 1, n, D))
+    out = np.zeros((D - 1, n, 3, D))
     for lim in range(2, D + 1):
         order = [d for d in per_depth if d <= lim][:n]
         for j in range(n):
+            path = 0
             for d in order[: j + 1]:
-                out[lim - 2, j, d - 1] += p
+                on = d == path + 1
+                path += on
+                out[lim - 2, j, 0 if on else 1, d - 1] += p
+                out[lim - 2, j, 2, d - 1] += on
     return out
 
 
@@ -75,6 +87,7 @@ def test_the_rule_picks_the_most_tokens_per_second():
     pol = policy(lambda rows, k, d, t: 1.0 + 0.1 * d + 0.001 * t * rows, max_depth=6, top_k=4, max_total_tokens=32)
     play(pol, index(pol, 1, 6, 7), chain_promise(0.9, 6), [6])
     play(pol, index(pol, 4, 6, 32), pool_promise(pol, 6, [1, 2, 3, 4, 5, 6] * 6, p=0.15), [6])
+    pol._gap = [10 ** 9] * len(pol.groups)  # no probe due
     value = (1 + pol.expected()) / pol.cost.seconds(1)
     assert pol.choose(1) == int(np.nanargmax(value))
     # a verify that grows with the tokens: at 64 rows the tree costs far more, a chain wins
@@ -238,16 +251,19 @@ def test_the_profile_key_names_compile_and_quantisation():
     assert profile_key(target, head, False)["target"] != plain["target"]
 
 
-def test_a_depth_no_step_reaches_follows_the_deepest_correction():
-    """Chains played 4 deep, accepted twice what the scores promise: a deeper chain (drafted long ago) is credited
-    alike, not at its raw scores (else a winning chain could never be found too shallow)."""
+def test_a_depth_no_step_reaches_follows_the_deepest_continuation():
+    """Chains played 4 deep, accepted twice what the scores promise: the top-1 path's reach is counted (near the
+    truth, not the scores), and a deeper chain (drafted long ago) continues at the deepest counted continuation, not
+    at its raw scores (else a winning chain could never be found too shallow)."""
     pol = policy(max_depth=6, top_k=1)
     promise = chain_promise(0.45, 6)
-    pol.reach[index(pol, 1, 6, 7)] = promise
+    pol.reach[index(pol, 1, 6, 7)] = [promise, np.zeros(6), np.ones(6)]
     rng = np.random.default_rng(0)
-    for _ in range(40):
+    for _ in range(200):
         u = rng.random(16)
         play(pol, index(pol, 1, 4, 5), promise[:4], list((u[:, None] < 2 * promise[:4]).sum(1)), rows=16)
+    path, _ = pol.corrections()
+    assert np.allclose(path[:4], 2 * promise[:4], rtol=0.35)
+    assert path[4] / path[3] == pytest.approx(path[3] / path[2]) == pytest.approx(path[5] / path[4])
     e = pol.expected()
-    gain = e[index(pol, 1, 6, 7)] - e[index(pol, 1, 4, 5)]
-    assert gain > 1.3 * (promise[4] + promise[5])  # raw scores would add promise[4:6].sum() (rho_4 ~ 1.5 here)
+    assert e[index(pol, 1, 6, 7)] - e[index(pol, 1, 4, 5)] == pytest.approx(path[4] + path[5])

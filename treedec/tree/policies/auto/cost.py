@@ -151,7 +151,9 @@ class StepCost:
         table = self._table(rows)[shape]
         if not (math.isfinite(seconds) and seconds > 0):
             return
-        r = self.ratio[rows] = self._ratio(rows) * (1 - DECAY) + DECAY * seconds / table
+        # in log space, one step's ratio clipped to [1/STALE^2, STALE^2]: a hiccup (a long catch-up, the machine
+        # busy for a moment) moves the scale by a few per cent at most
+        r = self.ratio[rows] = self._ratio(rows) ** (1 - DECAY) * np.clip(seconds / table, STALE ** -2, STALE ** 2) ** DECAY
         self._seen += 1
         if self._seen > 1 / DECAY and not 1 / STALE < r < STALE and rows in self.tables:
             self.stale = True  # steady disagreement at a measured row count: the next run measures again

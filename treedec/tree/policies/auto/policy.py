@@ -68,12 +68,14 @@ class AutoPolicy(TreePolicy):
         self.top_k, self.max_rank = wide, wide - 1
         self.max_inputs = max(self.pools.max_inputs, self.max_depth)
         self._chains = {d: ChainPolicy(d, scores=True, tempered=True) for d in range(1, self.max_depth + 1)}
-        self.reach = np.full((len(shapes), self.max_depth), np.nan)  # promised reach per depth (nan: never drafted)
+        # per shape and depth (nan: never drafted): its top-1 path node's score, its other nodes' scores, and
+        # whether it holds the top-1 path node there (means over rows); per depth, decayed over the steps that drafted
+        # it: rows that reached it along the top-1 path and rows that reached its parent so (the path's counts),
+        # rows that reached it off the path, the other nodes' promise to them, and the rows they promised anything
+        self.reach = np.full((len(shapes), 3, self.max_depth), np.nan)
         self._seen = np.zeros(len(shapes))
-        # per kind (chains, trees) and depth: decayed rows that reached it, the scores' promise, the rows promised
-        self._hits, self._promised, self._rows = (np.zeros((2, self.max_depth)) for _ in range(3))
-        self._kind = (self._k > 1).astype(int)  # 0: a chain (or the plain step), 1: a tree
-        self._since, self._gap = [0] * len(self.groups), [round(1 / DECAY)] * len(self.groups)
+        self._path_hits, self._path_trials, self._hits, self._promise, self._rows = np.zeros((5, self.max_depth))
+        self._since, self._gap = [0] * len(self.groups), [1] * len(self.groups)  # a fresh policy probes often
         self._best = -1  # the winning group (-1: the plain step)
         self.cost, self._cost_key, self._step, self._pending = None, None, None, None
 
@@ -102,34 +104,49 @@ class AutoPolicy(TreePolicy):
             self.pools.select(self.pools.pool(drafter, None, depth, k), int(self._t[self._d == depth].max()))
 
     # ------------------------------------------------------------------------------------- the rule
+    def corrections(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per depth: the chance a row reaches it along the top-1 path, and the other nodes' correction.
+
+        The top-1 path is counted: each depth's continuation is rows that reached it over rows that reached its
+        parent, with a prior of one row at the shallower depth's (depth 1: at the calibrated score's), so a depth
+        no step reaches follows the deepest one that is (a top-1 draft is accepted, by argmax agreement, 2 to 40
+        times more often than its score says, deeper more so: no correction of the score extrapolates that). The
+        other nodes' is what the rows accepted off the path over what their scores promised, a ratio per row with a
+        prior of one row at the shallower depth's (depth 1: at 1), so a promise of any scale converges alike."""
+        path, rho = np.ones(self.max_depth), np.ones(self.max_depth)
+        cont = np.nanmean(self.reach[self._k == 1, 0, 0]) if not np.isnan(self.reach[self._k == 1, 0, 0]).all() else 1
+        prior = 1.0
+        for d in range(self.max_depth):
+            cont = (self._path_hits[d] + cont) / (self._path_trials[d] + 1)
+            ratio = self._hits[d] / self._promise[d] if self._promise[d] > 0 else prior
+            prior = rho[d] = (self._rows[d] * ratio + prior) / (self._rows[d] + 1)
+            path[d] = cont * (path[d - 1] if d else 1.0)
+        return path, rho
+
     def expected(self) -> np.ndarray:
         """E[accepted drafts] of every candidate (nan: never drafted)."""
-        # hits / promise per row, with a prior of one row at the shallower depth's (depth 1: at 1): a promise of
-        # any scale converges alike, and a depth no step reaches now follows the deepest one that is
-        ratio = np.divide(self._hits, self._promised, out=np.ones_like(self._hits), where=self._promised > 0)
-        rho, prior = np.ones_like(ratio), np.ones(2)
-        for d in range(self.max_depth):
-            rho[:, d] = prior = (self._rows[:, d] * ratio[:, d] + prior) / (self._rows[:, d] + 1)
-        reach = np.minimum(1.0, np.nan_to_num(self.reach) * rho[self._kind])
+        path, rho = self.corrections()
+        r = np.nan_to_num(self.reach)
+        reach = np.minimum(1.0, path * r[:, 2] + rho * r[:, 1])
         e = np.minimum.accumulate(reach, axis=1).sum(1)  # a path reaches depth d only through d - 1
-        return np.where(np.isnan(self.reach[:, 0]) & (self._d > 0), np.nan, e)
+        return np.where(np.isnan(self.reach[:, 0, 0]) & (self._d > 0), np.nan, e)
 
     def choose(self, rows: int) -> int:
-        """The shape to play at ``rows`` rows: the best by expected tokens per second, or a due group's probe."""
+        """The shape to play at ``rows`` rows: the best by expected tokens per second, or a due kind's probe (the
+        winning kind's too: its deeper shapes' estimates are refreshed only by playing them)."""
         value = (1 + self.expected()) / self.cost.seconds(rows)
         best = int(np.nanargmax(value))
         group = next((g for g, idx in enumerate(self.groups) if best in idx), -1)
         if group != self._best:  # the winning kind changed (plain, chain, tree): look around again soon
-            self._gap = [round(1 / DECAY)] * len(self.groups)
+            self._gap = [min(g, round(1 / DECAY)) for g in self._gap]
         self._best = group
         for g, idx in enumerate(self.groups):
-            if best in idx:
-                self._since[g] = 0
-                continue
             self._since[g] += 1
             if self._since[g] >= self._gap[g] or np.isnan(value[idx]).all():
                 self._since[g], self._gap[g] = 0, min(2 * self._gap[g], MAX_GAP)
-                return self._probe(idx, value)
+                probe = self._probe(idx, value)
+                if probe != best:
+                    return probe
         return best
 
     def _probe(self, idx: np.ndarray, value: np.ndarray) -> int:
@@ -159,15 +176,26 @@ class AutoPolicy(TreePolicy):
             edge = tree.scores[:, 1:] - tree.scores[:, :-1]  # [B, D] each depth's draft log-prob
             depths = torch.arange(1, D + 1, device=edge.device)
             logp = edge if self.calibration is None or self.one_pass else self.calibration.log_accept(edge, depths)
-            self._pending = _host(logp.cumsum(-1).exp().mean(0))  # [D] reach of each depth, mean over rows
+            reach = logp.cumsum(-1).exp().mean(0)  # [D] the top-1 path's promise per depth, mean over rows
+            self._pending = (_host(torch.stack([reach, torch.zeros_like(reach), torch.ones_like(reach)])),
+                             _host(tree.tokens[:, 1:]))
             return tree
         pool = self.pools.pool(drafter, params, D, k)
+        top1 = pool.rank == 0  # on the top-1 path: rank 0, and so is every ancestor (one level a pass)
+        for _ in range(D - 1):
+            top1 = (pool.rank == 0) & torch.cat([torch.ones_like(top1[:, :1]), top1], 1).gather(1, pool.parents1)
         limits = torch.arange(2, D + 1, device=pool.score.device)[:, None, None]
         probs = torch.where(pool.depth[None] <= limits, pool.score[None].exp(), 0.0)  # [depth limit, B, n]
         best = probs.sort(-1, descending=True)
-        where = pool.depth.expand_as(probs).gather(-1, best.indices)[..., None]  # the sorted nodes' depths
-        by_depth = torch.zeros(*probs.shape, D + 1, device=probs.device).scatter_(-1, where, best.values[..., None])
-        self._pending = _host(by_depth.mean(1).cumsum(1)[..., 1:])  # [limit, T - 1, depth]: the best T - 1 nodes
+        slot = (3 * pool.depth + ~top1).expand_as(probs).gather(-1, best.indices)[..., None]  # depth, then channel
+        on = top1.expand_as(probs).gather(-1, best.indices)[..., None]
+        by_depth = torch.zeros(*probs.shape, 3 * D + 3, device=probs.device).scatter_(-1, slot, best.values[..., None])
+        by_depth.scatter_add_(-1, slot - slot % 3 + 2, (on & (best.values[..., None] > 0)).float())  # holds the path
+        path = torch.full((top1.shape[0], D + 1), -1, device=top1.device)  # the top-1 path's tokens (-1: not drafted)
+        path.scatter_(1, torch.where(top1, pool.depth, 0), pool.tokens)
+        # [limit, T - 1, channel, depth]: what the best T - 1 nodes promise, top-1 path and the others
+        self._pending = (_host(by_depth.mean(1).cumsum(1).unflatten(-1, (D + 1, 3)).transpose(-1, -2)[..., 1:]),
+                         _host(path[:, 1:]))
         return self.pools.select(pool, T)
 
     def observe(self, info) -> None:
@@ -177,28 +205,47 @@ class AutoPolicy(TreePolicy):
         (rows, i), self._step = self._step, None
         if info.seconds is not None:
             self.cost.observe(rows, i, info.seconds)
-        for sums in (self._hits, self._promised, self._rows):
-            sums *= 1 - DECAY
         if self._pending is None:
             return
-        drafted, self._pending = self._pending.numpy(), None
+        (drafted, path), self._pending = (x.numpy() for x in self._pending), None
         D, n = int(self._d[i]), self.max_depth
-        if self._k[i] == 1:  # every chain up to D
-            held = np.flatnonzero((self._k == 1) & (self._d >= 1) & (self._d <= D))
-            new = np.where(np.arange(n)[None] < self._d[held, None], np.pad(drafted, (0, n - D))[None], 0.0)
+        if self._k[i] == 1:  # every chain, at its first D depths (a deeper chain keeps its deeper ones)
+            held = np.flatnonzero((self._k == 1) & (self._d >= 1))
+            old = np.nan_to_num(self.reach[held], nan=0.0)
+            new = np.where(np.arange(n) < np.minimum(self._d[held, None, None], D), np.pad(drafted, ((0, 0), (0, n - D))),
+                           old)
         else:  # every tree of this width up to D
             held = np.flatnonzero((self._k == self._k[i]) & (self._d <= D) & (self._d >= 2))
-            new = np.pad(drafted[self._d[held] - 2, self._t[held] - 2], ((0, 0), (0, n - D)))
+            new = np.pad(drafted[self._d[held] - 2, self._t[held] - 2], ((0, 0), (0, 0), (0, n - D)))
         self._seen[held] += 1
-        w = np.maximum(DECAY, 1 / self._seen[held])[:, None]  # a shape's first steps replace, then an EMA
+        w = np.maximum(DECAY, 1 / self._seen[held])[:, None, None]  # a shape's first steps replace, then an EMA
         self.reach[held] = np.where(np.isnan(self.reach[held]), new, self.reach[held] + w * (new - self.reach[held]))
         played = new[np.flatnonzero(held == i)[0]]
-        accepted = np.array([a - 1 for a, on in zip(info.n_accept, info.active) if on])
-        if len(accepted):
-            g = self._kind[i]
-            self._hits[g] += (accepted[:, None] >= np.arange(1, n + 1)).sum(0)
-            self._promised[g] += len(accepted) * played
-            self._rows[g] += len(accepted) * (played > 0)
+        live = [b for b, on in enumerate(info.active) if on]
+        if live:  # rows that reached each depth along the top-1 path, and otherwise
+            depths = np.arange(1, n + 1)
+            acc = [info.n_accept[b] - 1 for b in live]
+            along = np.array([_common(info.tokens[b][:a], path[b]) for b, a in zip(live, acc)])[:, None]
+            top, got = along >= depths, np.array(acc)[:, None] >= depths
+            held, others = played[2] > 0, played[1] > 0  # the depths this step drafted, on and off the path
+            for sums, on in ((self._path_hits, held), (self._path_trials, held), (self._hits, others),
+                             (self._promise, others), (self._rows, others)):
+                sums[on] *= 1 - DECAY  # (the others keep: a depth's counts are over the steps that drafted it)
+            self._path_hits += held * top.sum(0)
+            self._path_trials += held * (along >= depths - 1).sum(0)
+            self._hits += others * (got & ~top).sum(0)
+            self._promise += len(live) * played[1]
+            self._rows += len(live) * others
+
+
+def _common(a, b) -> int:
+    """How many leading tokens two sequences share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
