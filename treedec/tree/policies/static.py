@@ -20,14 +20,12 @@ from treedec.tree.tree import Tree, TreeError
 
 class StaticPolicy(TreePolicy):
     def __init__(self, choices: Sequence[Sequence[int]] | Tree | None = None, shape: str | Mapping | None = None,
-                 sample_drafts: bool = False, scores: bool = False, tempered: bool = False):
+                 sample_drafts: bool = False, scores: bool = False):
         """``choices``: the paths of the nodes (or the :class:`Tree` itself); ``shape``: a shipped shape name, a
         YAML/JSON file, or a mapping with ``choices`` (a ``tree/shape`` config).
 
         ``scores``: also record each node's cumulative draft log-prob (``Tree.scores``; calibration needs it).
-        Decoding does not, and skipping the per-depth log-softmax saves ~10% of the drafting time. ``tempered``: a
-        chain's scores under sampling are at the sampling temperature, as EAGLE-2 pools score (tree=auto compares
-        the two); else at temperature 1, as calibrate records them.
+        Decoding does not, and skipping the per-depth log-softmax saves ~10% of the drafting time.
         """
         if choices is None and shape is None:
             raise TreeError("a static tree needs `choices` (path lists) or a `shape` name/file")
@@ -36,7 +34,7 @@ class StaticPolicy(TreePolicy):
         self.shape = choices if isinstance(choices, Tree) else Tree.from_choices([list(c) for c in choices])
         if len(self.shape) < 2:
             raise TreeError("a static tree needs at least one draft node besides the root")
-        self.sample_drafts, self.scores, self.tempered = sample_drafts, scores, tempered
+        self.sample_drafts, self.scores = sample_drafts, scores
         self.max_depth = self.shape.max_depth
         self.max_size = len(self.shape)
         self.shape.ancestors()  # memoised now, so that a step's first device plan for a batch reads nothing back
@@ -92,11 +90,10 @@ class StaticPolicy(TreePolicy):
         B, T, dev = drafter.batch, len(self.shape), drafter.device
         steps, shape = self._device_plan(dev, B)
         sampled = self.sample_drafts and params is not None and not params.greedy
-        temp = float(params.temperature) if self.tempered and params is not None and not params.greedy else 1.0
         if self.is_chain and drafter.one_pass:
-            return self._draft_marginal_chain(drafter, shape, params if sampled else None, generator, temp)
+            return self._draft_marginal_chain(drafter, shape, params if sampled else None, generator)
         if self.is_chain and not sampled:
-            return self._draft_chain(drafter, shape, temp)
+            return self._draft_chain(drafter, shape)
         tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
         tokens[:, 0] = drafter.root_tokens
         scores = torch.zeros(B, T, device=dev) if self.scores or sampled else None
@@ -128,8 +125,7 @@ class StaticPolicy(TreePolicy):
         return Tree(shape["parents"], shape["depth"], shape["rank"], tokens, scores, probs_out, anc=shape["anc"],
                     is_chain=self.is_chain)
 
-    def _draft_marginal_chain(self, drafter, shape: dict, params: SamplingParams | None, generator,
-                              temp: float = 1.0) -> Tree:
+    def _draft_marginal_chain(self, drafter, shape: dict, params: SamplingParams | None, generator) -> Tree:
         """A chain from a one-pass head: depth d's token is the best (or, with ``params``, a draw) of its marginal q_d,
         all depths from one head pass. A drawn chain records q_d as each node's children's distribution, exactly what
         the SpecInfer rule needs: the child was drawn from q_d whatever its ancestors are."""
@@ -145,13 +141,13 @@ class StaticPolicy(TreePolicy):
         scores = None
         if self.scores or params is not None:
             x = logits if logits.dtype == torch.float32 else logits.float()
-            cum = torch.log_softmax(x / temp, -1).gather(-1, picks[..., None])[..., 0].cumsum(1)
+            cum = torch.log_softmax(x, -1).gather(-1, picks[..., None])[..., 0].cumsum(1)
             scores = torch.cat([cum.new_zeros(B, 1), cum], 1)
         tokens = torch.cat([drafter.root_tokens[:, None], drafter.head.to_target_ids(picks)], 1)
         return Tree(shape["parents"], shape["depth"], shape["rank"], tokens, scores, probs_out, anc=shape["anc"],
                     is_chain=params is None)
 
-    def _draft_chain(self, drafter, shape: dict, temp: float = 1.0) -> Tree:
+    def _draft_chain(self, drafter, shape: dict) -> Tree:
         """:meth:`draft` for a chain of top-1 drafts: each depth's token is its parent's best, one node per pass through
         :meth:`Drafter.expand_one` where the general plan runs index and index_put kernels and the head's module calls
         (with ``scores``, the same cumulative log-probs as the general plan: the auto budget's scored chain steps)."""
@@ -172,7 +168,7 @@ class StaticPolicy(TreePolicy):
         scores = None
         if self.scores:  # every depth's log-prob in one pass at the end (a log-softmax per depth: ~0.4 ms more at 16 rows)
             x = torch.stack(all_logits, 1)
-            logp = torch.log_softmax((x if x.dtype == torch.float32 else x.float()) / temp, dim=-1)
+            logp = torch.log_softmax(x if x.dtype == torch.float32 else x.float(), dim=-1)
             cum = logp.gather(-1, torch.stack(picks, 1)[..., None])[..., 0].cumsum(1)
             scores = torch.cat([cum.new_zeros(cum.shape[0], 1), cum], 1)  # the root's score is 0
         return Tree(shape["parents"], shape["depth"], shape["rank"], torch.stack(ids, 1), scores, anc=shape["anc"],
@@ -185,6 +181,5 @@ class ChainPolicy(StaticPolicy):
 
     reads = "either"
 
-    def __init__(self, depth: int = 5, sample_drafts: bool = False, scores: bool = False, tempered: bool = False):
-        super().__init__(choices=Tree.chain(whole(depth, "depth") + 1), sample_drafts=sample_drafts, scores=scores,
-                         tempered=tempered)
+    def __init__(self, depth: int = 5, sample_drafts: bool = False, scores: bool = False):
+        super().__init__(choices=Tree.chain(whole(depth, "depth") + 1), sample_drafts=sample_drafts, scores=scores)

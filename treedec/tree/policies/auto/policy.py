@@ -67,12 +67,12 @@ class AutoPolicy(TreePolicy):
                                        calibration=self.calibration)
         self.top_k, self.max_rank = wide, wide - 1
         self.max_inputs = max(self.pools.max_inputs, self.max_depth)
-        self._chains = {d: ChainPolicy(d, scores=True, tempered=True) for d in range(1, self.max_depth + 1)}
-        # per shape and depth (nan: never drafted): its top-1 path node's score, its other nodes' scores, and
-        # whether it holds the top-1 path node there (means over rows); per depth, decayed over the steps that drafted
-        # it: rows that reached it along the top-1 path and rows that reached its parent so (the path's counts),
+        self._chains = {d: ChainPolicy(d) for d in range(1, self.max_depth + 1)}  # unscored: the path is counted
+        # per shape and depth: its nodes' scores off the top-1 path, and whether it holds the path's node there
+        # (means over rows; `_known`: drafted at least once); per depth, decayed over the steps that drafted it:
+        # rows that reached it along the top-1 path and rows that reached its parent so (the path's counts),
         # rows that reached it off the path, the other nodes' promise to them, and the rows they promised anything
-        self.reach = np.full((len(shapes), 3, self.max_depth), np.nan)
+        self.reach, self._known = np.zeros((len(shapes), 2, self.max_depth)), self._d == 0
         self._seen = np.zeros(len(shapes))
         self._path_hits, self._path_trials, self._hits, self._promise, self._rows = np.zeros((5, self.max_depth))
         self._since, self._gap = [0] * len(self.groups), [1] * len(self.groups)  # a fresh policy probes often
@@ -108,28 +108,27 @@ class AutoPolicy(TreePolicy):
         """Per depth: the chance a row reaches it along the top-1 path, and the other nodes' correction.
 
         The top-1 path is counted: each depth's continuation is rows that reached it over rows that reached its
-        parent, with a prior of one row at the shallower depth's (depth 1: at the calibrated score's), so a depth
+        parent, with a prior of one row at the shallower depth's (depth 1: at 1), so a depth
         no step reaches follows the deepest one that is (a top-1 draft is accepted, by argmax agreement, 2 to 40
         times more often than its score says, deeper more so: no correction of the score extrapolates that). The
         other nodes' is what the rows accepted off the path over what their scores promised, a ratio per row with a
         prior of one row at the shallower depth's (depth 1: at 1), so a promise of any scale converges alike."""
-        path, rho = np.ones(self.max_depth), np.ones(self.max_depth)
-        cont = np.nanmean(self.reach[self._k == 1, 0, 0]) if not np.isnan(self.reach[self._k == 1, 0, 0]).all() else 1
-        prior = 1.0
-        for d in range(self.max_depth):
-            cont = (self._path_hits[d] + cont) / (self._path_trials[d] + 1)
-            ratio = self._hits[d] / self._promise[d] if self._promise[d] > 0 else prior
-            prior = rho[d] = (self._rows[d] * ratio + prior) / (self._rows[d] + 1)
-            path[d] = cont * (path[d - 1] if d else 1.0)
-        return path, rho
+        path, rho, cont, reach, prior = [], [], 1.0, 1.0, 1.0
+        sums = zip(*(x.tolist() for x in (self._path_hits, self._path_trials, self._hits, self._promise, self._rows)))
+        for hits, trials, off, promise, rows in sums:  # (floats: ten numpy scalars a step cost more than the rule)
+            cont = (hits + cont) / (trials + 1)
+            reach *= cont
+            prior = (rows * (off / promise if promise > 0 else prior) + prior) / (rows + 1)
+            path.append(reach)
+            rho.append(prior)
+        return np.array(path), np.array(rho)
 
     def expected(self) -> np.ndarray:
         """E[accepted drafts] of every candidate (nan: never drafted)."""
         path, rho = self.corrections()
-        r = np.nan_to_num(self.reach)
-        reach = np.minimum(1.0, path * r[:, 2] + rho * r[:, 1])
+        reach = np.minimum(1.0, path * self.reach[:, 1] + rho * self.reach[:, 0])
         e = np.minimum.accumulate(reach, axis=1).sum(1)  # a path reaches depth d only through d - 1
-        return np.where(np.isnan(self.reach[:, 0, 0]) & (self._d > 0), np.nan, e)
+        return np.where(self._known, e, np.nan)
 
     def choose(self, rows: int) -> int:
         """The shape to play at ``rows`` rows: the best by expected tokens per second, or a due kind's probe (the
@@ -173,12 +172,7 @@ class AutoPolicy(TreePolicy):
             return Tree.root_only(drafter.root_tokens)
         if k == 1:
             tree = self._chains[D].draft(drafter, params)
-            edge = tree.scores[:, 1:] - tree.scores[:, :-1]  # [B, D] each depth's draft log-prob
-            depths = torch.arange(1, D + 1, device=edge.device)
-            logp = edge if self.calibration is None or self.one_pass else self.calibration.log_accept(edge, depths)
-            reach = logp.cumsum(-1).exp().mean(0)  # [D] the top-1 path's promise per depth, mean over rows
-            self._pending = (_host(torch.stack([reach, torch.zeros_like(reach), torch.ones_like(reach)])),
-                             _host(tree.tokens[:, 1:]))
+            self._pending = np.stack([np.zeros(D), np.ones(D)]), _host(tree.tokens[:, 1:])  # all on the path
             return tree
         pool = self.pools.pool(drafter, params, D, k)
         top1 = pool.rank == 0  # on the top-1 path: rank 0, and so is every ancestor (one level a pass)
@@ -187,14 +181,15 @@ class AutoPolicy(TreePolicy):
         limits = torch.arange(2, D + 1, device=pool.score.device)[:, None, None]
         probs = torch.where(pool.depth[None] <= limits, pool.score[None].exp(), 0.0)  # [depth limit, B, n]
         best = probs.sort(-1, descending=True)
-        slot = (3 * pool.depth + ~top1).expand_as(probs).gather(-1, best.indices)[..., None]  # depth, then channel
-        on = top1.expand_as(probs).gather(-1, best.indices)[..., None]
-        by_depth = torch.zeros(*probs.shape, 3 * D + 3, device=probs.device).scatter_(-1, slot, best.values[..., None])
-        by_depth.scatter_add_(-1, slot - slot % 3 + 2, (on & (best.values[..., None] > 0)).float())  # holds the path
+        on = top1.expand_as(probs).gather(-1, best.indices)  # the sorted nodes: on the path?
+        slot = (2 * pool.depth.expand_as(probs).gather(-1, best.indices) + on.long())[..., None]  # depth, then channel
+        # channel 0: the other nodes' scores; channel 1: the path's node is held (a kept node, score > 0)
+        value = torch.where(on, (best.values > 0).float(), best.values)[..., None]
+        by_depth = torch.zeros(*probs.shape, 2 * D + 2, device=probs.device).scatter_(-1, slot, value)
         path = torch.full((top1.shape[0], D + 1), -1, device=top1.device)  # the top-1 path's tokens (-1: not drafted)
         path.scatter_(1, torch.where(top1, pool.depth, 0), pool.tokens)
-        # [limit, T - 1, channel, depth]: what the best T - 1 nodes promise, top-1 path and the others
-        self._pending = (_host(by_depth.mean(1).cumsum(1).unflatten(-1, (D + 1, 3)).transpose(-1, -2)[..., 1:]),
+        # [limit, T - 1, channel, depth]: the best T - 1 nodes' scores off the path, and the path held
+        self._pending = (_host(by_depth.mean(1).cumsum(1).unflatten(-1, (D + 1, 2)).transpose(-1, -2)[..., 1:]),
                          _host(path[:, 1:]))
         return self.pools.select(pool, T)
 
@@ -207,19 +202,19 @@ class AutoPolicy(TreePolicy):
             self.cost.observe(rows, i, info.seconds)
         if self._pending is None:
             return
-        (drafted, path), self._pending = (x.numpy() for x in self._pending), None
+        (drafted, path), self._pending = (np.asarray(x) for x in self._pending), None
         D, n = int(self._d[i]), self.max_depth
         if self._k[i] == 1:  # every chain, at its first D depths (a deeper chain keeps its deeper ones)
             held = np.flatnonzero((self._k == 1) & (self._d >= 1))
-            old = np.nan_to_num(self.reach[held], nan=0.0)
             new = np.where(np.arange(n) < np.minimum(self._d[held, None, None], D), np.pad(drafted, ((0, 0), (0, n - D))),
-                           old)
+                           self.reach[held])
         else:  # every tree of this width up to D
             held = np.flatnonzero((self._k == self._k[i]) & (self._d <= D) & (self._d >= 2))
             new = np.pad(drafted[self._d[held] - 2, self._t[held] - 2], ((0, 0), (0, 0), (0, n - D)))
         self._seen[held] += 1
         w = np.maximum(DECAY, 1 / self._seen[held])[:, None, None]  # a shape's first steps replace, then an EMA
-        self.reach[held] = np.where(np.isnan(self.reach[held]), new, self.reach[held] + w * (new - self.reach[held]))
+        self.reach[held] += np.where(self._known[held, None, None], w, 1.0) * (new - self.reach[held])
+        self._known[held] = True
         played = new[np.flatnonzero(held == i)[0]]
         live = [b for b, on in enumerate(info.active) if on]
         if live:  # rows that reached each depth along the top-1 path, and otherwise
@@ -227,14 +222,14 @@ class AutoPolicy(TreePolicy):
             acc = [info.n_accept[b] - 1 for b in live]
             along = np.array([_common(info.tokens[b][:a], path[b]) for b, a in zip(live, acc)])[:, None]
             top, got = along >= depths, np.array(acc)[:, None] >= depths
-            held, others = played[2] > 0, played[1] > 0  # the depths this step drafted, on and off the path
+            held, others = played[1] > 0, played[0] > 0  # the depths this step drafted, on and off the path
             for sums, on in ((self._path_hits, held), (self._path_trials, held), (self._hits, others),
                              (self._promise, others), (self._rows, others)):
                 sums[on] *= 1 - DECAY  # (the others keep: a depth's counts are over the steps that drafted it)
             self._path_hits += held * top.sum(0)
             self._path_trials += held * (along >= depths - 1).sum(0)
             self._hits += others * (got & ~top).sum(0)
-            self._promise += len(live) * played[1]
+            self._promise += len(live) * played[0]
             self._rows += len(live) * others
 
 
