@@ -73,6 +73,7 @@ class AutoPolicy(TreePolicy):
         # rows that reached it along the top-1 path and rows that reached its parent so (the path's counts),
         # rows that reached it off the path, the other nodes' promise to them, and the rows they promised anything
         self.reach, self._known = np.zeros((len(shapes), 2, self.max_depth)), self._d == 0
+        self.reach[:, 1] = (self._k == 1)[:, None] & (np.arange(self.max_depth) < self._d[:, None])  # a chain holds it
         self._seen = np.zeros(len(shapes))
         self._path_hits, self._path_trials, self._hits, self._promise, self._rows = np.zeros((5, self.max_depth))
         self._since, self._gap = [0] * len(self.groups), [1] * len(self.groups)  # a fresh policy probes often
@@ -172,7 +173,7 @@ class AutoPolicy(TreePolicy):
             return Tree.root_only(drafter.root_tokens)
         if k == 1:
             tree = self._chains[D].draft(drafter, params)
-            self._pending = np.stack([np.zeros(D), np.ones(D)]), _host(tree.tokens[:, 1:])  # all on the path
+            self._pending = None, _host(tree.tokens[:, 1:])
             return tree
         pool = self.pools.pool(drafter, params, D, k)
         top1 = pool.rank == 0  # on the top-1 path: rank 0, and so is every ancestor (one level a pass)
@@ -202,20 +203,20 @@ class AutoPolicy(TreePolicy):
             self.cost.observe(rows, i, info.seconds)
         if self._pending is None:
             return
-        (drafted, path), self._pending = (np.asarray(x) for x in self._pending), None
+        (drafted, path), self._pending = self._pending, None
+        path = np.asarray(path)
         D, n = int(self._d[i]), self.max_depth
-        if self._k[i] == 1:  # every chain, at its first D depths (a deeper chain keeps its deeper ones)
-            held = np.flatnonzero((self._k == 1) & (self._d >= 1))
-            new = np.where(np.arange(n) < np.minimum(self._d[held, None, None], D), np.pad(drafted, ((0, 0), (0, n - D))),
-                           self.reach[held])
+        if self._k[i] == 1:  # a chain's nodes are all on the path: its shape's channels are fixed (set up front)
+            self._known[self._k == 1] = True
+            played = self.reach[i]
         else:  # every tree of this width up to D
             held = np.flatnonzero((self._k == self._k[i]) & (self._d <= D) & (self._d >= 2))
-            new = np.pad(drafted[self._d[held] - 2, self._t[held] - 2], ((0, 0), (0, 0), (0, n - D)))
-        self._seen[held] += 1
-        w = np.maximum(DECAY, 1 / self._seen[held])[:, None, None]  # a shape's first steps replace, then an EMA
-        self.reach[held] += np.where(self._known[held, None, None], w, 1.0) * (new - self.reach[held])
-        self._known[held] = True
-        played = new[np.flatnonzero(held == i)[0]]
+            new = np.pad(np.asarray(drafted)[self._d[held] - 2, self._t[held] - 2], ((0, 0), (0, 0), (0, n - D)))
+            self._seen[held] += 1
+            w = np.maximum(DECAY, 1 / self._seen[held])[:, None, None]  # a shape's first steps replace, then an EMA
+            self.reach[held] += np.where(self._known[held, None, None], w, 1.0) * (new - self.reach[held])
+            self._known[held] = True
+            played = new[np.flatnonzero(held == i)[0]]
         live = [b for b, on in enumerate(info.active) if on]
         if live:  # rows that reached each depth along the top-1 path, and otherwise
             depths = np.arange(1, n + 1)
