@@ -76,7 +76,9 @@ class AutoPolicy(TreePolicy):
         self.reach[:, 1] = (self._k == 1)[:, None] & (np.arange(self.max_depth) < self._d[:, None])  # a chain holds it
         self._seen = np.zeros(len(shapes))
         self._path_hits, self._path_trials, self._hits, self._promise, self._rows = np.zeros((5, self.max_depth))
-        self._since, self._gap = [0] * len(self.groups), [1] * len(self.groups)  # a fresh policy probes often
+        # probe gaps: a fresh policy plays the deepest chain at once, and first drafts a tree 1/DECAY steps in (a short
+        # request never pays for the largest tree; a long one finds trees within a few dozen steps)
+        self._since, self._gap = [0] * len(self.groups), [1, round(1 / DECAY)][:len(self.groups)]
         self._best = -1  # the winning group (-1: the plain step)
         self.cost, self._cost_key, self._step, self._pending = None, None, None, None
 
@@ -142,7 +144,7 @@ class AutoPolicy(TreePolicy):
         self._best = group
         for g, idx in enumerate(self.groups):
             self._since[g] += 1
-            if self._since[g] >= self._gap[g] or np.isnan(value[idx]).all():
+            if self._since[g] >= self._gap[g]:
                 self._since[g], self._gap[g] = 0, min(2 * self._gap[g], MAX_GAP)
                 probe = self._probe(idx, value)
                 if probe != best:
