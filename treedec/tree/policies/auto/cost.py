@@ -71,7 +71,7 @@ class StepCost:
         self.path = cache_dir(folder) / f"step-cost-{name}.json"
         self.tables: dict[int, Table] = self._load()
         self.ratio: dict[int, float] = {}  # rows -> EMA of measured / table seconds
-        self.stale, self._seen = False, 0
+        self.stale, self._seen, self._remeasured = None, 0, set()  # stale: a row count to measure again
         a = np.array(self.shapes)
         self._k, self._d, self._t = a[:, 0], a[:, 1], a[:, 2]
         self._cache: dict[int, np.ndarray] = {}
@@ -98,15 +98,18 @@ class StepCost:
                 or any(max(table["draft"][k]) < self._d[self._k == k].max() for k in widths))
 
     def prepare(self, rows: int) -> None:
-        """Measure what the table lacks at ``rows`` rows and one row (all of it, when stale)."""
-        need = [b for b in sorted({1, rows}) if self.stale or self._missing(self.tables.get(b))]
-        if self.stale:
+        """Measure what the table lacks at ``rows`` rows and one row, and a stale row count's table again (once a
+        process: a disagreement that outlives a fresh table is the steps' own, which the online scale holds)."""
+        stale = set() if self.stale is None else {self.stale}
+        need = [b for b in sorted({1, rows} | stale) if b in stale or self._missing(self.tables.get(b))]
+        if stale:
             log.warning("the steps timed disagreed with %s by more than %gx; measuring this machine's step costs "
                         "again", self.path, STALE)
         for b in need:
-            self.tables[b] = self.measure(b, {} if self.stale else self.tables.get(b, {}))
+            self.tables[b] = self.measure(b, {} if b in stale else self.tables.get(b, {}))
             self.ratio.pop(b, None)  # the new table is the steps' scale
-        self.stale, self._seen = False, 0
+        self._remeasured |= stale
+        self.stale, self._seen = None, 0
         if need:
             self._cache.clear()
             self._save()
@@ -155,8 +158,8 @@ class StepCost:
         # busy for a moment) moves the scale by a few per cent at most
         r = self.ratio[rows] = self._ratio(rows) ** (1 - DECAY) * np.clip(seconds / table, STALE ** -2, STALE ** 2) ** DECAY
         self._seen += 1
-        if self._seen > 1 / DECAY and not 1 / STALE < r < STALE and rows in self.tables:
-            self.stale = True  # steady disagreement at a measured row count: the next run measures again
+        if self._seen > 1 / DECAY and not 1 / STALE < r < STALE and rows in self.tables and rows not in self._remeasured:
+            self.stale = rows  # steady disagreement at a measured row count: the next generate measures it again
 
 
 __all__ = ["StepCost", "cache_dir"]
