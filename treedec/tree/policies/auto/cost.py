@@ -70,7 +70,9 @@ class StepCost:
         name = hashlib.sha1(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
         self.path = cache_dir(folder) / f"step-cost-{name}.json"
         self.tables: dict[int, Table] = self._load()
-        self.ratio: dict[int, float] = {}  # rows -> EMA of measured / table seconds
+        # (rows, drafts?) -> EMA of measured / table seconds: the plain step and the drafted ones apart, since the
+        # acceptance, commit and catch-up a drafted step adds (top-p sorts under sampling) are in no timed pass
+        self.ratio: dict[tuple[int, bool], float] = {}
         self.stale, self._seen, self._remeasured = None, 0, set()  # stale: a row count to measure again
         a = np.array(self.shapes)
         self._k, self._d, self._t = a[:, 0], a[:, 1], a[:, 2]
@@ -107,7 +109,7 @@ class StepCost:
                         "again", self.path, STALE)
         for b in need:
             self.tables[b] = self.measure(b, {} if b in stale else self.tables.get(b, {}))
-            self.ratio.pop(b, None)  # the new table is the steps' scale
+            self.ratio.pop((b, False), None), self.ratio.pop((b, True), None)  # the new table is the steps' scale
         self._remeasured |= stale
         self.stale, self._seen = None, 0
         if need:
@@ -141,13 +143,13 @@ class StepCost:
 
     def seconds(self, rows: int) -> np.ndarray:
         """Predicted seconds of every shape at ``rows`` rows: the table, scaled by what the steps measured."""
-        return self._table(rows) * self._ratio(rows)
+        return self._table(rows) * np.where(self._d > 0, self._ratio(rows, True), self._ratio(rows, False))
 
-    def _ratio(self, rows: int) -> float:
-        if rows not in self.ratio:  # a row count not timed yet starts from the nearest one that was
-            near = min(self.ratio, key=lambda b: abs(b - rows), default=None)
-            self.ratio[rows] = 1.0 if near is None else self.ratio[near]
-        return self.ratio[rows]
+    def _ratio(self, rows: int, drafts: bool) -> float:
+        if (rows, drafts) not in self.ratio:  # not timed yet: the nearest row count's of its kind, else the other's
+            near = min(self.ratio, key=lambda k: (k[1] != drafts, abs(k[0] - rows)), default=None)
+            self.ratio[rows, drafts] = 1.0 if near is None else self.ratio[near]
+        return self.ratio[rows, drafts]
 
     def observe(self, rows: int, shape: int, seconds: float) -> None:
         """A step of shape index ``shape`` at ``rows`` rows took ``seconds``."""
@@ -156,7 +158,9 @@ class StepCost:
             return
         # in log space, one step's ratio clipped to [1/STALE^2, STALE^2]: a hiccup (a long catch-up, the machine
         # busy for a moment) moves the scale by a few per cent at most
-        r = self.ratio[rows] = self._ratio(rows) ** (1 - DECAY) * np.clip(seconds / table, STALE ** -2, STALE ** 2) ** DECAY
+        key = (rows, bool(self._d[shape] > 0))
+        step = np.clip(seconds / table, STALE ** -2, STALE ** 2)
+        r = self.ratio[key] = self._ratio(*key) ** (1 - DECAY) * step ** DECAY
         self._seen += 1
         if self._seen > 1 / DECAY and not 1 / STALE < r < STALE and rows in self.tables and rows not in self._remeasured:
             self.stale = rows  # steady disagreement at a measured row count: the next generate measures it again
