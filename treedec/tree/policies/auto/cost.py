@@ -146,8 +146,8 @@ class StepCost:
         return self._table(rows) * np.where(self._d > 0, self._ratio(rows, True), self._ratio(rows, False))
 
     def _ratio(self, rows: int, drafts: bool) -> float:
-        if (rows, drafts) not in self.ratio:  # not timed yet: the nearest row count's of its kind, else the other's
-            near = min(self.ratio, key=lambda k: (k[1] != drafts, abs(k[0] - rows)), default=None)
+        if (rows, drafts) not in self.ratio:  # not timed yet: the nearest row count's of its kind, else the table's
+            near = min((k for k in self.ratio if k[1] == drafts), key=lambda k: abs(k[0] - rows), default=None)
             self.ratio[rows, drafts] = 1.0 if near is None else self.ratio[near]
         return self.ratio[rows, drafts]
 
