@@ -3,6 +3,7 @@
     python scripts/ab.py --batch 4 vanilla chain:5@fp32 chain:5@bf16 dynamic:16/5/2@fp32 dynamic:16/5/2@bf16
     python scripts/ab.py --against 1f8ec11 vanilla chain:7 auto     # this tree's code against an earlier commit's
     python scripts/ab.py --batch 4 --serve 16 --static-too vanilla chain:5 auto   # continuous vs static batches
+    python scripts/ab.py --temperature 0.8 vanilla auto chain:5 dynamic:8/2/4     # sampled (top-p 0.95)
 
 A method is ``vanilla``, ``chain:D``, ``static`` (EAGLE's 26-node shape), ``dynamic:T/D/K`` (calibrated),
 ``best_first:T/D`` (DDTree's tree from a one-pass head: ``+NAME`` of a parallel head),
@@ -101,11 +102,11 @@ def revision_package(rev: str) -> str:
 
 
 def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: int | None = None,
-               serve: bool = False, head_dirs: dict | None = None) -> dict:
+               serve: bool = False, head_dirs: dict | None = None, temperature: float | None = None) -> dict:
     """``name + tag`` -> a function decoding a batch of prompts with that method, on package ``pkg``'s code.
     ``serve``: through ``Decoder.serve`` (vanilla's finished rows leave the batch too), the batch a queue for
     ``slots`` rows (None: all at once); else ``generate`` (what an older REV has). ``head_dirs``: NAME -> the
-    head directory a method's ``+NAME`` loads."""
+    head directory a method's ``+NAME`` loads. ``temperature``: sampled decoding (top-p 0.95), every call seeded alike."""
     mod = lambda m: importlib.import_module(f"{pkg}.{m}")  # noqa: E731
     models, vanilla = mod("models"), mod("decoding.vanilla")
     DraftHead = mod("models.draft").DraftHead
@@ -113,6 +114,11 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
         "training.predict").CompactingDecoder  # (an older REV kept it there)
     target = models.load_model("tiny-code", dtype=torch.bfloat16)
     heads, runs = {}, {}
+    sampling = None if temperature is None else mod("sampling").SamplingParams(temperature, top_p=0.95)
+
+    def gen(decode, rows):  # sampled: a fresh generator each call, so every method draws from the same seed
+        return decode(rows, tokens, **({} if sampling is None else {"generator": torch.Generator().manual_seed(0)}))
+
     for spec in methods:
         name_as_given = spec
         spec, fresh = spec.removesuffix("!"), spec.endswith("!")
@@ -124,9 +130,9 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
         if head_name and head_name not in (head_dirs or {}):
             raise SystemExit(f"{spec}: no --head {head_name}=DIR given")
         if kind == "vanilla":
-            plain = vanilla.VanillaDecoder(target)
+            plain = vanilla.VanillaDecoder(target, *([sampling] if sampling else []))
             runs[spec + tag] = (lambda rows: plain.serve(rows, tokens, slots, compact=True)) if serve else (
-                lambda rows: vanilla.generate(target, rows, tokens))
+                (lambda rows: gen(plain.generate, rows)) if sampling else (lambda rows: vanilla.generate(target, rows, tokens)))
             continue
         dtype = dtype or "auto"
         if (dtype, head) not in heads:
@@ -139,11 +145,12 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
             raise SystemExit(f"{name_as_given}: {e} (the keys of conf/tree/auto.yaml)") from None
         if fresh:  # a new policy (and decoder) for every call: what a process decoding one request sees
             make = lambda h=heads[dtype, head], k=kind, a=arg, n=head, kn=knobs: CompactingDecoder(  # noqa: E731
-                target, h, policy(k, a, mod("tree.policies"), n, kn))
+                target, h, policy(k, a, mod("tree.policies"), n, kn), *([sampling] if sampling else []))
         else:
-            make = lambda dec=CompactingDecoder(target, heads[dtype, head], pol): dec  # noqa: E731
+            make = lambda dec=CompactingDecoder(target, heads[dtype, head], pol,  # noqa: E731
+                                                *([sampling] if sampling else [])): dec
         runs[name_as_given + tag] = (lambda rows, make=make: make().serve(rows, tokens, slots)) if serve else (
-            lambda rows, make=make: make().generate(rows, tokens))
+            lambda rows, make=make: gen(make().generate, rows))
     return runs
 
 
@@ -193,6 +200,8 @@ def main() -> None:
                     "through --batch slots (Decoder.serve; vanilla too); default: static batches of --batch")
     ap.add_argument("--static-too", action="store_true", help="with --serve: also every method in static batches "
                     "of --batch (tagged [static], ratios to vanilla [static]), interleaved with the served runs")
+    ap.add_argument("--temperature", type=float, help="sampled decoding at this temperature (top-p 0.95; each "
+                    "call seeded alike); default greedy")
     ap.add_argument("--head", action="append", default=[], metavar="NAME=DIR",
                     help="a draft head directory that methods suffixed +NAME load (repeatable)")
     a = ap.parse_args()
@@ -201,11 +210,14 @@ def main() -> None:
         raise SystemExit("include vanilla: every ratio is to it")
     torch.set_num_threads(a.threads)
     tag = f" [{a.against}]" if a.against else ""
+    if a.temperature is not None and (a.against or a.serve):
+        raise SystemExit("--temperature runs this tree's generate: no --against or --serve")
     if a.static_too and (a.against or not a.serve):
         raise SystemExit("--static-too compares --serve runs with static batches of this tree's code: "
                          "pass --serve Q, and no --against")
     slots = a.batch if a.serve else None
-    runs = build_runs("treedec", a.methods, a.tokens, slots=slots, serve=bool(a.serve), head_dirs=head_dirs)
+    runs = build_runs("treedec", a.methods, a.tokens, slots=slots, serve=bool(a.serve), head_dirs=head_dirs,
+                      temperature=a.temperature)
     if a.against:
         runs.update(build_runs(revision_package(a.against), a.methods, a.tokens, tag, slots, head_dirs=head_dirs))
     elif a.serve and a.static_too:
@@ -221,6 +233,7 @@ def main() -> None:
     size = a.serve or a.batch
     rate, steps = interleave(runs, [prompts[i:i + size] for i in range(0, len(prompts), size)], a.passes)
     how = f"queues of {a.serve} through {a.batch} slots" if a.serve else f"static batches of {a.batch}"
+    how += "" if a.temperature is None else f", sampled at {a.temperature} (top-p 0.95)"
     print(f"{how}, {len(prompts)} prompts x {a.tokens} tokens, {a.passes} passes, {a.threads} threads")
     for n in runs:
         ratios = [r / v for r, v in zip(rate[n], rate["vanilla" + (tag if tag and n.endswith(tag) else "")])]
