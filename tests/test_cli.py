@@ -72,8 +72,17 @@ def test_readme_results_commands_compose_validate_and_name_shipped_heads():
     section = text[text.index("## Results"):]
     section = section[:section.index("\n## ", 4)]
     block = section[section.index("```bash"):section.index("```", section.index("```bash") + 7)]
-    commands = [c for c in block.replace("\\\n", " ").splitlines() if c.startswith("python -m treedec.bench")]
-    assert len(commands) >= 2
+    lines = block.replace("\\\n", " ").splitlines()
+    commands = [c for c in lines if c.startswith("python -m treedec.bench")]
+    assert len(commands) >= 1
+    for ab in [c for c in lines if c.startswith("python scripts/ab.py")]:  # each method spec names a policy
+        import treedec.tree.policies as P
+        from scripts.ab import policy, policy_knobs
+
+        specs = [a for a in shlex.split(ab.split("  #")[0])[2:] if not a.startswith("--") and not a.isdigit()]
+        for spec in specs:
+            kind, _, arg = policy_knobs(spec.removesuffix("!"))[0].partition("+")[0].partition("@")[0].partition(":")
+            assert kind == "vanilla" or policy(kind, arg, P) is not None, spec
     heads = set()
     for command in commands:
         args = shlex.split(command.split("  #")[0])[3:]
