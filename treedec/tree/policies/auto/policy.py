@@ -2,12 +2,13 @@
 
 Candidates: the plain step, the top-1 chain of every depth, and trees of every depth at T = powers of two up to
 ``max_total_tokens`` (EAGLE-2 pools of width ``top_k``; with a one-pass head, best-first trees). A step plays the
-argmax of (1 + E[accepted drafts]) / predicted seconds. E is a sum over the tree's nodes of P(path accepted): the
-draft's (calibrated) score times rho, what the target accepted over what the scores promised, per depth and kind
-(chains, trees), over the last ~1/DECAY steps. What each shape promises is averaged over the steps that drafted it
-(a pool holds every smaller or shallower tree); a kind that keeps losing is played again after a gap that doubles
-up to MAX_GAP steps. Seconds: :class:`~.cost.StepCost`. Choices use earlier steps' estimates, and this step's
-scores are copied to the host without waiting, so a step adds no device read. docs/design.md §9.
+argmax of (1 + E[accepted drafts]) / predicted seconds. E is a sum over the tree's nodes of P(path accepted), in two
+channels: the top-1 path's, counted from how far rows followed it, and the other nodes', their (calibrated) scores
+times what rows accepted off the path over what those scores promised (decayed over ~1/DECAY steps). What each
+shape promises is averaged over the steps that drafted it (a pool holds every smaller or shallower tree); each kind
+(chains, trees) is probed on a gap that doubles up to MAX_GAP steps. Seconds: :class:`~.cost.StepCost`. Choices use
+earlier steps' estimates, and this step's scores are copied to the host without waiting, so a step adds no device
+read. docs/design.md §9.
 """
 from __future__ import annotations
 
@@ -223,7 +224,8 @@ class AutoPolicy(TreePolicy):
         if live:  # rows that reached each depth along the top-1 path, and otherwise
             depths = np.arange(1, n + 1)
             acc = [info.n_accept[b] - 1 for b in live]
-            along = np.array([_common(info.tokens[b][:a], path[b]) for b, a in zip(live, acc)])[:, None]
+            along = np.array([next((j for j, (x, y) in enumerate(zip(info.tokens[b][:a], path[b])) if x != y),
+                                   min(a, len(path[b]))) for b, a in zip(live, acc)])[:, None]  # shared prefix
             top, got = along >= depths, np.array(acc)[:, None] >= depths
             held, others = played[1] > 0, played[0] > 0  # the depths this step drafted, on and off the path
             for sums, on in ((self._path_hits, held), (self._path_trials, held), (self._hits, others),
@@ -234,16 +236,6 @@ class AutoPolicy(TreePolicy):
             self._hits += others * (got & ~top).sum(0)
             self._promise += len(live) * played[0]
             self._rows += len(live) * others
-
-
-def _common(a, b) -> int:
-    """How many leading tokens two sequences share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
