@@ -8,7 +8,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import treedec.config_checks as checks
-import treedec.config_schema as schema
+import treedec.config.schema as schema
 from treedec.sampling import SamplingParams
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, LearnedPolicy, LookupPolicy, StaticPolicy
 from treedec.tree.policies.best_first import BestFirstPolicy

@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import MISSING, OmegaConf
 
-import treedec.config_schema as schema
+import treedec.config.schema as schema
 from treedec.models.paths import CONF
 from treedec.training import schema as train_schema
 

@@ -142,7 +142,7 @@ def test_the_library_never_imports_an_entry_point(graph):
 
 def test_the_data_layer_sits_below_training_decoding_and_trees(graph):
     assert _edges(graph, ("treedec.data",), ("treedec.training", "treedec.decoding", "treedec.tree",
-                                             "treedec.attention", "treedec.config_schema", "treedec.cli")) == []
+                                             "treedec.attention", "treedec.config", "treedec.cli")) == []
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def _file_error(config: str, inner: BaseException | None, entry: str) -> str:
     if isinstance(inner, ConfigKeyError) and key:
         parent = key.rpartition(".")[0]
         return (f"{at}: {entry} has no key {key}. {_known_keys(inner, parent)}; fix or remove it "
-                f"(a new key belongs in treedec/config_schema.py too)")
+                f"(a new key belongs in treedec/config/schema.py too)")
     if inner is not None and key:
         return f"{at}: {key}: {_first_line(inner)}; fix the value there"
     return f"{at}: {_first_line(inner) if inner is not None else 'it does not compose'}; fix it there"

@@ -1,6 +1,6 @@
 """The config check every entry point runs first (:func:`validate`), and the one ``instantiate`` wrapper.
 
-:func:`validate` checks a composed config against the schemas of :mod:`treedec.config_schema` (``+key=...``
+:func:`validate` checks a composed config against the schemas of :mod:`treedec.config.schema` (``+key=...``
 appends pass Hydra, so this is where they are caught, with the keys of the group meant and the closest match),
 checks the node of a ``tree`` (or ``probe``, or ``bench.trees.*``) group by its ``_target_`` (a policy class of
 your own is left alone), and checks values: ranges, the device and dtype, prompt files (readable text,
@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from treedec.config_schema import (KERNEL_BACKENDS, SCHEMAS, DynamicTreeSchema, LookupTreeSchema, ShapeSchema,
+from treedec.config.schema import (KERNEL_BACKENDS, SCHEMAS, DynamicTreeSchema, LookupTreeSchema, ShapeSchema,
                                    tree_schema)
 from treedec.errors import USER_ERRORS, ConfigError
 
@@ -334,7 +334,7 @@ def validate(cfg: DictConfig, kind: str = "generate") -> None:
     node = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     node.pop("hydra", None)
     _merge(SCHEMAS[kind], node, kind, f"Known top-level keys: {', '.join(_fields(SCHEMAS[kind]))} "
-                                      "(a new key belongs in treedec/config_schema.py too)")
+                                      "(a new key belongs in treedec/config/schema.py too)")
     for group in ("tree", "probe"):
         if group in node and group in SCHEMAS[kind].__dataclass_fields__:
             validate_tree(node[group], group)

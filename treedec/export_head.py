@@ -28,7 +28,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-import treedec.config_schema  # noqa: F401  (registers the structured schema before Hydra composes)
+import treedec.config.schema  # noqa: F401  (registers the structured schema before Hydra composes)
 from treedec.cli import entry, launch
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-import treedec.config_schema  # noqa: F401  (registers the structured schema before Hydra composes)
+import treedec.config.schema  # noqa: F401  (registers the structured schema before Hydra composes)
 from treedec.atomic import write_text_atomic
 from treedec.cli import entry, launch, load_stack
 

@@ -60,7 +60,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-import treedec.config_schema  # noqa: F401  (registers the structured schema before Hydra composes)
+import treedec.config.schema  # noqa: F401  (registers the structured schema before Hydra composes)
 from treedec.cli import entry, launch, load_stack
 from treedec.regenerate_state import (Preempted, ShardData, ShardWriter, StopOnSigterm, check_manifest,
                                       finished_stats, summarize)

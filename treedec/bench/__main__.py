@@ -12,7 +12,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-import treedec.config_schema  # noqa: F401  (registers schema/bench before Hydra composes)
+import treedec.config.schema  # noqa: F401  (registers schema/bench before Hydra composes)
 from treedec.cli import entry, launch
 
 log = logging.getLogger("treedec.bench")

@@ -27,7 +27,7 @@ from typing import Any, List, Optional
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from treedec.config_checks import check_out_path, check_required, unknown_key_hint
-from treedec.config_schema import ModelSchema
+from treedec.config.schema import ModelSchema
 from treedec.errors import ConfigError, renamed
 
 HYDRA_KEYS = ("_target_", "_recursive_", "_convert_", "_partial_", "_args_")
