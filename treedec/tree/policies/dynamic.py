@@ -29,7 +29,7 @@ import torch
 from treedec.sampling import SamplingParams
 from treedec.tree import calibration as calib
 from treedec.tree.policies.base import ForestAncestry, TreePolicy, kept_tree, kept_tree_constants, whole
-from treedec.tree.policies.static import ChainPolicy
+from treedec.tree.policies.chain import ChainPolicy
 from treedec.tree.tree import Tree, TreeError
 
 log = logging.getLogger(__name__)

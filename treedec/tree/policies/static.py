@@ -13,7 +13,7 @@ import torch
 
 from treedec.sampling import SamplingParams, greedy_pick, target_probs
 from treedec.attention.layout import ancestor_matrix
-from treedec.tree.policies.base import TreePolicy, whole
+from treedec.tree.policies.base import TreePolicy
 from treedec.tree.shapes import load_shape
 from treedec.tree.tree import Tree, TreeError
 
@@ -174,12 +174,3 @@ class StaticPolicy(TreePolicy):
         return Tree(shape["parents"], shape["depth"], shape["rank"], torch.stack(ids, 1), scores, anc=shape["anc"],
                     is_chain=True)
 
-
-class ChainPolicy(StaticPolicy):
-    """A single path of ``depth`` draft tokens: classic speculative decoding, the baseline a tree must beat. A one-pass
-    head drafts it in one pass (its marginals' best tokens)."""
-
-    reads = "either"
-
-    def __init__(self, depth: int = 5, sample_drafts: bool = False, scores: bool = False):
-        super().__init__(choices=Tree.chain(whole(depth, "depth") + 1), sample_drafts=sample_drafts, scores=scores)

@@ -21,8 +21,8 @@ from treedec.tree.policies.auto.cost import DECAY, StepCost
 from treedec.tree.policies.auto.profile import measure, profile_key
 from treedec.tree.policies.base import TreePolicy, whole
 from treedec.tree.policies.best_first import BestFirstPolicy
+from treedec.tree.policies.chain import ChainPolicy
 from treedec.tree.policies.dynamic import DynamicPolicy, n_drafted
-from treedec.tree.policies.static import ChainPolicy
 from treedec.tree.tree import Tree, TreeError
 
 MAX_GAP = 128  # most steps a losing group of shapes (chains, trees) waits before it is played again
