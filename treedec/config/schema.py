@@ -131,7 +131,7 @@ TREE_SCHEMAS: dict[str, type] = {
     "treedec.tree.policies.static.StaticPolicy": StaticTreeSchema,
     "treedec.tree.policies.dynamic.DynamicPolicy": DynamicTreeSchema,
     "treedec.tree.policies.auto.policy.AutoPolicy": AutoTreeSchema,
-    "treedec.tree.policies.static.ChainPolicy": ChainTreeSchema,
+    "treedec.tree.policies.chain.ChainPolicy": ChainTreeSchema,
     "treedec.tree.policies.learned.LearnedPolicy": LearnedTreeSchema,
     "treedec.tree.sequoia.comb_probe": CombProbeSchema,
     "treedec.tree.policies.lookup.LookupPolicy": LookupTreeSchema,
