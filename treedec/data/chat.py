@@ -8,6 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from treedec.data.tokenizer_train import EOS, as_tokenizer
+from treedec.models.tokenizer import render_chat_template
 
 FALLBACK_HEADERS = {"system": "System:\n", "user": "User:\n", "assistant": "Assistant:\n"}
 
@@ -59,8 +60,6 @@ class ChatRenderer:
         """The conversation's text; a template that raises is a ValueError (one line: its message and the fix)."""
         if self.template is None:
             return self._fallback(messages, add_generation_prompt)[0]
-        from treedec.models.tokenizer import render_chat_template
-
         try:
             return render_chat_template(self.template, messages, add_generation_prompt=add_generation_prompt,
                                         **self.tok._special_tokens())

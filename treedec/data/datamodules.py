@@ -15,6 +15,7 @@ from typing import Iterator
 import lightning as L
 import numpy as np
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from treedec.data.corpus import line_split, read_jsonl
@@ -27,8 +28,6 @@ from treedec.data.tokenizer_train import as_tokenizer, load_hf_tokenizer, train_
 # --------------------------------------------------------------------------- ranks
 def process_rank() -> int:
     """The global rank from the launcher's environment (RANK, LOCAL_RANK, SLURM_PROCID), 0 outside DDP."""
-    from lightning.fabric.utilities.rank_zero import rank_zero_only
-
     return int(getattr(rank_zero_only, "rank", 0) or 0)
 
 

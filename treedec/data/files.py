@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from pathlib import Path
 
 
 def file_fingerprint(path: str | os.PathLike) -> str:

@@ -19,9 +19,11 @@ import os
 import random
 import re
 import site
+import sys
 import sysconfig
 from collections import Counter
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -100,8 +102,6 @@ def read_text(path: str | os.PathLike, key: str) -> str:
 def read_stdin(key: str = "prompt_file") -> str:
     """The prompt piped to stdin (``prompt_file=-``), read up to :func:`prompt_cap` bytes: an endless pipe or
     binary (not UTF-8) input is a one-line error naming ``key``."""
-    import sys
-
     where, cap = f"{key}=- (stdin)", prompt_cap()
     stream = getattr(sys.stdin, "buffer", None)
     if stream is None:
@@ -244,17 +244,15 @@ def third_party_packages(dirs: Sequence[Path] | None = None) -> dict[str, list[P
 
 
 def _package_versions() -> dict[str, str]:
-    from importlib import metadata
-
     try:
         dists = metadata.packages_distributions()
-    except Exception:  # noqa: BLE001 - versions are a courtesy in the record
+    except Exception:  # versions are a courtesy in the record: none rather than a failed run
         return {}
     out = {}
     for top, names in dists.items():
         try:
             out[top] = f"{names[0]} {metadata.version(names[0])}"
-        except Exception:  # noqa: BLE001
+        except Exception:  # a distribution without readable metadata: left out
             continue
     return out
 

@@ -21,10 +21,17 @@ from typing import Sequence
 
 import numpy as np
 
-from treedec.data.chat import ChatRenderer, spans_to_mask
-from treedec.data.corpus import (corpus_fingerprint, jsonl_files, line_split, read_jsonl, read_source, split_files,
-                                 stdlib_root)
 from treedec.atomic import atomic_file
+from treedec.data.chat import ChatRenderer, spans_to_mask
+from treedec.data.corpus import (
+    corpus_fingerprint,
+    jsonl_files,
+    line_split,
+    read_jsonl,
+    read_source,
+    split_files,
+    stdlib_root,
+)
 from treedec.data.files import file_fingerprint
 from treedec.data.tokenizer_train import EOS, as_tokenizer, tokenizer_hash
 

@@ -11,8 +11,13 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from treedec.data.corpus import read_source, split_files, stdlib_root
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
 from treedec.atomic import atomic_file
+from treedec.data.corpus import read_source, split_files, stdlib_root
+from treedec.models.paths import BUNDLED, resolve_path
+from treedec.models.tokenizer import Tokenizer
 
 EOS = "<|endoftext|>"
 
@@ -20,9 +25,7 @@ EOS = "<|endoftext|>"
 def train_bpe(texts: Iterable[str], vocab_size: int = 8192, out: str | os.PathLike | None = None,
               length: int | None = None):
     """A byte-level BPE trained on ``texts``; saved atomically to ``out`` if given (a rank may be reading it)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
+    tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], min_frequency=2,
@@ -50,9 +53,7 @@ def train_tokenizer(root: str | os.PathLike | None = None, vocab_size: int = 819
 
 
 def load_hf_tokenizer(path: str | os.PathLike):
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path))
+    return tokenizers.Tokenizer.from_file(str(path))
 
 
 def tokenizer_hash(tok) -> str:
@@ -65,8 +66,6 @@ def as_tokenizer(tokenizer):
 
     A ``tokenizer.json`` path reads its directory (tokenizer_config.json: BOS/EOS, chat template) too.
     """
-    from treedec.models.tokenizer import Tokenizer
-
     if isinstance(tokenizer, Tokenizer):
         return tokenizer
     if isinstance(tokenizer, (str, os.PathLike)):
@@ -82,8 +81,6 @@ def as_tokenizer(tokenizer):
 def tokenizer_file(value: str | os.PathLike) -> Path:
     """``paths.tokenizer``: a tokenizer.json (trained there when missing), or the name or directory of a
     model whose tokenizer.json is reused as it is (``paths.tokenizer=tiny-code``: the bundled one)."""
-    from treedec.models.paths import BUNDLED, resolve_path
-
     path = Path(str(value)).expanduser()
     if str(value) in BUNDLED or path.is_dir():
         path = resolve_path(value) / "tokenizer.json"
