@@ -109,7 +109,10 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
     head directory a method's ``+NAME`` loads. ``temperature``: sampled decoding (top-p 0.95), every call seeded alike."""
     mod = lambda m: importlib.import_module(f"{pkg}.{m}")  # noqa: E731
     models, vanilla = mod("models"), mod("decoding.vanilla")
-    DraftHead = mod("models.draft").DraftHead
+    try:
+        DraftHead = mod("heads").DraftHead
+    except ModuleNotFoundError:  # an older REV kept it in models.draft
+        DraftHead = mod("models.draft").DraftHead
     CompactingDecoder = getattr(mod("decoding.speculative"), "CompactingDecoder", None) or mod(
         "training.predict").CompactingDecoder  # (an older REV kept it there)
     target = models.load_model("tiny-code", dtype=torch.bfloat16)

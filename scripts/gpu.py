@@ -181,7 +181,7 @@ def random_stack(work: Path) -> tuple[str, str]:
 
     from treedec.models.checkpoint import save_pretrained
     from treedec.models.config import LlamaConfig
-    from treedec.models.draft import DraftConfig, DraftHead
+    from treedec.heads.head import DraftConfig, DraftHead
     from treedec.models.llama import Transformer
     from treedec.data.corpus import split_files, stdlib_root
     from treedec.data.tokenizer_train import train_tokenizer
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     if want & {"bench_triton", "bench_sdpa"}:
         try:
             from treedec.models.checkpoint import resolve_path
-            from treedec.models.draft import BUNDLED_DRAFTS
+            from treedec.heads.head import BUNDLED_DRAFTS
 
             resolve_path(model)
             if not (Path(str(BUNDLED_DRAFTS.get(draft, draft))) / "draft_config.json").is_file():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from treedec.models import LlamaConfig, Transformer
-from treedec.models.draft import DraftConfig, DraftHead
+from treedec.heads.head import DraftConfig, DraftHead
 from treedec.tree import Tree
 from treedec.tree.policies.base import TreePolicy
 
@@ -81,7 +81,7 @@ def parallel_pair(seed: int = 0, K: int = 5, k: int = 40, sharpen: float = 1.0, 
     head, its mask inputs random (so each depth's marginal differs from the others). ``sharpen`` scales the head's
     final norm, so its logits: a random head's marginals are near uniform, and a best-first tree of them is all depth 1
     (the 15th best token still outscores the best pair of tokens); sharpen=4 gives trees 2 to 4 deep."""
-    from treedec.models.parallel import ParallelHead
+    from treedec.heads.parallel import ParallelHead
 
     target, e3 = eagle3_pair(seed, k=k, **kw)
     head = ParallelHead.from_eagle3(e3, K)

@@ -65,7 +65,7 @@ def test_readme_results_commands_compose_validate_and_name_shipped_heads():
     from hydra import compose, initialize_config_dir
 
     from treedec.config_checks import validate
-    from treedec.models.draft_config import BUNDLED_DRAFTS
+    from treedec.heads.config import BUNDLED_DRAFTS
     from treedec.models.paths import CONF
 
     text = (ROOT / "README.md").read_text()

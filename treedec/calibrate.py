@@ -256,7 +256,7 @@ def run(cfg: DictConfig) -> dict:
     validate(cfg, "calibrate")  # also the probe node by its _target_, before anything loads
     path = OmegaConf.select(cfg, "draft.path")
     if path is not None:
-        from treedec.models.draft_checkpoint import head_summary
+        from treedec.heads.checkpoint import head_summary
 
         refuse_one_pass(head_summary(path)["kind"] == "parallel", path)
     probe = instantiate_checked(cfg.probe, "probe")

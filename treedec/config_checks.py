@@ -338,7 +338,7 @@ def validate(cfg: DictConfig, kind: str = "generate") -> None:
     for group in ("tree", "probe"):
         if group in node and group in SCHEMAS[kind].__dataclass_fields__:
             validate_tree(node[group], group)
-    from treedec.models.quantized import QUANTIZE
+    from treedec.heads.quantized import QUANTIZE
 
     quantize = OmegaConf.select(node, "draft.quantize")
     if quantize is not None and quantize not in QUANTIZE:

@@ -97,12 +97,12 @@ def clean_stale(out: Path, written: tuple[str, ...]) -> list[Path]:
 
 
 def export_head(head, out: str | os.PathLike, fmt: str, dtype: torch.dtype | None = None) -> Path:
-    """Write ``head`` (a :class:`~treedec.models.draft.DraftHead`) to ``out`` in layout ``fmt`` (eagle | eagle3)."""
+    """Write ``head`` (a :class:`~treedec.heads.head.DraftHead`) to ``out`` in layout ``fmt`` (eagle | eagle3)."""
     from safetensors.torch import save_file
 
     from treedec.atomic import follow_umask
     from treedec.models.checkpoint import WEIGHTS
-    from treedec.models.head_formats import to_published
+    from treedec.heads.formats.published import to_published
 
     out = Path(out).expanduser()
     _check_out(out)
@@ -140,8 +140,8 @@ def export_head(head, out: str | os.PathLike, fmt: str, dtype: torch.dtype | Non
 
 def _check_kind(path, fmt: str) -> None:
     """A head whose kind has no layout ``fmt`` is refused from its config, before its weights load."""
-    from treedec.models.draft_checkpoint import head_summary
-    from treedec.models.head_formats import kind_mismatch
+    from treedec.heads.checkpoint import head_summary
+    from treedec.heads.formats.published import kind_mismatch
 
     if path is None:
         return

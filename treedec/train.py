@@ -96,7 +96,7 @@ def _finish(cfg: DictConfig, run_dir: Path, trainer, module, dm, after, *, expor
     from treedec.atomic import atomic_dir, write_json
     from treedec.data.datasets import frequent_tokens
     from treedec.models.checkpoint import resolve_dtype
-    from treedec.models.draft import DraftHead
+    from treedec.heads.head import DraftHead
     from treedec.training.schedule import seconds
     from treedec.training.trainer import stop_reason, use_hint
 

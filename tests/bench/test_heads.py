@@ -9,8 +9,8 @@ import re
 import pytest
 
 from treedec.bench import harness
-from treedec.models.draft import DraftConfig, DraftHead
-from treedec.models.parallel import ParallelHead
+from treedec.heads.head import DraftConfig, DraftHead
+from treedec.heads.parallel import ParallelHead
 
 from tests.bench.test_bench import compose_bench, stack  # noqa: F401  (the tiny stack fixture and its overrides)
 

@@ -238,7 +238,7 @@ def test_a_top1_chain_drafts_with_fewer_kernels_and_the_same_tokens():
 def head_passes(monkeypatch) -> dict:
     """Count every forward of a parallel head (``forward``: a catch-up; ``forward_block``: mask positions, with or
     without a catch-up before them in the same pass; ``forward_one``: an EAGLE chain node's lean pass)."""
-    from treedec.models.parallel import ParallelHead
+    from treedec.heads.parallel import ParallelHead
 
     calls = {"forward": 0, "forward_block": 0, "forward_one": 0}
     for name in calls:
@@ -286,7 +286,7 @@ def test_a_parallel_heads_mask_positions_do_not_stay_in_the_draft_cache(policy):
     """After every step the draft cache (with what is pending) holds exactly the verified prefix, as the target's
     cache does; and at the end the drafter's marginals are those of a fresh drafter that caught up on the whole
     verified sequence at once (so no mask position's key was kept, or seen, where a verified pair now is)."""
-    from treedec.models.parallel import ParallelHead
+    from treedec.heads.parallel import ParallelHead
     from tests.helpers import parallel_pair
 
     target, head = parallel_pair(3, K=5, sharpen=4.0)

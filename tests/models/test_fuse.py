@@ -7,7 +7,7 @@ import torch
 from tests.helpers import full_logits, tiny_config, tiny_model
 from treedec.models import load_model
 from treedec.models.checkpoint import save_pretrained
-from treedec.models.draft import DraftConfig, DraftHead
+from treedec.heads.head import DraftConfig, DraftHead
 
 HF_NAMES = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
             "mlp.gate_proj.weight", "mlp.up_proj.weight"}

@@ -196,7 +196,7 @@ def test_qwen3_speculative_greedy_equals_vanilla(seed, tmp_path):
     """Tree-masked verification with q/k norms: greedy fp32 speculative decoding is vanilla token for token."""
     from treedec.decoding.speculative import SpeculativeDecoder
     from treedec.decoding.vanilla import generate
-    from treedec.models.draft import DraftConfig, DraftHead
+    from treedec.heads.head import DraftConfig, DraftHead
     from treedec.tree.policies import DynamicPolicy, StaticPolicy
 
     hf_model("qwen3", seed=seed).save_pretrained(tmp_path)

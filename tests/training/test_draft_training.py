@@ -45,7 +45,7 @@ def train_cfg(target_dir, corpus, tmp_path, steps, *extra):  # noqa: F811
 
 
 def test_train_resume_and_export(target_dir, corpus, tmp_path):  # noqa: F811
-    from treedec.models.draft import DraftHead
+    from treedec.heads.head import DraftHead
     from treedec.train import run
 
     m = run(train_cfg(target_dir, corpus, tmp_path, 20))
@@ -200,8 +200,8 @@ def test_eagle_training_time_test_weights_the_steps_and_every_step_learns(target
 
 @pytest.mark.slow
 def test_eagle3_train_resume_and_export(target_dir, corpus, tmp_path):  # noqa: F811
-    from treedec.models.draft import DraftHead
-    from treedec.models.eagle3 import Eagle3Head
+    from treedec.heads.head import DraftHead
+    from treedec.heads.eagle3 import Eagle3Head
     from treedec.train import run
 
     extra = ("draft_arch=eagle3", "draft_arch.draft_vocab_size=48", "optim.unroll=2", "eval.every_n_steps=0")
@@ -227,7 +227,7 @@ def test_init_from_accepts_an_exported_head(target_dir, corpus, tmp_path):  # no
     from treedec.config.schema import ConfigError
     from treedec.export_head import export_head
     from treedec.models import load_model
-    from treedec.models.draft import DraftConfig, DraftHead
+    from treedec.heads.head import DraftConfig, DraftHead
     from treedec.training.draft import DraftModule
     from treedec.training.schema import check_job_config
 

@@ -27,7 +27,7 @@ def tiny_pretrain(corpus, tok_path, run_dir, *extra):
 def test_readme_commands_export_into_the_run_dir_and_leave_the_assets_alone(corpus, tokenizer, tmp_path,
                                                                             caplog):
     """`python -m treedec.pretrain` and `python -m treedec.train` with their defaults (tiny settings)."""
-    from treedec.models.draft import DraftHead
+    from treedec.heads.head import DraftHead
     from treedec.models.paths import ASSETS
     from treedec.pretrain import run as pretrain
     from treedec.train import run as train

@@ -164,7 +164,7 @@ def test_atomic_dir_keeps_the_old_directory_when_writing_fails(tmp_path):
 @pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
 def test_exports_follow_the_umask(tmp_path, umask, file_mode, dir_mode):
     from treedec.models.config import LlamaConfig
-    from treedec.models.draft import DraftConfig, DraftHead
+    from treedec.heads.head import DraftConfig, DraftHead
     from treedec.models.llama import Transformer
 
     target = Transformer(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -264,7 +264,7 @@ def test_bad_options_are_refused_before_anything_runs(name, override, message, t
     if "paths.tokenizer" in override:  # a directory that holds no tokenizer.json
         override = f"paths.tokenizer={tmp_path}"
     if "{deep}" in override:  # a one-pass head's config (no weights: refused before they load) for a deeper target
-        from treedec.models.draft_config import BUNDLED_DRAFTS, DRAFT_CONFIG
+        from treedec.heads.config import BUNDLED_DRAFTS, DRAFT_CONFIG
 
         head = json.loads((BUNDLED_DRAFTS["tiny-code-parallel"] / DRAFT_CONFIG).read_text())
         (tmp_path / "deep").mkdir()

@@ -225,7 +225,7 @@ def test_steps_that_keep_disagreeing_with_the_table_remeasure_it(tmp_path, caplo
 def test_the_profile_key_names_compile_and_quantisation():
     """Defect 3: an int8 or compiled target is another machine as far as step costs go."""
     from tests.helpers import make_pair
-    from treedec.models.quantized import quantize_linears
+    from treedec.heads.quantized import quantize_linears
 
     target, draft = make_pair(1)
     head = draft.bind(target)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from treedec.models.quantized import is_quantized
+from treedec.heads.quantized import is_quantized
 
 
 # --------------------------------------------------------------------------- machine

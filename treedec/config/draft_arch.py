@@ -62,7 +62,7 @@ def _target_config(target: str):
 
 
 def _init_head(init: str) -> dict:
-    from treedec.models.draft_checkpoint import head_summary
+    from treedec.heads.checkpoint import head_summary
 
     try:
         return head_summary(init)

@@ -3,7 +3,7 @@ value usable, before any data, model or training step (a typo must not run with 
 bad ``export_dtype`` must not fail after an hour of training).
 
 * Keys: the plain groups (top level, ``optim``, ``eval``, ``paths``) have a schema here; the
-  ``draft`` and ``model_arch`` groups are :class:`~treedec.models.draft.DraftConfig` and
+  ``draft`` and ``model_arch`` groups are :class:`~treedec.heads.head.DraftConfig` and
   :class:`~treedec.models.config.LlamaConfig` fields; the instantiated groups (``data``,
   ``trainer``, ``logger.*``, ``callbacks.*`` and nested ``_target_`` nodes) take the arguments of
   their ``_target_``'s signature (anything, if it takes ``**kwargs``). An unknown key is a
@@ -293,7 +293,7 @@ def _check_common(cfg: DictConfig, kind: str) -> None:
 
 def _check_train(cfg: DictConfig) -> None:
     from treedec.models.checkpoint import resolve_path
-    from treedec.models.draft import DraftConfig
+    from treedec.heads.head import DraftConfig
     from treedec.training.draft_arch_checks import check_draft_arch
 
     draft = _get(cfg, "draft_arch") or {}

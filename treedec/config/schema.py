@@ -38,7 +38,7 @@ class ModelSchema:  # conf/model: the target checkpoint to load (its loader is _
 
 @dataclass
 class DraftSchema:  # conf/draft: the draft head to load
-    _target_: str = MISSING  # treedec.models.draft.DraftHead.load
+    _target_: str = MISSING  # treedec.heads.head.DraftHead.load
     path: str = MISSING  # "tiny-code-eagle" or a draft head directory
     dtype: Optional[str] = "auto"  # auto: fp32 on a CPU (its small matmuls are faster), else the target's | float32 | bfloat16
     quantize: Optional[str] = "auto"  # auto: int8 weights on a CPU where they measure faster | int8 | null (full precision)

@@ -25,7 +25,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from treedec.attention import prefix_tree_mask
-from treedec.models.draft import DraftHead
+from treedec.heads.head import DraftHead
 from treedec.tree.policies.base import topk_logp
 
 
@@ -205,7 +205,7 @@ class Drafter:
     def marginals(self, depth: int) -> torch.Tensor:
         """A one-pass head's draft logits [B, depth, K] of depths 1..``depth`` below the root: depth 1 is
         :attr:`root_logits`; depths 2.. come from one head pass over ``depth - 1`` mask positions after each row's
-        prefix (:meth:`~treedec.models.parallel.ParallelHead.forward_mask`), each the distribution of the token that
+        prefix (:meth:`~treedec.heads.parallel.ParallelHead.forward_mask`), each the distribution of the token that
         far ahead whatever the drafts before it; with a catch-up pending, that catch-up and the mask positions run
         as one forward. Their keys are written past the prefix and dropped with the tree."""
         n, cache = depth - 1, self.cache

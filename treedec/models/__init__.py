@@ -1,9 +1,7 @@
-"""Target models (Llama family), the static KV cache, EAGLE draft heads and checkpoint I/O."""
+"""Target models (Llama family), the static KV cache and checkpoint I/O (the draft heads: :mod:`treedec.heads`)."""
 from treedec.models.cache import KVCache
 from treedec.models.config import SUPPORTED_ARCHITECTURES, LlamaConfig
 from treedec.models.llama import ModelOutput, Transformer
-from treedec.models import eagle3  # noqa: F401,E402  (registers DraftHead's kind "eagle3")
-from treedec.models import parallel  # noqa: F401,E402  (registers DraftHead's kind "parallel")
 
 
 def load_model(path, **kw):

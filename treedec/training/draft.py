@@ -35,7 +35,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from treedec.models.draft import DraftConfig, DraftHead
+from treedec.heads.head import DraftConfig, DraftHead
 from treedec.training.lm import _plain
 from treedec.training.schedule import WallTimeScheduled
 
@@ -95,7 +95,7 @@ class DraftModule(WallTimeScheduled):
             self.head.config.target = str(target_path)  # (a published head's names its own directory)
             want, block = (draft or {}).get("kind"), int((draft or {}).get("block_size") or 0)
             if want == "parallel" and self.head.config.kind != "parallel":  # P-EAGLE from an EAGLE-3 head
-                from treedec.models.parallel import ParallelHead
+                from treedec.heads.parallel import ParallelHead
 
                 self.head = ParallelHead.from_eagle3(self.head, block)
             elif want == "parallel" and block:  # every mask position shares one input pair: K is the config's alone
@@ -214,10 +214,10 @@ class DraftModule(WallTimeScheduled):
 
     def parallel_losses(self, ids: torch.Tensor, keep: torch.Tensor | None, noise: float) -> dict:
         """P-EAGLE's loss: one soft-CE mean over every trained element, depth 1 at every position and the mask elements
-        :func:`~treedec.models.parallel.cod_sample` draws (from the module's own generator, so a resumed run draws the
+        :func:`~treedec.heads.parallel.cod_sample` draws (from the module's own generator, so a resumed run draws the
         same ones), with no weight per depth: deeper depths weigh less only by being sampled less. ``ce``/``top1_acc``:
         depth 1; ``ce_i``/``top1_acc_i``: depth i + 1."""
-        from treedec.models.parallel import cod_sample
+        from treedec.heads.parallel import cod_sample
 
         feats, logits = self.target_features(ids)
         head, tokens = self.head, ids[:, 1:]

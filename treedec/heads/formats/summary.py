@@ -1,18 +1,18 @@
 """What a published head directory is, from its ``config.json`` and tensor names alone (no weights read): its kind,
 block size and feature layers, so that a config check (``train init_from=``, ``calibrate draft.path=``) can refuse a
-head of the wrong kind before any model loads. :func:`treedec.models.head_formats.convert` reads the same keys."""
+head of the wrong kind before any model loads. :func:`treedec.heads.formats.published.convert` reads the same keys."""
 from __future__ import annotations
 
 from pathlib import Path
 
-import treedec.models.head_formats_peagle as peagle
+import treedec.heads.formats.peagle as peagle
 from treedec.models.checkpoint import WEIGHTS, _keys, read_json_object
 
 
 def published_summary(path: str | Path) -> dict:
     """``{"kind", "block_size", "feature_layers"}`` of the published head at ``path`` (``feature_layers`` None where
     the config names none: EAGLE-3's default for the target). Errors are the loader's (:func:`head_formats.detect`)."""
-    from treedec.models.head_formats import detect
+    from treedec.heads.formats.published import detect
 
     path = Path(path)
     raw = read_json_object(path / "config.json", "restore the head's config.json from where it was published")

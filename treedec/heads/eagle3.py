@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from treedec.models.cache import KVCache
 from treedec.models.config import LlamaConfig
-from treedec.models.draft import DraftConfig, DraftHead
-from treedec.models.draft_ttt import ttt_attend, ttt_mask
+from treedec.heads.head import DraftConfig, DraftHead
+from treedec.heads.ttt import ttt_attend, ttt_mask
 from treedec.models.llama import MLP, Attention, ModelOutput, RMSNorm, one_row_matmuls, rope_cos_sin
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from treedec.decoding.drafter import Drafter
-from treedec.models.draft import DraftConfig, DraftHead
-from treedec.models.parallel import ParallelHead, block_mask, cod_sample
+from treedec.heads.head import DraftConfig, DraftHead
+from treedec.heads.parallel import ParallelHead, block_mask, cod_sample
 from tests.helpers import eagle3_pair, parallel_pair
 
 

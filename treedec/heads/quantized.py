@@ -21,6 +21,14 @@ QUANTIZE = ("auto", "int8")  # what ``DraftHead.load(quantize=...)`` accepts (No
 AVAILABLE = hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
+def check_quantize(quantize: str | None) -> None:
+    """A ValueError unless ``quantize`` is one of :data:`QUANTIZE` or None: what the head loader accepts, checked by
+    the config layer too before any model loads."""
+    if quantize is not None and quantize not in QUANTIZE:
+        raise ValueError(f"draft.quantize={quantize!r} is not supported; use null (full precision), "
+                         f"{' or '.join(QUANTIZE)}")
+
+
 class Int8Linear(nn.Module):
     """``y = x @ (q * scale).T + bias`` with ``q`` int8 [out, in] and one scale per output row, for inputs of at most
     :attr:`max_rows` rows; wider inputs run the full-precision linear it was made from (``dense``), where the int8
@@ -99,4 +107,4 @@ def is_quantized(module: nn.Module) -> bool:
     return any(isinstance(m, Int8Linear) for m in module.modules())
 
 
-__all__ = ["AVAILABLE", "Int8Linear", "QUANTIZE", "int8_is_faster", "is_quantized", "quantize_linears"]
+__all__ = ["AVAILABLE", "Int8Linear", "QUANTIZE", "check_quantize", "int8_is_faster", "is_quantized", "quantize_linears"]

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from tests.helpers import tiny_model
 from treedec.models.checkpoint import CheckpointError
-from treedec.models.draft import DraftHead
+from treedec.heads.head import DraftHead
 
 V, H, NH, NKV, I = 97, 64, 4, 2, 112
 HD = H // NH

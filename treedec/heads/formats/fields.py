@@ -1,5 +1,5 @@
-"""config.json fields against the weights, for every published head reader (:mod:`treedec.models.head_formats`,
-:mod:`treedec.models.head_formats_peagle`): a field that fixes a tensor's shape is checked against that tensor before
+"""config.json fields against the weights, for every published head reader (:mod:`treedec.heads.formats.published`,
+:mod:`treedec.heads.formats.peagle`): a field that fixes a tensor's shape is checked against that tensor before
 anything is built from either, so a mistake in one names the field, what it says and what the weights say (never a
 later complaint about a derived tensor, nor torch's several-line size mismatch)."""
 from __future__ import annotations

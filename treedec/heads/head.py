@@ -1,4 +1,4 @@
-"""Draft heads: the EAGLE-1/2 head (here) and, by ``kind``, the EAGLE-3 head (:mod:`treedec.models.eagle3`).
+"""Draft heads: the EAGLE-1/2 head (here) and, by ``kind``, the EAGLE-3 head (:mod:`treedec.heads.eagle3`).
 
 EAGLE-1/2 head: one decoder layer that reads the target's features.
 
@@ -14,10 +14,10 @@ position) and ``head.project(features)`` (those features in the head's input spa
 ``forward`` reads for verified positions; inside a tree it reads its own outputs).
 
 Here: the kind registry, binding to a target, the draft vocabulary, :meth:`~DraftHead.forward` and
-:meth:`~DraftHead.logits`. Apart, one job a file: its files (:mod:`~treedec.models.draft_checkpoint`), its dtype on
-this machine and the bf16 copy for wide batches (:mod:`~treedec.models.draft_dtype`), the one-node fast pass
-(:mod:`~treedec.models.draft_one_node`), training-time test (:mod:`~treedec.models.draft_ttt`), the config
-(:mod:`~treedec.models.draft_config`).
+:meth:`~DraftHead.logits`. Apart, one job a file: its files (:mod:`~treedec.heads.checkpoint`), its dtype on
+this machine and the bf16 copy for wide batches (:mod:`~treedec.heads.dtype`), the one-node fast pass
+(:mod:`~treedec.heads.one_node`), training-time test (:mod:`~treedec.heads.ttt`), the config
+(:mod:`~treedec.heads.config`).
 """
 from __future__ import annotations
 
@@ -29,23 +29,23 @@ import torch.nn as nn
 
 from treedec.attention import prefix_tree_mask
 from treedec.models.cache import KVCache
-from treedec.models.draft_checkpoint import check_target, load_head, save_head
-from treedec.models.draft_config import BUNDLED_DRAFTS  # noqa: F401  (calibration imports it from here)
-from treedec.models.draft_config import KINDS, DraftConfig, target_fingerprint
-from treedec.models.draft_dtype import bf16_copy
-from treedec.models.draft_one_node import as_dtype, forward_one
-from treedec.models.draft_ttt import forward_unrolled
+from treedec.heads.checkpoint import check_target, load_head, save_head
+from treedec.heads.config import BUNDLED_DRAFTS  # noqa: F401  (calibration imports it from here)
+from treedec.heads.config import KINDS, DraftConfig, target_fingerprint
+from treedec.heads.dtype import bf16_copy
+from treedec.heads.one_node import as_dtype, forward_one
+from treedec.heads.ttt import forward_unrolled
 from treedec.models.llama import (DecoderLayer, ModelOutput, Transformer, one_row_matmuls, rope_cos_sin, rope_inv_freq,
                                   rope_lookup)
 from treedec.models.packed import PackedLinear, pack_linears, packed_weight, should_pack
-from treedec.models.quantized import Int8Linear, int8_is_faster, quantize_linears
+from treedec.heads.quantized import Int8Linear, int8_is_faster, quantize_linears
 
 
 class DraftHead(nn.Module):
     """Trainable part of an EAGLE head; ``bind(target)`` attaches the shared embedding (and LM head).
 
     ``DraftHead(cfg)`` builds the class of ``cfg.kind``: this one for "eagle", an
-    :class:`~treedec.models.eagle3.Eagle3Head` for "eagle3". A subclass registers its kind
+    :class:`~treedec.heads.eagle3.Eagle3Head` for "eagle3". A subclass registers its kind
     (``class Eagle3Head(DraftHead, kind="eagle3")``), so this module never imports the heads built on
     it; ``treedec/models/__init__.py`` imports them all.
     """
@@ -170,7 +170,7 @@ class DraftHead(nn.Module):
     def add_bf16_for_wide_batches(self, rows: int) -> "DraftHead":
         """Keep a bf16 copy of this head (packed on a CPU) that drafts for batches of ``rows`` rows or more
         (:meth:`for_batch`): a head's fastest dtype depends on how many rows its matmuls hold
-        (:mod:`treedec.models.draft_dtype`). The copy is not part of this module (its state dict and files are
+        (:mod:`treedec.heads.dtype`). The copy is not part of this module (its state dict and files are
         unchanged); a quantized head has none."""
         self._bf16_for_wide = (bf16_copy(self), int(rows))
         return self
@@ -248,7 +248,7 @@ class DraftHead(nn.Module):
                     position_offset: int) -> torch.Tensor | None:
         """One node per row (a chain's next draft): tokens [B], features [B, H] -> predicted features [B, H], its key
         ``offset`` slots past each row's cached length, at RoPE position length + ``position_offset``; :meth:`forward`'s
-        maths without module calls (:func:`treedec.models.draft_one_node.forward_one`). None where this head has no
+        maths without module calls (:func:`treedec.heads.one_node.forward_one`). None where this head has no
         such path (another kind, ...): the caller runs :meth:`forward`. The cache length does not move."""
         return forward_one(self, tokens, features, cache, offset, position_offset) if type(self) is DraftHead else None
 
@@ -291,7 +291,7 @@ class DraftHead(nn.Module):
     def forward_unrolled(self, tokens: torch.Tensor, features: torch.Tensor,
                          steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Training-time test: (features, logits) of each of ``steps`` unrolled steps, step 0 :meth:`forward_train`,
-        step i reading step i-1's predictions (:mod:`treedec.models.draft_ttt`)."""
+        step i reading step i-1's predictions (:mod:`treedec.heads.ttt`)."""
         return forward_unrolled(self, tokens, features, steps)
 
     # ------------------------------------------------------------------ checkpoints
@@ -306,12 +306,12 @@ class DraftHead(nn.Module):
         (draft_config.json + draft.safetensors, or a published EAGLE / EAGLE-3 / P-EAGLE / speculators layout); never
         unpickles.
 
-        ``dtype``: None keeps the file's; "auto" is :func:`~treedec.models.draft_dtype.inference_dtype` for the target
+        ``dtype``: None keeps the file's; "auto" is :func:`~treedec.heads.dtype.inference_dtype` for the target
         (and, for an fp32 head of a bf16 CPU target, a bf16 copy for wide batches); else a dtype or its name.
-        ``quantize``: "int8" rounds the head's weights to int8 for its passes of few rows (:mod:`treedec.models.quantized`;
+        ``quantize``: "int8" rounds the head's weights to int8 for its passes of few rows (:mod:`treedec.heads.quantized`;
         the output does not change, the drafts only where the head's top tokens nearly tie); "auto": int8 on a CPU
         where that measures faster than the head's dtype; None keeps them. See
-        :func:`treedec.models.draft_checkpoint.load_head`.
+        :func:`treedec.heads.checkpoint.load_head`.
         """
         return load_head(cls, path, target, dtype=dtype, device=device, quantize=quantize)
 

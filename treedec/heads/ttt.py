@@ -4,7 +4,7 @@ At decode time a depth-i draft node reads its parent's *predicted* feature, neve
 ``steps`` passes, step i > 0 reads at position t the step-(i-1) prediction at t-1 and attends through
 :func:`ttt_mask`, the visibility the drafter's tree mask gives a depth-i node (HASS / EAGLE-3's training-time
 test). :func:`forward_unrolled` is the EAGLE-1/2 head's (``DraftHead.forward_unrolled``); the EAGLE-3 head's
-is its ``forward_train(steps=)`` (:mod:`treedec.models.eagle3`). No KV cache: plain SDPA over the steps' keys.
+is its ``forward_train(steps=)`` (:mod:`treedec.heads.eagle3`). No KV cache: plain SDPA over the steps' keys.
 """
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from treedec.models.cache import KVCache
-from treedec.models.draft import DraftConfig
-from treedec.models.eagle3 import Eagle3Head
+from treedec.heads.head import DraftConfig
+from treedec.heads.eagle3 import Eagle3Head
 from treedec.models.llama import one_row_matmuls, rope_cos_sin
 
 
@@ -64,7 +64,7 @@ def cod_sample(T: int, n_mask: int, uniform, ratio: float = 0.7, floor: float = 
 
 
 class ParallelHead(Eagle3Head, kind="parallel"):
-    """``DraftHead(DraftConfig(kind="parallel", block_size=K, ...))`` builds one (see :class:`~treedec.models.draft.DraftHead`)."""
+    """``DraftHead(DraftConfig(kind="parallel", block_size=K, ...))`` builds one (see :class:`~treedec.heads.head.DraftHead`)."""
 
     one_pass = True
 

@@ -1,6 +1,6 @@
 """Published P-EAGLE heads -> treedec ``ParallelHead`` (kind "parallel"); DFlash drafters are refused.
 
-:mod:`treedec.models.head_formats` calls these for a ``config.json`` that :func:`is_peagle` recognises. Two dialects:
+:mod:`treedec.heads.formats.published` calls these for a ``config.json`` that :func:`is_peagle` recognises. Two dialects:
 
 * vLLM's flat EAGLE-3 config (``LlamaForCausalLMEagle3`` / ``Eagle3LlamaForCausalLM`` / ``PEagleDraftModel`` /
   ``PeagleLlamaForCausalLM``, a LlamaConfig at top level): the mask token id in ``ptd_token_id`` (older vLLM) or
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from treedec.models.head_formats_fields import config_int
+from treedec.heads.formats.fields import config_int
 
 MASK_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")  # + dflash_config.mask_token_id (newer vLLM reads it)
 K_KEYS = ("num_speculative_tokens", "num_depths", "para_depths")

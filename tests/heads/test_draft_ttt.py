@@ -4,7 +4,7 @@ import torch
 
 from treedec.decoding.drafter import Drafter
 from treedec.models import LlamaConfig, Transformer
-from treedec.models.draft import DraftConfig, DraftHead
+from treedec.heads.head import DraftConfig, DraftHead
 
 
 def pair(seed: int, vocab: int = 50):

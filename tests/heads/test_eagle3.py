@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from treedec.decoding.drafter import Drafter
 from treedec.models import LlamaConfig, Transformer
-from treedec.models.draft import DraftConfig, DraftHead
-from treedec.models.eagle3 import Eagle3Head, ttt_mask
+from treedec.heads.head import DraftConfig, DraftHead
+from treedec.heads.eagle3 import Eagle3Head, ttt_mask
 
 H, NH, NKV, HD = 32, 4, 2, 8
 

@@ -13,10 +13,10 @@ from dataclasses import asdict
 import torch
 import torch.nn as nn
 
-from treedec.models.draft_config import DraftConfig
+from treedec.heads.config import DraftConfig
 from treedec.models.llama import Transformer
 from treedec.models.packed import packed_bf16_is_faster
-from treedec.models.quantized import is_quantized
+from treedec.heads.quantized import is_quantized
 
 
 def inference_dtype(target: Transformer | None, device=None) -> torch.dtype | None:

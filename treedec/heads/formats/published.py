@@ -35,12 +35,12 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-import treedec.models.head_formats_fields as fields
-import treedec.models.head_formats_peagle as peagle
+import treedec.heads.formats.fields as fields
+import treedec.heads.formats.peagle as peagle
 from treedec.models.checkpoint import (INDEX, WEIGHTS, CheckpointError, _open, _weight_map, check_finite,
                                        read_json_object)
 from treedec.models.config import MODEL_TYPES, SUPPORTED_ARCHITECTURES, LlamaConfig
-from treedec.models.draft_config import DraftConfig, target_fingerprint
+from treedec.heads.config import DraftConfig, target_fingerprint
 from treedec.models.llama import Transformer
 
 PICKLE = "pytorch_model.bin"

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from treedec.models import LlamaConfig, Transformer
-from treedec.models.draft import DraftConfig, DraftHead, target_fingerprint
-from treedec.models.draft_config import DRAFT_CONFIG, DRAFT_WEIGHTS
+from treedec.heads.head import DraftConfig, DraftHead, target_fingerprint
+from treedec.heads.config import DRAFT_CONFIG, DRAFT_WEIGHTS
 from treedec.models.packed import PackedLinear
 
 
@@ -74,7 +74,7 @@ def test_a_head_of_another_dtype_than_its_target_drafts(head_dtype, target_dtype
 def test_auto_dtype_is_the_faster_of_fp32_and_packed_bf16_on_a_cpu(tmp_path, monkeypatch):
     """``dtype="auto"`` for a bf16 target on a CPU is what this machine runs a head's few-row matmuls faster in
     (measured once per process), fp32 for an fp32 target; a bf16 head is packed, its LM rows too."""
-    from treedec.models import draft_dtype
+    from treedec.heads import dtype as draft_dtype
 
     target = small_target().to(torch.bfloat16)
     DraftHead(DraftConfig.for_target(target.config)).to(torch.bfloat16).bind(target).save(tmp_path)

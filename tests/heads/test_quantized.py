@@ -6,8 +6,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from treedec.decoding.speculative import SpeculativeDecoder
-from treedec.models.draft import DraftHead
-from treedec.models.quantized import Int8Linear, int8_is_faster, is_quantized, quantize_linears
+from treedec.heads.head import DraftHead
+from treedec.heads.quantized import Int8Linear, int8_is_faster, is_quantized, quantize_linears
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, StaticPolicy
 
 from tests.helpers import greedy_reference, make_pair

@@ -1,5 +1,5 @@
 """A draft head's files: :func:`save_head` writes draft_config.json + draft.safetensors, :func:`load_head` reads
-them (or a published EAGLE / EAGLE-3 / speculators layout, :mod:`treedec.models.head_formats`). Never unpickles.
+them (or a published EAGLE / EAGLE-3 / speculators layout, :mod:`treedec.heads.formats.published`). Never unpickles.
 
 ``DraftHead.save`` and ``DraftHead.load`` (the ``_target_`` of conf/draft/*.yaml) call these.
 """
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from treedec.models.draft_config import DRAFT_CONFIG, DRAFT_WEIGHTS, DraftConfig, head_dir, target_fingerprint
-from treedec.models.draft_dtype import inference_dtype, with_bf16_for_wide_batches
+from treedec.heads.config import DRAFT_CONFIG, DRAFT_WEIGHTS, DraftConfig, head_dir, target_fingerprint
+from treedec.heads.dtype import inference_dtype, with_bf16_for_wide_batches
 from treedec.models.llama import Transformer
-from treedec.models.quantized import QUANTIZE, is_quantized
+from treedec.heads.quantized import check_quantize, is_quantized
 
 
 def check_target(target: object) -> None:
@@ -49,9 +49,9 @@ def load_head(cls: type, path: str | Path, target: Transformer | None = None, dt
     layout).
 
     ``dtype``: None keeps the file's; "auto" is :func:`inference_dtype` for the target; else a dtype or its name.
-    ``quantize``: "int8" rounds the head's weights to int8 for its passes of few rows (:mod:`treedec.models.quantized`;
+    ``quantize``: "int8" rounds the head's weights to int8 for its passes of few rows (:mod:`treedec.heads.quantized`;
     the output does not change, the drafts only where the head's top tokens nearly tie); "auto": int8 on a CPU
-    where that measures faster than the head's dtype (:func:`~treedec.models.quantized.int8_is_faster`); None keeps
+    where that measures faster than the head's dtype (:func:`~treedec.heads.quantized.int8_is_faster`); None keeps
     them.
     """
     from safetensors import SafetensorError
@@ -60,9 +60,7 @@ def load_head(cls: type, path: str | Path, target: Transformer | None = None, dt
     from treedec.models.checkpoint import check_finite
 
     check_target(target)
-    if quantize is not None and quantize not in QUANTIZE:
-        raise ValueError(f"draft.quantize={quantize!r} is not supported; use null (full precision), "
-                         f"{' or '.join(QUANTIZE)}")
+    check_quantize(quantize)
 
     auto = str(dtype) == "auto"
     dtype = inference_dtype(target, device) if auto else dtype
@@ -72,7 +70,7 @@ def load_head(cls: type, path: str | Path, target: Transformer | None = None, dt
         dtype = resolve_dtype(dtype)
     path = head_dir(path)
     if not (path / DRAFT_CONFIG).is_file():  # config.json: EAGLE / EAGLE-3 / speculators
-        from treedec.models.head_formats import load_published
+        from treedec.heads.formats.published import load_published
 
         head = load_published(path, cls, target, dtype=dtype, device=device, quantize=quantize)
         return with_bf16_for_wide_batches(head, auto)
@@ -102,7 +100,7 @@ def head_summary(path: str | Path) -> dict:
     (``feature_layers`` None: the kind's default for the target)."""
     path = head_dir(path)
     if not (path / DRAFT_CONFIG).is_file():
-        from treedec.models.head_formats_kind import published_summary
+        from treedec.heads.formats.summary import published_summary
 
         return published_summary(path)
     try:
