@@ -80,7 +80,7 @@ class DecodeStats:
         return out
 
     def as_dict(self) -> dict:
-        rate = lambda h, t: {int(k): h[k] / t[k] for k in sorted(t) if t[k]}  # noqa: E731
+        rate = lambda h, t: {int(k): h[k] / t[k] for k in sorted(t) if t[k]}
         timed = sum(self.time.values())
         forwards = self.target_passes + self.prefills
         return {

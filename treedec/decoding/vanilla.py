@@ -19,8 +19,9 @@ import torch
 from treedec.decoding.loop import Decoder
 from treedec.decoding.prompt_checks import check_context, normalize_eos, normalize_prompts, pad_prompts, static_room
 from treedec.decoding.stats import GenerateResult, StepInfo, Timer
-from treedec.sampling import RowStreams, SamplingParams, draw_from, next_token, read_settled, settle
 from treedec.models.cache import KVCache
+from treedec.models.compile import compile_forward
+from treedec.sampling import RowStreams, SamplingParams, draw_from, next_token, read_settled, settle
 
 GREEDY = SamplingParams()
 
@@ -65,8 +66,6 @@ class VanillaDecoder(Decoder):
         self._tok, self._streams = self._fill(rows, self.cache, generator)
         self._index = 0
         if self.compile and self._fwd is None:
-            from treedec.models.compile import compile_forward
-
             self._fwd = compile_forward(tgt)
         return self._tok.tolist()
 

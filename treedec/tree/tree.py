@@ -164,7 +164,7 @@ class Tree:
 
     def first(self, n: int) -> "Tree":
         """The tree of the first ``n`` nodes of a drafted batch (a topological prefix is a tree)."""
-        cut = lambda t: None if t is None else t[..., :n]  # noqa: E731
+        cut = lambda t: None if t is None else t[..., :n]
         anc = self.ancestors()
         return Tree(self.parents[..., :n], self.depth[..., :n], self.rank[..., :n], cut(self.tokens), cut(self.scores),
                     None if self.draft_probs is None else self.draft_probs[..., :n, :], anc[..., :n, :n], cut(self.pad))
@@ -173,7 +173,7 @@ class Tree:
         """Row ``b`` of a drafted batch as a single tree (a shape returns itself)."""
         if not self.batched:
             return self
-        pick = lambda t: None if t is None else t[b]  # noqa: E731
+        pick = lambda t: None if t is None else t[b]
         anc = self.anc if self.anc is None or self.anc.dim() == 2 else self.anc[b]  # a shared [T, T] ancestry
         return Tree(self.parents[b], self.depth[b], self.rank[b], pick(self.tokens), pick(self.scores),
                     pick(self.draft_probs), anc, pick(self.pad))

@@ -65,7 +65,7 @@ def kept_tree(c: dict, root, toks, logq, parents1, depth, rank, keep, levels: in
     that never rises along a path, ties broken towards the earlier candidate, guarantees it). ``pad`` [B, T-1]:
     slots to pad. ``c``: :func:`kept_tree_constants`; ``levels``: the deepest candidate's depth.
     """
-    B, dev = toks.shape[0], toks.device
+    dev = toks.device
     n = toks.shape[1]
     if pad is not None:  # padding sorts after every real node: each row's real tree comes first
         keep = torch.where(pad, keep + n, keep)
@@ -73,7 +73,7 @@ def kept_tree(c: dict, root, toks, logq, parents1, depth, rank, keep, levels: in
     is_pad = None
     if pad is not None:
         is_pad, keep = keep >= n, keep % n
-    pick = lambda t: t.gather(1, keep)  # noqa: E731
+    pick = lambda t: t.gather(1, keep)
     # Map a candidate's parent id + 1 to its slot in the kept tree (the root: 0).
     pos = c["pos"][:, : n + 1].scatter(1, keep + 1, c["slots"][:, : keep.shape[1]])
     new_par = pos.gather(1, pick(parents1))  # connected by construction: never -1 (tests check it)
