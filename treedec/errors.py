@@ -11,7 +11,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, I
                                                 NotADirectoryError, PermissionError)
 
 
-# Keys the config layout renamed (issue 13): an old command or config fails with the new name, never silently.
+# Keys the config layout renamed: an old command or config fails with the new name, never silently.
 # old key -> (its new name, the entry points where it was renamed; () = all of them)
 RENAMED: dict[str, tuple[str, tuple[str, ...]]] = {
     "target": ("model.path (train's target is the model group, as in generate: model=hf model.path=DIR)", ("train",)),
