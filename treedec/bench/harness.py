@@ -306,11 +306,11 @@ def run(cfg: DictConfig) -> dict:
         "failures": failures,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    if bench.get("batch_sizes"):  # issue 17 hook: throughput at several batch sizes (treedec/bench/batched.py)
+    if bench.get("batch_sizes"):  # throughput at several batch sizes (treedec/bench/batched.py)
         from treedec.bench import batched
         usable = {n: p for n, p in policies.items() if not rejects(p, draft)}  # with the (first) head
         metrics["batched"] = batched.run(cfg, target, draft, eos_ids, prompts, usable)
-        failures += metrics["batched"]["failures"]  # end of the issue 17 hook
+        failures += metrics["batched"]["failures"]
     write_text_atomic(run_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     write_text_atomic(run_dir / "outputs.jsonl", "".join(
         json.dumps({"method": m.name if m.greedy else m.name.rsplit("@", 1)[0], "prompt": p.id,  # less its @T
