@@ -83,7 +83,7 @@ def test_calibrate_then_generate_with_learned_tree(stack, tmp_path, corpus, caps
 def test_probe_recovers_oracle_acceptance():
     """With an oracle that makes each drafted child correct with probability 0.7 (independently), the probe
     measures p[rank] ~ 0.7 at every rank, and the DP's expected tau for the probe tree matches the run's."""
-    from treedec.calibrate import probe_acceptance
+    from treedec.probe.acceptance import probe_acceptance
     from treedec.sampling import SamplingParams
     from treedec.tree.sequoia import AcceptanceCounts, comb_probe, expected_accepted
 

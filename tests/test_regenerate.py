@@ -180,7 +180,7 @@ def test_resume_refuses_other_settings_and_a_running_worker(stack, text_input, r
 
 def test_prompts_are_whole_characters_and_special_token_text_stays_text(stack, tmp_path):
     from treedec.models.tokenizer import load_tokenizer
-    from treedec.regenerate import Record, TextRequest
+    from treedec.training.regen_requests import Record, TextRequest
 
     tok = load_tokenizer(stack / "target")
     text = "# 注释：世界你好。😀\n" * 8
@@ -205,7 +205,7 @@ def test_sampled_records_sharing_an_id_get_their_own_samples_and_a_rerun_the_sam
 
 def test_lone_surrogates_and_deep_nesting_are_malformed_lines_named_before_decoding(tokenizer, tmp_path):
     from treedec.data.token_cache import tokenize_jsonl
-    from treedec.regenerate import read_records
+    from treedec.training.regen_requests import read_records
 
     inp = write_jsonl(tmp_path / "bad.jsonl", [{"text": CODE[0]}, '{"text": "a\\ud800b"}', "[" * 100_000,
                                                '{"text": "ok", "meta": ["\\udc00"]}', {"text": CODE[1]}])
@@ -235,7 +235,7 @@ def test_corrupt_state_files_are_named_and_a_shard_without_stats_is_redone(stack
 
 
 def test_the_manifest_is_checked_and_written_under_the_state_lock(tmp_path):
-    from treedec.regenerate_state import check_manifest
+    from treedec.training.regen_state import check_manifest
 
     with open(tmp_path / ".state.lock", "a") as held:  # another job holds it
         fcntl.flock(held, fcntl.LOCK_EX)

@@ -83,7 +83,7 @@ def test_export_dir_bundled_replaces_the_asset_atomically(corpus, tokenizer, tmp
         weights.write_bytes(weights.read_bytes()[:100])  # half a file, then the process goes down
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt, "save_pretrained", dies_mid_save)
+    monkeypatch.setattr("treedec.training.pretrain_job.save_pretrained", dies_mid_save)  # the name the export calls
     with pytest.raises(OSError, match="No space left"):
         pretrain(tiny_pretrain(corpus, tokenizer[0], tmp_path / "second", "export_dir=bundled", "seed=1"))
     assert tree_hashes(asset) == good and [p.name for p in assets.iterdir()] == ["tiny-code"]

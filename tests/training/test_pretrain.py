@@ -103,7 +103,7 @@ def test_lightning_steps_checkpoint_and_export(corpus, tokenizer, tmp_path):
         torch.testing.assert_close(again.model.forward_train(ids), module.model.forward_train(ids))
 
     from treedec.models.checkpoint import load_model
-    from treedec.pretrain import export_hf
+    from treedec.training.pretrain_job import export_hf
 
     out = export_hf(module, path, tmp_path / "hf", dtype="float32")
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {p.name for p in out.iterdir()}

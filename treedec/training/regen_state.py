@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import lightning as L
+import torch
 from omegaconf import DictConfig
+from tqdm.auto import tqdm
 
 from treedec.atomic import write_text_atomic
+from treedec.training.run_dir import RunDirLock
 
 log = logging.getLogger("treedec.regenerate")
 FREE_KEYS = ("slots",)  # recorded by older runs; free to change (the records are the same)
@@ -97,8 +100,6 @@ class ShardWriter(L.Callback):
         self.bar = None
 
     def start(self, sizes: dict[int, int], show: bool) -> None:
-        from tqdm.auto import tqdm
-
         self.sizes, self.t0 = sizes, time.perf_counter()
         self.bar = tqdm(total=sum(sizes.values()), unit="rec", disable=not (self.progress and show), desc="regenerate")
 
@@ -173,10 +174,6 @@ class ShardData(L.LightningDataModule):
         self.allow_zero_length_dataloader_with_multiple_devices = True  # a rank may have no shard (it idles)
 
     def predict_dataloader(self):
-        import torch
-
-        from treedec.training.run_dir import RunDirLock
-
         cfg, S, B = self.cfg, int(self.cfg.shard_size), int(self.cfg.batch_size)
         rank, world = self.trainer.global_rank, self.trainer.world_size
         W, w = int(cfg.parts) * world, int(cfg.part) * world + rank
