@@ -56,7 +56,7 @@ import hydra
 from omegaconf import DictConfig
 
 import treedec.config.schema  # noqa: F401  (registers the structured schema before Hydra composes)
-from treedec.cli import entry, launch
+from treedec.cli import entry, launch, load_stack
 
 
 def run(cfg: DictConfig) -> dict:
@@ -66,9 +66,16 @@ def run(cfg: DictConfig) -> dict:
     validate(cfg, "regenerate")
     policy = instantiate_checked(cfg.tree, "tree")
     sampling = instantiate_checked(cfg.sampling, "sampling")
-    from treedec.training.regenerate_job import regenerate  # (after the checks: see the module docstring)
+    import torch  # (after the checks: see the module docstring)
 
-    return regenerate(cfg, policy, sampling)
+    from treedec.training.regenerate_job import read_input, regenerate, reproducible
+
+    policy = reproducible(policy, sampling)
+    inp = read_input(cfg)  # a malformed line, or an out_dir of another run: an error before the model loads
+    if cfg.num_threads:
+        torch.set_num_threads(int(cfg.num_threads))
+    target, tok, draft = load_stack(cfg)
+    return regenerate(cfg, inp, target, tok, draft, policy, sampling)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://treedec.conf", config_name="regenerate")

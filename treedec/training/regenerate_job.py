@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from treedec.cli import load_stack
 from treedec.data.chat import ChatRenderer
 from treedec.data.files import file_fingerprint
 from treedec.training.predict import SpeculativeGenerationModule
@@ -45,25 +45,37 @@ def reproducible(policy, sampling):
     return ChainPolicy(5)
 
 
-def regenerate(cfg: DictConfig, policy, sampling) -> dict:
-    """Regenerate ``cfg.input`` into ``cfg.out_dir`` with ``policy`` and ``sampling`` (the checked ``tree`` and
-    ``sampling`` groups); a malformed input or a manifest of another run is an error before the model loads."""
-    policy = reproducible(policy, sampling)
+@dataclass(frozen=True)
+class RegenInput:
+    """The input as a run decodes it, read and checked before the model loads."""
+
+    records: list[Record]
+    skipped: list[dict]  # the malformed lines skipped (on_error=skip)
+    n_shards: int
+    t0: float  # when the job started (its wall time includes the loading)
+
+
+def read_input(cfg: DictConfig) -> RegenInput:
+    """``cfg.input``'s records, checked against ``cfg.out_dir``'s manifest and finished shards: a malformed line, a
+    run with another input or config, or a corrupt state file is an error before the model loads."""
     t0 = time.time()
     records, skipped = read_records(str(cfg.input), str(cfg.format), str(cfg.on_error))
     if not records:
         raise ValueError(f"{cfg.input} holds no record to regenerate")
-    out_dir, S = Path(cfg.out_dir), int(cfg.shard_size)
-    n_shards = -(-len(records) // S)
+    out_dir = Path(cfg.out_dir)
+    n_shards = -(-len(records) // int(cfg.shard_size))
     settings = OmegaConf.to_container(cfg, resolve=True)
     check_manifest(out_dir, {"input": str(Path(cfg.input).resolve()), "input_sha1": file_fingerprint(cfg.input),
                              "records": len(records), "shards": n_shards,
                              **{k: settings.get(k) for k in DECODING_KEYS}})
     finished_stats(out_dir, n_shards)  # a corrupt shard's stats: an error now, not after the decoding
+    return RegenInput(records, skipped, n_shards, t0)
 
-    if cfg.num_threads:
-        torch.set_num_threads(int(cfg.num_threads))
-    target, tok, draft = load_stack(cfg)
+
+def regenerate(cfg: DictConfig, inp: RegenInput, target, tok, draft, policy, sampling) -> dict:
+    """Decode ``inp``'s unfinished shards (this worker's) into ``cfg.out_dir`` and return ``metrics.json``."""
+    records, skipped, n_shards, t0 = inp.records, inp.skipped, inp.n_shards, inp.t0
+    out_dir, S = Path(cfg.out_dir), int(cfg.shard_size)
     module = SpeculativeGenerationModule(target, draft, policy, sampling, int(cfg.max_new_tokens),
                                          eos_ids=tok.eos_ids or None, seed=int(cfg.seed), compile=bool(cfg.compile),
                                          slots=cfg.get("slots"))
