@@ -28,7 +28,7 @@ def test_hydra_full_error_keeps_a_composition_errors_traceback(monkeypatch):
 def test_every_experiment_names_its_entry_points_and_composes_there(experiment):
     """An experiment's header shows the command that runs it (``python -m treedec.<entry> ... experiment=NAME``):
     that is how an experiment used with another entry point names the one it belongs to (issue 46 item 12)."""
-    from treedec.compose_errors import experiment_entries
+    from treedec.config.compose_errors import experiment_entries
 
     entries = experiment_entries(experiment)
     assert entries, f"conf/experiment/{experiment}.yaml shows no `python -m treedec.<entry> experiment={experiment}`"

@@ -7,7 +7,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-import treedec.config_checks as checks
+import treedec.config as checks
 import treedec.config.schema as schema
 from treedec.sampling import SamplingParams
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, LearnedPolicy, LookupPolicy, StaticPolicy
@@ -118,13 +118,12 @@ def test_optuna_search_composes():
 
 def test_bench_config_validates_and_rejects_wrong_types():
     """conf/bench.yaml composes against schema/bench; a wrong type fails while composing, an appended typo in validate."""
-    from treedec.bench.config import validate_bench
 
-    validate_bench(gen([], "bench"))
+    checks.validate(gen([], "bench"), "bench")
     with pytest.raises(Exception, match="bench.repeats"):
         gen(["bench.repeats=many"], "bench")
     with pytest.raises(schema.ConfigError, match=r"Did you mean bench\.trees\.chain\.depth\?"):
-        validate_bench(gen(["+bench.trees.chain.dept=3"], "bench"))
+        checks.validate(gen(["+bench.trees.chain.dept=3"], "bench"), "bench")
 
 
 def test_tree_schemas_are_looked_up_by_class():

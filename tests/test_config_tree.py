@@ -14,7 +14,8 @@ from omegaconf import MISSING, OmegaConf
 
 import treedec.config.schema as schema
 from treedec.models.paths import CONF
-from treedec.training import schema as train_schema
+from treedec.config import ConfigError, validate
+from treedec.config import job_schema as train_schema
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRIES = ("generate", "calibrate", "bench", "regenerate", "export_head", "train", "pretrain")
@@ -44,7 +45,7 @@ def test_debug_configs_compose_and_validate(name, tmp_path):
     over = composed(name, ["debug=overfit", *base])
     assert over.trainer.overfit_batches == 2 and "fast_dev_run" not in over.trainer
     for cfg in (fdr, over):
-        train_schema.check_job_config(cfg, name)
+        validate(cfg, name)
     assert composed(name, ["debug=fdr"], hydra=True).hydra.run.dir.startswith(f"./outputs/debug/{name}/")
 
 
@@ -96,14 +97,14 @@ def test_the_training_module_is_a_group(name, module, tmp_path):
 
     cfg = composed(name, [f"paths.run_dir={tmp_path}"])
     assert instantiate(cfg.module).func.__name__ == module  # a partial: the job passes the target/architecture
-    with pytest.raises(train_schema.ConfigError, match=r"module\._target_='no\.Such' cannot be imported"):
-        train_schema.check_job_config(composed(name, ["module._target_=no.Such", f"paths.run_dir={tmp_path}"]), name)
+    with pytest.raises(ConfigError, match=r"module\._target_='no\.Such' cannot be imported"):
+        validate(composed(name, ["module._target_=no.Such", f"paths.run_dir={tmp_path}"]), name)
 
 
 def test_tree_auto_and_the_dynamic_trees_top_k_auto():
     """``tree=auto`` is its own policy; ``tree=dynamic`` is EAGLE-2 at a fixed T whose default top_k (auto) holds
     any (total_tokens, depth) a tree of that depth can hold; ``total_tokens=auto`` names the new policy."""
-    from treedec.config_checks import ConfigError, instantiate_checked
+    from treedec.config import instantiate_checked
     from treedec.tree.policies import AutoPolicy, DynamicPolicy
 
     def tree(*ov):
@@ -125,11 +126,9 @@ def test_tree_auto_and_the_dynamic_trees_top_k_auto():
 @pytest.mark.parametrize("name, experiment", [("bench", "which_tree"), ("generate", "tree_sweep")])
 def test_experiments_compose_and_validate(name, experiment):
     """conf/experiment/ (lightning-hydra-template style, ``# @package _global_``): the README's long commands by name."""
-    from treedec.bench.config import validate_bench
-    from treedec.config_checks import validate
 
     cfg = composed(name, [f"experiment={experiment}"], hydra=True)
-    validate_bench(cfg) if name == "bench" else validate(cfg, name)
+    validate(cfg, name)
     if experiment == "which_tree":
         b = cfg.bench
         assert list(b.batch_sizes) == [1, 4, 16] and b.n_prompts == 16 and b.max_new_tokens == 96

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from treedec.config_checks import instantiate_checked, validate
+from treedec.config import instantiate_checked, validate
 from treedec.models.paths import ASSETS, CONF
 
 ROOT = Path(__file__).resolve().parents[1]

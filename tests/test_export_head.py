@@ -140,7 +140,7 @@ def test_cli_exports(tmp_path):
 def test_config_is_checked_before_loading():
     from omegaconf import OmegaConf
 
-    from treedec.config_checks import ConfigError, validate
+    from treedec.config import ConfigError, validate
 
     ok = dict(draft={"_target_": "treedec.heads.head.DraftHead.load", "path": "tiny-code-eagle"}, format="eagle",
               out="x", dtype=None)

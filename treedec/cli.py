@@ -60,14 +60,14 @@ def user_message(exc: BaseException) -> str | None:
     parse, a full disk); None for a bug, which keeps its traceback."""
     from omegaconf.errors import MissingMandatoryValue
 
-    from treedec.compose_errors import yaml_message
+    from treedec.config.compose_errors import yaml_message
 
     if (msg := yaml_message(exc)) is not None:
         return msg
     if isinstance(exc, USER_ERRORS):
         return one_line(exc)
     if isinstance(exc, MissingMandatoryValue) and exc.full_key:  # a ??? key read before (or without) the schema check
-        from treedec.config_checks import group_choices, required_error
+        from treedec.config.checks import group_choices, required_error
 
         return one_line(required_error(str(exc.full_key), group_choices()))
     return disk_full(exc) if isinstance(exc, OSError) else None
@@ -93,7 +93,7 @@ def launch(name: str, main: Callable[[], Any]) -> None:
     """Run entry point ``name``'s ``@hydra.main`` function ``main`` as ``python -m treedec.<name>`` does: renamed
     keys refused first (:func:`refuse_renamed`), then every error of Hydra's composition (an unknown group option
     or key, an override it cannot parse, a config file that is not valid YAML or does not fit the schema) as one
-    ``Error:`` line (:func:`treedec.compose_errors.composition_message`)."""
+    ``Error:`` line (:func:`treedec.config.compose_errors.composition_message`)."""
     refuse_renamed(name)
     with composition_errors_as_one_line(name):
         main()
@@ -109,7 +109,7 @@ def composition_errors_as_one_line(name: str) -> Iterator[None]:
     import hydra._internal.hydra as hydra_app
     import hydra._internal.utils as hydra_utils
 
-    from treedec.compose_errors import composition_message
+    from treedec.config.compose_errors import composition_message
 
     report = hydra_utils.run_and_report
 
@@ -186,7 +186,7 @@ def refuse_renamed(name: str, argv: list[str] | None = None) -> None:
         if "=" in arg and not arg.startswith("hydra") and (msg := renamed(key, name)):
             fail(msg)
         if key in RUN_DIR_KEYS:
-            from treedec.config_checks import ConfigError, check_out_path
+            from treedec.config.checks import ConfigError, check_out_path
 
             try:
                 check_out_path(value, key)
@@ -200,7 +200,7 @@ def load_stack(cfg: Any):
     Each group names its loader with ``_target_`` (``treedec.models.load_model``,
     ``treedec.heads.head.DraftHead.load``), so a checkpoint format of your own is a config, not a code change.
     """
-    from treedec.config_checks import instantiate_checked as load
+    from treedec.config import instantiate_checked as load
     from treedec.models.tokenizer import load_tokenizer
 
     target = load(cfg.model).eval()

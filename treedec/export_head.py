@@ -151,7 +151,7 @@ def _check_kind(path, fmt: str) -> None:
 
 
 def run(cfg: DictConfig) -> Path:
-    from treedec.config_checks import instantiate_checked, validate
+    from treedec.config import instantiate_checked, validate
     from treedec.models.checkpoint import resolve_dtype
 
     validate(cfg, "export_head")

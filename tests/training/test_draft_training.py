@@ -229,18 +229,18 @@ def test_init_from_accepts_an_exported_head(target_dir, corpus, tmp_path):  # no
     from treedec.models import load_model
     from treedec.heads.head import DraftConfig, DraftHead
     from treedec.training.draft import DraftModule
-    from treedec.training.schema import check_job_config
+    from treedec.config import validate
 
     target = load_model(target_dir)
     head = DraftHead(DraftConfig.for_target(target.config)).bind(target)
     out = export_head(head, tmp_path / "exported", "eagle")
-    check_job_config(train_cfg(target_dir, corpus, tmp_path, 1, f"init_from={out}"), "train")
+    validate(train_cfg(target_dir, corpus, tmp_path, 1, f"init_from={out}"), "train")
     module = DraftModule(str(target_dir), init_from=str(out), target_dtype="float32")
     got = module.head.state_dict()
     assert all(torch.equal(got[k], v) for k, v in head.state_dict().items())
     assert module.head.config.target == str(target_dir)
     with pytest.raises(ConfigError, match=r"init_from=.*nowhere: no draft head at"):
-        check_job_config(train_cfg(target_dir, corpus, tmp_path, 1, f"init_from={tmp_path / 'nowhere'}"), "train")
+        validate(train_cfg(target_dir, corpus, tmp_path, 1, f"init_from={tmp_path / 'nowhere'}"), "train")
 
 
 def test_init_from_a_one_pass_head_takes_draft_arch_block_size():

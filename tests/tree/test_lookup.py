@@ -237,7 +237,7 @@ def test_tree_lookup_config_instantiates_and_unknown_keys_name_the_fix():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from treedec.config_checks import instantiate_checked, validate_tree
+    from treedec.config.checks import instantiate_checked, validate_tree
     from treedec.errors import ConfigError
     from treedec.models.paths import CONF
 

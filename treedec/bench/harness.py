@@ -231,9 +231,9 @@ def run(cfg: DictConfig) -> dict:
     from treedec.bench import report
     from treedec.atomic import write_text_atomic
     from treedec.cli import load_stack
-    from treedec.bench.config import validate_bench
+    from treedec.config import validate
 
-    validate_bench(cfg)
+    validate(cfg, "bench")
     bench = cfg.bench
     why = resolve_auto(cfg)  # bench.learned_path / assistant_path = auto -> what they mean here
     policies = build_policies(cfg)

@@ -15,7 +15,7 @@ def head_configs(cfg: DictConfig) -> dict[str, DictConfig] | None:
     name (``conf/draft/path.yaml`` with that path: short name the directory's name). The ``draft`` group's
     ``dtype`` and ``quantize`` apply to every head.
     """
-    from treedec.bench.config import draft_head_entry
+    from treedec.config.bench import draft_head_entry
     from treedec.models.paths import CONF
 
     heads = cfg.bench.get("draft_heads")
@@ -37,7 +37,7 @@ def head_configs(cfg: DictConfig) -> dict[str, DictConfig] | None:
 def load_heads(cfg: DictConfig, target, draft) -> dict[str, object] | None:
     """The heads of ``bench.draft_heads`` bound to ``target`` (None when it is null); ``draft``, the head load_stack
     loaded from the first entry, is reused."""
-    from treedec.config_checks import instantiate_checked
+    from treedec.config import instantiate_checked
 
     nodes = head_configs(cfg)
     if nodes is None:
@@ -88,7 +88,7 @@ def check_compared(cfg: DictConfig, names: list[str], methods: list, skipped: di
 
 def usable_methods(cfg: DictConfig, head) -> list[str]:
     """The methods of ``bench.trees`` whose tree ``head`` can feed (those that do not build here are left out)."""
-    from treedec.config_checks import instantiate_checked
+    from treedec.config import instantiate_checked
 
     out = []
     for name in cfg.bench.trees:

@@ -212,7 +212,7 @@ def sample_settings(cfg: DictConfig) -> list:
     temperature), with the ``sampling`` group's top-k and top-p; empty when ``bench.sampling`` is false."""
     from dataclasses import replace
 
-    from treedec.config_checks import instantiate_checked
+    from treedec.config import instantiate_checked
 
     if not cfg.bench.sampling:
         return []
@@ -270,10 +270,7 @@ def tree_config(bench: DictConfig, name: str):
         if base not in bench.trees:
             raise ConfigError(f"a {base}_T<n> sweep needs bench.trees.{base} (the tree the sweep varies T of)")
         return OmegaConf.merge(bench.trees[base], {"total_tokens": n})
-    if name not in bench.trees:
-        raise ConfigError(f"bench.methods names {name!r}, which has no tree config under bench.trees "
-                          f"(have: vanilla, {', '.join(bench.trees)}); add bench.trees.{name} with a _target_")
-    return bench.trees[name]
+    return bench.trees[name]  # (a name with no tree: refused by treedec.config.validate before anything runs)
 
 
 def resolve_auto(cfg: DictConfig) -> dict[str, str]:
@@ -283,7 +280,7 @@ def resolve_auto(cfg: DictConfig) -> dict[str, str]:
     log and for ``skipped`` when one resolves to null (a second call finds them resolved: keep the
     first call's reasons).
     """
-    from treedec.bench import bundled
+    from treedec.config import bundled
 
     bench = cfg.bench
     learned, why_learned = bundled.learned_path(bench.get("learned_path"), OmegaConf.select(cfg, "draft.path"))
@@ -294,7 +291,7 @@ def resolve_auto(cfg: DictConfig) -> dict[str, str]:
 
 def build_policies(cfg: DictConfig) -> dict:
     """The tree policy of every speculative method that will run (no model needed: errors come before loading)."""
-    from treedec.config_checks import instantiate_checked
+    from treedec.config import instantiate_checked
 
     resolve_auto(cfg)
     bench = cfg.bench
@@ -316,7 +313,7 @@ def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None
     """
     from treedec.bench.heads import head_name, rejects
 
-    from treedec.config_checks import instantiate_checked
+    from treedec.config import instantiate_checked
     from treedec.sampling import SamplingParams
 
     why = {**resolve_auto(cfg), **(why or {})}  # the reasons of the first resolution, when given

@@ -26,7 +26,6 @@ import warnings
 import torch
 from omegaconf import DictConfig
 
-from treedec.bench import PEERS
 from treedec.bench.methods import Method, Prompt, RunOutput, sample_settings, sampled_name
 
 log = logging.getLogger("treedec.bench")
@@ -126,9 +125,6 @@ def build_peers(cfg: DictConfig, target, eos_ids: list[int],
     """
     bench = cfg.bench
     names = list(dict.fromkeys(bench.get("peers") or []))
-    unknown = [n for n in names if n not in PEERS]
-    if unknown:
-        raise ValueError(f"bench.peers names {unknown[0]!r}; the peers are {', '.join(PEERS)}")
     skipped: dict[str, str] = {}
     settings = sample_settings(cfg) if "hf_sample" in names else []
     if "hf_sample" in names and not settings:  # a greedy run: the sampled peer has nothing to match
@@ -143,7 +139,7 @@ def build_peers(cfg: DictConfig, target, eos_ids: list[int],
             skipped[n] = "transformers is not installed (pip install transformers)"
         log.warning("skipping peers %s: transformers is not installed", names)
         return [], skipped
-    from treedec.bench.bundled import assistant_path
+    from treedec.config.bundled import assistant_path
     from treedec.models.checkpoint import resolve_path
 
     assistant = None
@@ -216,4 +212,4 @@ def _load_assistant(path, model, target, skipped: dict[str, str]):
     return None
 
 
-__all__ = ["PEERS", "ForwardCounter", "build_peers", "hf_generate_batch", "hf_method", "load_hf"]
+__all__ = ["ForwardCounter", "build_peers", "hf_generate_batch", "hf_method", "load_hf"]

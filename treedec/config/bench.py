@@ -1,25 +1,33 @@
-"""The benchmark's config check: the schema's (:func:`treedec.config_checks.validate`), then bench's own options."""
+"""The benchmark's combination checks (``bench.*`` beyond the schema), run by :func:`treedec.config.validate`
+after the schema merge: the benchmark sits above the config layer, so the names it checks against (its peers,
+the bundled companions) live here and in :mod:`treedec.config.bundled`."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
-
-from treedec.bench import PEERS, bundled
-from treedec.config_checks import ConfigError, unknown_key_hint, validate, validate_tree, value_at
+from treedec.config import bundled
+from treedec.config.checks import at_least, check_rules, unknown_key_hint, validate_tree, value_at
 from treedec.data.prompts import SOURCES, read_prompt_file
+from treedec.errors import ConfigError
 from treedec.models.paths import ASSETS, CONF
 
+PEERS = ("hf_greedy", "hf_prompt_lookup", "hf_assisted", "hf_sample")  # the peers a bench can run (bench/peers.py)
 
-def validate_bench(cfg: DictConfig) -> None:
-    """Raise :class:`ConfigError` for anything wrong in a composed ``bench`` config, before any model loads."""
-    validate(cfg, "bench")
-    check_bench(cfg)
+_RULES = [
+    ("bench.n_prompts", at_least(1), ">= 1"), ("bench.prompt_tokens", at_least(1), ">= 1"),
+    ("bench.max_new_tokens", at_least(1), ">= 1"),
+    ("bench.repeats", at_least(1), ">= 1 (timed passes; the median is reported)"),
+    ("bench.warmup", at_least(0), ">= 0"), ("bench.num_threads", at_least(1), ">= 1 (or null: torch's current count)"),
+    ("bench.tie_ulps", at_least(0), ">= 0"), ("bench.prompt_lookup_num_tokens", at_least(1), ">= 1"),
+    ("bench.batch_mode", lambda v: v in ("continuous", "static"),
+     "continuous (a queue of prompts through b slots) or static (full batches of b)"),
+]
 
 
 def check_bench(cfg) -> None:
-    """bench.* beyond the schema: prompt source and file, learned tree and assistant paths, trees, methods,
-    temperatures and peers (before any model loads)."""
+    """bench.* beyond the schema: counts, prompt source and file, learned tree and assistant paths, trees, methods,
+    temperatures, heads and peers (before any model loads)."""
+    check_rules(cfg, _RULES)
     b = "bench."
     source = value_at(cfg, b + "prompt_source")
     if source not in SOURCES:
@@ -39,7 +47,7 @@ def check_bench(cfg) -> None:
                           f"for the bundled target; null: skip hf_assisted)")
     trees = value_at(cfg, b + "trees") or {}
     for name in trees:
-        validate_tree(trees[name], f"bench.trees.{name}")
+        validate_tree(trees[name], f"bench.trees.{name}", "bench")
     for name in value_at(cfg, b + "methods") or []:
         if name != "vanilla" and name not in trees:
             raise ConfigError(f"bench.methods names {name!r}, which has no tree config under bench.trees (add "
@@ -87,4 +95,4 @@ def draft_head_entry(entry: str) -> tuple[str, Path | None]:
     return Path(entry).expanduser().name or entry, None
 
 
-__all__ = ["check_bench", "draft_head_entry", "validate_bench"]
+__all__ = ["PEERS", "check_bench", "draft_head_entry"]

@@ -1,7 +1,7 @@
 """``treedec.train``'s head options against each other, the ``init_from`` head and the target, before anything loads:
 the kind to train agrees with the head it starts from, a one-pass head's block fits the target's context, and the
 feature layers exist in the target. Each mistake is a :class:`~treedec.errors.ConfigError` naming the train key
-(``draft_arch.*``, ``init_from``, ``model.path``) to change. Called by :mod:`treedec.training.schema`."""
+(``draft_arch.*``, ``init_from``, ``model.path``) to change. Called by :mod:`treedec.config.jobs`."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,196 +1,73 @@
-"""Start-up checks of the ``treedec.train`` / ``treedec.pretrain`` configs: every key known, every
-value usable, before any data, model or training step (a typo must not run with defaults, and a
-bad ``export_dtype`` must not fail after an hour of training).
+"""The checks of the ``treedec.train`` / ``treedec.pretrain`` configs, before any data, model or training step (a
+typo must not run with defaults, and a bad ``export_dtype`` must not fail after an hour of training).
 
-* Keys: the plain groups (top level, ``optim``, ``eval``, ``paths``) have a schema here; the
-  ``draft`` and ``model_arch`` groups are :class:`~treedec.heads.head.DraftConfig` and
-  :class:`~treedec.models.config.LlamaConfig` fields; the instantiated groups (``data``,
-  ``trainer``, ``logger.*``, ``callbacks.*`` and nested ``_target_`` nodes) take the arguments of
-  their ``_target_``'s signature (anything, if it takes ``**kwargs``). An unknown key is a
-  :class:`~treedec.errors.ConfigError` whose hint lists the keys of that group.
-* Types of the plain groups, and values: dtypes (one resolver, ``treedec.models.checkpoint.resolve_dtype``),
-  counts, ``trainer.max_time``, ``requeue``, the export target, the target / tokenizer paths.
-
-``treedec.cli.entry`` prints a ConfigError as one ``Error: ...`` line.
+* Keys and types: the plain groups merge onto :mod:`treedec.config.job_schema` (the same structured-schema merge
+  as every command's); ``draft_arch`` and ``model_arch`` onto a schema made from
+  :class:`~treedec.heads.config.DraftConfig` and :class:`~treedec.models.config.LlamaConfig`; the instantiated
+  groups (``data``, ``trainer``, ``module``, ``logger.*``, ``callbacks.*`` and nested ``_target_`` nodes) take the
+  arguments of their ``_target_``'s signature (anything, if it takes ``**kwargs``).
+* Values: dtypes, counts, ``trainer.max_time``, ``requeue``, a GPU trainer on a machine without one, the export
+  target, the target / tokenizer paths, and the head options against ``init_from`` (:mod:`.draft_arch`).
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import importlib
 import inspect
-import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Callable
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from treedec.config_checks import check_out_path, check_required, unknown_key_hint
-from treedec.config.schema import ModelSchema
+from treedec.config.checks import check_dtype, check_out_path, merge_schema, unknown_key_hint, value_at
+from treedec.config.draft_arch import check_draft_arch
+from treedec.data.tokenizer_train import tokenizer_file
 from treedec.errors import ConfigError, renamed
+from treedec.heads.config import DraftConfig
+from treedec.models.checkpoint import resolve_path
+from treedec.models.config import LlamaConfig
+from treedec.models.paths import bundled_dir, export_path
 
 HYDRA_KEYS = ("_target_", "_recursive_", "_convert_", "_partial_", "_args_")
 REQUEUE = ("auto", "submitit", "lightning", "none")
 
 
-@dataclass
-class EvalSchema:
-    n_prompts: int = 6
-    prompt_tokens: int = 96
-    max_new_tokens: int = 64
-    every_n_steps: int = 200
-
-
-@dataclass
-class DraftOptimSchema:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.1
-    feature_noise: float = 0.1
-    w_feat: float = 1.0
-    w_ce: float = 0.1
-    time_budget_s: Any = "auto"
-    unroll: Optional[int] = None  # training-time test steps (None: 3 for eagle3, 1 for eagle)
-
-
-@dataclass
-class LMOptimSchema:
-    lr: float = 2e-3
-    weight_decay: float = 0.1
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.1
-    init_std: float = 0.02
-    use_cache_path: bool = False
-    time_budget_s: Any = "auto"
-
-
-@dataclass
-class TrainPathsSchema:  # conf/paths/default.yaml + the tokenizer
-    root_dir: str = MISSING
-    data_dir: str = MISSING
-    output_dir: str = MISSING
-    run_dir: str = MISSING
-    tokenizer: Optional[str] = MISSING
-
-
-@dataclass
-class PretrainPathsSchema(TrainPathsSchema):
-    tokenizer: str = MISSING
-
-
-@dataclass
-class JobSchema:
-    """Keys both jobs share."""
-    seed: int = 0
-    num_threads: int = 2
-    export_dir: Optional[str] = MISSING
-    export_dtype: str = "bfloat16"
-    ckpt_every_n_steps: int = 100
-    log_every: int = 10
-    requeue: str = "auto"
-    callbacks: Any = MISSING  # name -> callback config (checked by _target_)
-    logger: Any = MISSING  # name -> logger config (checked by _target_)
-    data: Any = MISSING  # checked by _target_
-    trainer: Any = MISSING  # checked by _target_
-    module: Any = MISSING  # the LightningModule (conf/module), checked by _target_
-
-
-@dataclass
-class TrainSchema(JobSchema):
-    model: Any = MISSING  # the frozen target (conf/model: _target_, path, dtype, device, attn_backend)
-    draft_arch: Any = MISSING  # DraftConfig overrides: the head to train
-    init_from: Optional[str] = None
-    draft_vocab_size: int = 0  # > 0: export with the training data's K most frequent tokens as draft vocabulary
-    optim: DraftOptimSchema = field(default_factory=DraftOptimSchema)
-    eval: EvalSchema = field(default_factory=EvalSchema)
-    paths: TrainPathsSchema = field(default_factory=TrainPathsSchema)
-
-
-@dataclass
-class PretrainSchema(JobSchema):
-    model_arch: Any = MISSING  # LlamaConfig fields + asset_name
-    optim: LMOptimSchema = field(default_factory=LMOptimSchema)
-    paths: PretrainPathsSchema = field(default_factory=PretrainPathsSchema)
+def seconds(max_time) -> float:
+    """Lightning's max_time "DD:HH:MM:SS" (or a dict of timedelta kwargs) in seconds."""
+    if isinstance(max_time, str):
+        d, h, m, sec = (int(x) for x in max_time.split(":"))
+        return float(((d * 24 + h) * 60 + m) * 60 + sec)
+    return datetime.timedelta(**dict(max_time)).total_seconds()
 
 
 # ------------------------------------------------------------------------------------------- keys
+def schema_of(cls: type, extra: tuple[str, ...] = ()) -> type:
+    """The fields of dataclass ``cls`` (plus ``extra``, untyped) as a structured schema to merge a group onto: each
+    field typed where OmegaConf can type it (a union of containers it cannot: any value), none required."""
+    hints = typing.get_type_hints(cls)
+    fields: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        try:
+            OmegaConf.structured(dataclasses.make_dataclass("Probe", [(f.name, hint, dataclasses.field(default=MISSING))]))
+        except OmegaConfBaseException:
+            hint = Any
+        fields.append((f.name, hint, dataclasses.field(default=MISSING)))
+    fields += [(name, Any, dataclasses.field(default=None)) for name in extra]
+    return dataclasses.make_dataclass(cls.__name__, fields)
+
+
+DRAFT_ARCH_SCHEMA = schema_of(DraftConfig)
+MODEL_ARCH_SCHEMA = schema_of(LlamaConfig, extra=("asset_name",))
+
+
 def _unknown(keys, known: list[str], group: str) -> None:
     for key in keys:
         if key not in known:
-            where = f"{group}.{key}" if group else str(key)
-            moved = None if group else renamed(where, "train")
-            if moved:
-                raise ConfigError(moved)
-            raise ConfigError(f"unknown key {where}; {unknown_key_hint(str(key), known, group)}")
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    """Whether a resolved config value fits a type hint (int, float, bool, str, Optional/Union, List, dict)."""
-    if hint is Any:
-        return True
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if hint in (list, tuple) or origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            return False
-        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
-        return len(args) != 1 or all(_matches(v, args[0]) for v in value)
-    if hint is dict or origin is dict:
-        return isinstance(value, dict)
-    return True  # other classes: left to the code that uses them
-
-
-def _type_name(hint: Any) -> str:
-    return str(hint).replace("typing.", "") if not isinstance(hint, type) else hint.__name__
-
-
-def _value(node: DictConfig, key: str) -> Any:
-    try:
-        v = node[key]
-    except Exception as e:  # an interpolation that does not resolve
-        raise ConfigError(f"{key}: {' '.join(str(e).split())}") from None
-    return OmegaConf.to_container(v, resolve=True) if isinstance(v, (DictConfig, ListConfig)) else v
-
-
-def check_fields(node: DictConfig | dict, schema: type, group: str = "", *, extra: tuple[str, ...] = ()) -> None:
-    """Keys of ``node`` against the fields of dataclass ``schema`` (plus ``extra``), and the types of
-    its values; nested dataclass fields are checked in turn."""
-    if node is None:
-        return
-    if not isinstance(node, (DictConfig, dict)):
-        raise ConfigError(f"{group or 'the config'} must be a mapping of keys, not {node!r}")
-    node = node if isinstance(node, DictConfig) else OmegaConf.create(node)
-    hints = typing.get_type_hints(schema)
-    known = [f.name for f in dataclasses.fields(schema)] + list(extra)
-    _unknown(node.keys(), known, group)
-    for key in node.keys():
-        if key not in hints:
-            continue
-        where = f"{group}.{key}" if group else str(key)
-        hint = hints[key]
-        if hint is Any:
-            continue
-        if dataclasses.is_dataclass(hint):
-            check_fields(node[key], hint, where)
-            continue
-        value = _value(node, key)
-        if not _matches(value, hint):
-            raise ConfigError(f"{where}={value!r} is not {_type_name(hint)}")
+            raise ConfigError(f"unknown key {group}.{key}; {unknown_key_hint(str(key), known, group)}")
 
 
 def _signature_keys(target: str, where: str) -> list[str] | None:
@@ -221,8 +98,7 @@ def check_instantiated(node: Any, group: str) -> None:
     if target is not None:
         known = _signature_keys(target, group)
         if known is not None:
-            keys = [k for k in node.keys() if k not in HYDRA_KEYS]
-            _unknown(keys, known, group)
+            _unknown([k for k in node.keys() if k not in HYDRA_KEYS], known, group)
     for key in node.keys():
         if key not in HYDRA_KEYS:
             check_instantiated(node._get_node(key), f"{group}.{key}")
@@ -242,6 +118,28 @@ def check_named_targets(node: Any, group: str) -> None:
         check_instantiated(item, f"{group}.{name}")
 
 
+def check_job_keys(node: DictConfig, kind: str) -> None:
+    """The groups the plain schema merge leaves open: the architecture and the instantiated groups."""
+    if kind == "train":
+        arch = node.get("draft_arch") or {}
+        merge_schema(DRAFT_ARCH_SCHEMA, {k: v for k, v in arch.items() if not (k == "feature_layers" and v is None)},
+                     kind, "draft_arch", f"Keys of draft_arch: {', '.join(DRAFT_ARCH_SCHEMA.__dataclass_fields__)}")
+    else:
+        merge_schema(MODEL_ARCH_SCHEMA, node.get("model_arch") or {}, kind, "model_arch",
+                     f"Keys of model_arch: {', '.join(MODEL_ARCH_SCHEMA.__dataclass_fields__)}")
+    try:
+        for group in ("data", "trainer", "module"):
+            check_instantiated(node._get_node(group), group)
+        for group in ("logger", "callbacks"):
+            check_named_targets(node._get_node(group) if group in node else None, group)
+    except ConfigError as e:
+        raise ConfigError(f"invalid {kind} config: {e}") from None
+
+
+def renamed_in(kind: str) -> Callable[[str], str | None]:
+    return lambda key: renamed(key, kind)
+
+
 # ----------------------------------------------------------------------------------------- values
 def _get(cfg: DictConfig, key: str) -> Any:
     try:
@@ -256,15 +154,24 @@ def _at_least(cfg: DictConfig, key: str, low: int, what: str = "") -> None:
         raise ConfigError(f"{key}={v!r} must be a number >= {low}{what}")
 
 
-def _check_common(cfg: DictConfig, kind: str) -> None:
-    from treedec.models.checkpoint import resolve_dtype
-    from treedec.training.schedule import seconds
+def check_accelerator(cfg: DictConfig) -> None:
+    """A GPU trainer (``trainer=gpu | ddp | fsdp``) on a machine without one is one clear error before any data or
+    model loads (Lightning would say "No supported gpu backend found!" with a traceback, after both)."""
+    # (Lightning is imported here, not at the top: generate and bench, which import this layer too, never need it)
+    from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
 
+    acc = str(value_at(cfg, "trainer.accelerator") or "auto")
+    needs = {"gpu": (CUDAAccelerator, MPSAccelerator), "cuda": (CUDAAccelerator,), "mps": (MPSAccelerator,)}
+    if acc in needs and not any(a.is_available() for a in needs[acc]):
+        raise ConfigError(f"trainer.accelerator={acc} needs a GPU, and this machine has none that Lightning can use "
+                          f"(no {acc if acc != 'gpu' else 'CUDA or MPS'} device): run on the CPU with "
+                          f"trainer.accelerator=cpu (trainer=cpu for one process; trainer=ddp trainer.accelerator=cpu "
+                          f"trainer.devices=2 for DDP over CPU processes)")
+
+
+def check_common(cfg: DictConfig, kind: str) -> None:
     for key in ("export_dtype",) + (("model.dtype",) if kind == "train" else ()):
-        try:
-            resolve_dtype(_get(cfg, key))
-        except ValueError as e:
-            raise ConfigError(f"{key}={_get(cfg, key)!r}: {e}") from None
+        check_dtype(cfg, key)
     for key in ("num_threads", "ckpt_every_n_steps", "log_every"):
         _at_least(cfg, key, 1)
     if _get(cfg, "requeue") not in REQUEUE:
@@ -289,23 +196,17 @@ def _check_common(cfg: DictConfig, kind: str) -> None:
                           f"a number of seconds > 0, or null (steps only)")
     _at_least(cfg, "data.seq_len", 1)
     _at_least(cfg, "data.batch_size", 1)
+    check_accelerator(cfg)
 
 
-def _check_train(cfg: DictConfig) -> None:
-    from treedec.models.checkpoint import resolve_path
-    from treedec.heads.head import DraftConfig
-    from treedec.training.draft_arch_checks import check_draft_arch
-
+def check_train(cfg: DictConfig) -> None:
     draft = _get(cfg, "draft_arch") or {}
-    check_fields({k: v for k, v in draft.items() if not (k == "feature_layers" and v is None)}, DraftConfig,
-                 "draft_arch")
     _at_least(cfg, "optim.unroll", 1, " (null: 3 for eagle3, 1 for eagle)")
     if "target" in draft:
         raise ConfigError("draft_arch.target is set from model.path; drop draft_arch.target")
     for key in ("eval.n_prompts", "eval.prompt_tokens", "eval.max_new_tokens"):
         _at_least(cfg, key, 1)
     _at_least(cfg, "eval.every_n_steps", 0, " (0: only at the end)")
-    check_fields(_get(cfg, "model"), ModelSchema, "model")
     target = _get(cfg, "model.path")
     try:
         resolve_path(target)
@@ -324,12 +225,8 @@ def _check_train(cfg: DictConfig) -> None:
                                                                                               "tiny-code-eagle"))
 
 
-def _check_pretrain(cfg: DictConfig) -> None:
-    from treedec.models.config import LlamaConfig
-
-    arch = _get(cfg, "model_arch")
-    check_fields(arch, LlamaConfig, "model_arch", extra=("asset_name",))
-    arch = dict(arch)
+def check_pretrain(cfg: DictConfig) -> None:
+    arch = dict(_get(cfg, "model_arch"))
     name = arch.pop("asset_name", None)
     try:
         conf = LlamaConfig(**arch)
@@ -341,8 +238,6 @@ def _check_pretrain(cfg: DictConfig) -> None:
     if isinstance(seq, int) and seq > conf.max_position_embeddings:
         raise ConfigError(f"data.seq_len={seq} exceeds model_arch.max_position_embeddings="
                           f"{conf.max_position_embeddings}; lower data.seq_len or raise the context")
-    from treedec.data.tokenizer_train import tokenizer_file
-
     try:
         tokenizer_file(_get(cfg, "paths.tokenizer"))
     except FileNotFoundError as e:
@@ -354,38 +249,12 @@ def _check_pretrain(cfg: DictConfig) -> None:
 
 
 def _check_export(cfg: DictConfig, asset: str) -> None:
-    from treedec.models.paths import bundled_dir, export_path
-
     try:
         export = export_path(_get(cfg, "export_dir"), bundled_dir(asset))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    check_out_path(OmegaConf.select(cfg, "paths.run_dir", throw_on_resolution_failure=False), "paths.run_dir")
     if export is not None and _get(cfg, "export_dir") != "bundled":
         check_out_path(_get(cfg, "export_dir"), "export_dir")
 
 
-def check_job_config(cfg: DictConfig, kind: str) -> None:
-    """Raise :class:`ConfigError` unless the composed ``train`` / ``pretrain`` config is fully valid.
-
-    Cheap and side-effect free: reads config files (the target's, the tokenizer path) but loads
-    no model and no data.
-    """
-    schema = {"train": TrainSchema, "pretrain": PretrainSchema}[kind]
-    check_required(cfg)
-    node = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
-    node.pop("hydra", None)
-    try:
-        check_fields(node, schema)
-        check_instantiated(node._get_node("data"), "data")
-        check_instantiated(node._get_node("trainer"), "trainer")
-        check_instantiated(node._get_node("module"), "module")
-        check_named_targets(node._get_node("logger") if "logger" in node else None, "logger")
-        check_named_targets(node._get_node("callbacks") if "callbacks" in node else None, "callbacks")
-    except ConfigError as e:
-        raise ConfigError(f"invalid {kind} config: {e}") from None
-    _check_common(cfg, kind)
-    (_check_train if kind == "train" else _check_pretrain)(cfg)
-
-
-__all__ = ["PretrainSchema", "TrainSchema", "check_fields", "check_instantiated", "check_job_config"]
+JOB_CHECKS: dict[str, Callable[[DictConfig], None]] = {"train": check_train, "pretrain": check_pretrain}

@@ -7,11 +7,12 @@ with the schedule where the killed one left it.
 """
 from __future__ import annotations
 
-import datetime
 import math
 import time
 
 import lightning as L
+
+from treedec.config.jobs import seconds  # the max_time parser the config check uses too
 
 
 def cosine_with_warmup(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float,
@@ -26,14 +27,6 @@ def cosine_with_warmup(step: int, warmup_steps: int, total_steps: int, min_lr_ra
     t = max((step - warmup_steps) / max(1, total_steps - warmup_steps), time_frac)
     t = min(1.0, t)
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
-
-
-def seconds(max_time) -> float:
-    """Lightning's max_time "DD:HH:MM:SS" (or a dict of timedelta kwargs) in seconds."""
-    if isinstance(max_time, str):
-        d, h, m, sec = (int(x) for x in max_time.split(":"))
-        return float(((d * 24 + h) * 60 + m) * 60 + sec)
-    return datetime.timedelta(**dict(max_time)).total_seconds()
 
 
 def time_budget(optim: dict, trainer_cfg) -> dict:

@@ -40,6 +40,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgre
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 
+from treedec.config import validate
 from treedec.training.preemption import (ResumeState, SaveOnSigterm, await_submitit_requeue,
                                          ignore_sigterm_once_complete, preempted_status, requeue_plugins)
 from treedec.training.run_dir import (JobError, RunDirLock, SameShapeAsResumed, find_resume_checkpoint,
@@ -87,20 +88,6 @@ class LogProgress(L.Callback):
             log.info("step %d  val/loss %.4f", trainer.global_step, float(trainer.callback_metrics["val/loss"]))
 
 
-def check_accelerator(trainer_cfg: DictConfig) -> None:
-    """A GPU trainer (``trainer=gpu | ddp | fsdp``) on a machine without one is one clear error before any data or
-    model loads (Lightning would say "No supported gpu backend found!" with a traceback, after both)."""
-    from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
-
-    acc = str(trainer_cfg.get("accelerator") or "auto")
-    needs = {"gpu": (CUDAAccelerator, MPSAccelerator), "cuda": (CUDAAccelerator,), "mps": (MPSAccelerator,)}
-    if acc in needs and not any(a.is_available() for a in needs[acc]):
-        raise JobError(f"trainer.accelerator={acc} needs a GPU, and this machine has none that Lightning can use "
-                       f"(no {acc if acc != 'gpu' else 'CUDA or MPS'} device): run on the CPU with "
-                       f"trainer.accelerator=cpu (trainer=cpu for one process; trainer=ddp trainer.accelerator=cpu "
-                       f"trainer.devices=2 for DDP over CPU processes)")
-
-
 def stop_reason(trainer: L.Trainer) -> str:
     """Why ``fit`` returned: ``max_steps``, ``max_time`` or ``other`` (max_epochs, early stopping, ...)."""
     from lightning.pytorch.callbacks import Timer
@@ -115,12 +102,9 @@ def stop_reason(trainer: L.Trainer) -> str:
 
 def run_job(cfg: DictConfig, name: str, body: Callable[[DictConfig, Path], dict]) -> dict:
     """Check every option, hold the run dir, and run ``body(cfg, run_dir)`` unless the job there already finished."""
-    from treedec.training.schema import check_job_config
-
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    check_job_config(cfg, name)  # every key and value, before anything loads
-    check_accelerator(cfg.trainer)
+    validate(cfg, name)  # every key and value (and a GPU trainer without a GPU), before anything loads
     with job(cfg) as run_dir:
         done = finished_metrics(run_dir, cfg.trainer)
         if done is not None:

@@ -67,6 +67,21 @@ class DynamicPolicy(TreePolicy):
         (total_tokens, depth) a tree of that depth can hold works (a sweep over shapes). ``node_share`` in (0, 1]: the
         share of the batch's B*(T-1) candidate slots kept, best calibrated acceptances first across rows (per-row
         budgets; the rest is padding)."""
+        total_tokens, depth, top_k, node_share = self.check_sizes(total_tokens, depth, top_k, node_share)
+        self.total_tokens, self.node_share = total_tokens, node_share
+        self.max_depth, self.top_k = depth, top_k
+        self.calibration = calib.resolve(calibration, draft_path)
+        self._mode_checked = self.calibration is None
+        self.max_size = self.total_tokens
+        self.max_inputs = max(top_k * (depth - 1), depth)
+        self.max_rank = top_k - 1
+        self._chains: dict[tuple[int, bool], ChainPolicy] = {}  # (depth, scored) -> a top_k 1 tree's chain
+
+    @staticmethod
+    def check_sizes(total_tokens, depth, top_k, node_share) -> tuple[int, int, int, float]:
+        """The checked ``(total_tokens, depth, top_k, node_share)``, ``top_k="auto"`` resolved; a TreeError naming
+        the ``tree.*`` key otherwise. The one copy of this rule: the constructor runs it for a Python caller, and
+        the config layer (treedec.config.checks) on a config's values before anything loads."""
         if str(total_tokens) == "auto":
             raise TreeError("tree.total_tokens=auto is now its own policy: pass tree=auto (EAGLE-2's dynamic tree "
                             "takes a whole-number total_tokens)")
@@ -83,14 +98,7 @@ class DynamicPolicy(TreePolicy):
                 f"draft only {most - 1} nodes (raise depth/top_k, set tree.top_k=auto, or lower total_tokens)")
         if not 0 < float(node_share) <= 1:
             raise TreeError(f"tree.node_share={node_share} must be in (0, 1] (1: every row keeps T-1 nodes)")
-        self.total_tokens, self.node_share = total_tokens, float(node_share)
-        self.max_depth, self.top_k = depth, top_k
-        self.calibration = calib.resolve(calibration, draft_path)
-        self._mode_checked = self.calibration is None
-        self.max_size = self.total_tokens
-        self.max_inputs = max(top_k * (depth - 1), depth)
-        self.max_rank = top_k - 1
-        self._chains: dict[tuple[int, bool], ChainPolicy] = {}  # (depth, scored) -> a top_k 1 tree's chain
+        return total_tokens, depth, top_k, float(node_share)
 
     def _constants(self, B: int, dev, k: int) -> dict:
         """Index tensors every step needs, made once per (batch, device, top_k): depth and rank of each candidate."""

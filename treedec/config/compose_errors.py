@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf.errors import ConfigKeyError, ConfigTypeError, OmegaConfBaseException
 
-from treedec.config_checks import unknown_key_hint
+from treedec.config.checks import unknown_key_hint
 
 
 def _first_line(exc: BaseException) -> str:
