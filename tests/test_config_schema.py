@@ -133,3 +133,57 @@ def test_tree_schemas_are_looked_up_by_class():
     assert schema.tree_schema("treedec.tree.policies.dynamic.DynamicPolicy") is schema.DynamicTreeSchema
     assert schema.tree_schema("tests.helpers.make_pair") is None and schema.tree_schema("no.such.Policy") is None
     assert all(schema.tree_schema(key) is cls for key, cls in schema.TREE_SCHEMAS.items())  # no stale class name
+
+
+def test_the_layer_refuses_a_dynamic_tree_by_the_policys_own_rule_before_anything_is_built():
+    """A tree the policy cannot build is refused by ``validate`` (before any model loads), with the message the
+    policy's constructor gives a Python caller: one rule (``DynamicPolicy.check_sizes``), not a copy of it."""
+    from treedec.tree.tree import TreeError
+
+    bad = {"total_tokens": 16, "depth": 4, "top_k": 2}
+    with pytest.raises(TreeError) as direct:
+        DynamicPolicy(**bad)
+    with pytest.raises(checks.ConfigError) as layer:
+        checks.validate(gen(["tree=dynamic", *(f"tree.{k}={v}" for k, v in bad.items())]), "generate")
+    assert str(layer.value) == f"invalid tree config: {direct.value}"
+    with pytest.raises(checks.ConfigError, match=r"invalid bench\.trees\.dynamic config: tree\.total_tokens=auto is "
+                                                 r"now its own policy"):
+        checks.validate(gen(["bench.trees.dynamic.total_tokens=auto"], "bench"), "bench")
+
+
+def _raised_messages(path):
+    """(line, the constant text of the message) of each ``raise X("...")`` in a module (f-string holes as {})."""
+    import ast
+
+    def text(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.JoinedStr):
+            return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+        return None
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
+            msg = text(node.exc.args[0])
+            if msg:
+                yield node.lineno, msg
+
+
+def test_a_config_rule_is_written_once():
+    """Config validation lives in treedec/config/: no message it raises shares a 40-character run with a message
+    raised anywhere else in treedec/ (a second copy of a rule, in a policy, a loader or the bench, would)."""
+    import difflib
+    from pathlib import Path
+
+    root = Path(checks.__file__).resolve().parents[1]
+    layer = {f"{p.name}:{n}": m for p in (root / "config").glob("*.py") for n, m in _raised_messages(p)}
+    rest = {f"{p.relative_to(root)}:{n}": m for p in root.rglob("*.py") if p.parent.name != "config"
+            for n, m in _raised_messages(p)}
+    assert len(layer) > 50 and len(rest) > 100
+    copies = []
+    for where, msg in layer.items():
+        for other, text in rest.items():
+            match = difflib.SequenceMatcher(None, msg, text, autojunk=False).find_longest_match(0, len(msg), 0, len(text))
+            if match.size >= 40:
+                copies.append((where, other, msg[match.a:match.a + match.size]))
+    assert copies == []
