@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
 from treedec.atomic import DISK_FULL
-from treedec.errors import USER_ERRORS  # (ConfigError, CheckpointError, TreeError are ValueErrors)
+from treedec.config.renamed import check_overrides
+from treedec.errors import USER_ERRORS, ConfigError  # (ConfigError, CheckpointError, TreeError are ValueErrors)
 
 
 F = TypeVar("F", bound=Callable)
@@ -164,34 +166,17 @@ def run_module(module: str, args: str) -> None:
     """``python -m <module>`` with the overrides of one string (make's ARGS), split by :func:`split_args`: the
     shell's own quote removal would turn ``prompt='def f(x):'`` into an override Hydra cannot read."""
     import runpy
-    import sys
 
     sys.argv = [module, *split_args(args)]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
-RUN_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir")  # made by Hydra before any task code runs
-
-
 def refuse_renamed(name: str, argv: list[str] | None = None) -> None:
-    """Before Hydra parses the command line: an override of a renamed key (``target=``, ``kernel.backend=``,
-    ``+experiment=``...) of entry point ``name`` stops with one ``Error:`` line naming the new key (Hydra would only
-    say "not in struct"), and so does a ``hydra.run.dir`` that is a file or lies below one (Hydra would make it
-    with a traceback, before the task's own checks)."""
-    import sys
-
-    from treedec.errors import renamed
-
-    for arg in (sys.argv[1:] if argv is None else argv):
-        key, _, value = arg.lstrip("+~").partition("=")
-        if "=" in arg and not arg.startswith("hydra") and (msg := renamed(key, name)):
-            fail(msg)
-        if key in RUN_DIR_KEYS:
-            from treedec.config.checks import ConfigError, check_out_path
-
-            try:
-                check_out_path(value, key)
-            except ConfigError as exc:
-                fail(exc)
+    """Before Hydra parses the command line: an override of a renamed key, or a run dir Hydra cannot make, of entry
+    point ``name`` stops with one ``Error:`` line (:func:`treedec.config.renamed.check_overrides`)."""
+    try:
+        check_overrides(name, sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        fail(exc)
 
 
 def load_stack(cfg: Any):

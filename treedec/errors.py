@@ -11,23 +11,4 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, I
                                                 NotADirectoryError, PermissionError)
 
 
-# Keys the config layout renamed: an old command or config fails with the new name, never silently.
-# old key -> (its new name, the entry points where it was renamed; () = all of them)
-RENAMED: dict[str, tuple[str, tuple[str, ...]]] = {
-    "target": ("model.path (train's target is the model group, as in generate: model=hf model.path=DIR)", ("train",)),
-    "target_dtype": ("model.dtype", ("train",)),
-    "draft": ("draft_arch (the head to train; draft is a head to load, as in generate)", ("train",)),
-    "head": ("draft.path (the head to export: draft.path=DIR, or the bundled draft=tiny_code)", ("export_head",)),
-    "kernel.backend": ("model.attn_backend (or kernel=NAME)", ()),
-}
-
-
-def renamed(key: str, entry: str) -> str | None:
-    """The message for a key (``a.b`` or a group ``a``) that ``entry``'s configs renamed; None if it is current."""
-    for old, (new, entries) in RENAMED.items():
-        if (key == old or key.startswith(old + ".")) and (not entries or entry in entries):
-            return f"{old} is now {new}: pass that instead"
-    return None
-
-
-__all__ = ["ConfigError", "RENAMED", "USER_ERRORS", "renamed"]
+__all__ = ["ConfigError", "USER_ERRORS"]

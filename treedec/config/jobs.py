@@ -25,7 +25,8 @@ from omegaconf.errors import OmegaConfBaseException
 from treedec.config.checks import check_dtype, check_out_path, merge_schema, unknown_key_hint, value_at
 from treedec.config.draft_arch import check_draft_arch
 from treedec.data.tokenizer_train import tokenizer_file
-from treedec.errors import ConfigError, renamed
+from treedec.config.renamed import renamed
+from treedec.errors import ConfigError
 from treedec.heads.config import DraftConfig
 from treedec.models.checkpoint import resolve_path
 from treedec.models.config import LlamaConfig
