@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import randomize_, tiny_model
-from treedec.export_head import export_head
+from treedec.heads.export import export_head
 from treedec.heads.head import DraftConfig, DraftHead
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,7 +180,7 @@ def test_stale_work_directories_of_killed_exports_are_cleaned(tmp_path):
     import socket
     import time
 
-    from treedec.export_head import OWNER, WORK
+    from treedec.heads.export import OWNER, WORK
 
     host = socket.gethostname()
 
@@ -212,9 +212,9 @@ def test_stale_work_directories_of_killed_exports_are_cleaned(tmp_path):
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:the EAGLE-1/2 layout has no draft vocabulary")
 def test_a_killed_export_is_cleaned_up_by_the_next(tmp_path):
-    code = ("import os, sys, warnings; import safetensors.torch as st; import treedec.export_head as e; "
-            "from treedec.heads.head import DraftHead; real = st.save_file; warnings.simplefilter('ignore'); "
-            "st.save_file = lambda *a, **k: (real(*a, **k), os._exit(9)); "  # killed once the weights are written
+    code = ("import os, sys, warnings; import treedec.heads.export as e; "
+            "from treedec.heads.head import DraftHead; real = e.save_file; warnings.simplefilter('ignore'); "
+            "e.save_file = lambda *a, **k: (real(*a, **k), os._exit(9)); "  # killed once the weights are written
             "e.export_head(DraftHead.load('tiny-code-eagle'), sys.argv[1], 'eagle')")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], cwd=ROOT, timeout=180)
     assert done.returncode == 9
