@@ -18,13 +18,16 @@ import contextlib
 import functools
 import os
 import sys
-from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
+from omegaconf.errors import MissingMandatoryValue
+
 from treedec.atomic import DISK_FULL
+from treedec.config import instantiate_checked
+from treedec.config.checks import group_choices, required_error
+from treedec.config.compose_errors import composition_message, yaml_message
 from treedec.config.renamed import check_overrides
 from treedec.errors import USER_ERRORS, ConfigError  # (ConfigError, CheckpointError, TreeError are ValueErrors)
-
 
 F = TypeVar("F", bound=Callable)
 
@@ -60,17 +63,11 @@ def full_error() -> bool:
 def user_message(exc: BaseException) -> str | None:
     """The one line a user's mistake prints (a user error, a required key left ``???``, a YAML file that does not
     parse, a full disk); None for a bug, which keeps its traceback."""
-    from omegaconf.errors import MissingMandatoryValue
-
-    from treedec.config.compose_errors import yaml_message
-
     if (msg := yaml_message(exc)) is not None:
         return msg
     if isinstance(exc, USER_ERRORS):
         return one_line(exc)
     if isinstance(exc, MissingMandatoryValue) and exc.full_key:  # a ??? key read before (or without) the schema check
-        from treedec.config.checks import group_choices, required_error
-
         return one_line(required_error(str(exc.full_key), group_choices()))
     return disk_full(exc) if isinstance(exc, OSError) else None
 
@@ -110,8 +107,6 @@ def composition_errors_as_one_line(name: str) -> Iterator[None]:
     multirun, ``--cfg``) is covered and anything else (a bug in a task) is still reported by Hydra itself."""
     import hydra._internal.hydra as hydra_app
     import hydra._internal.utils as hydra_utils
-
-    from treedec.config.compose_errors import composition_message
 
     report = hydra_utils.run_and_report
 
@@ -185,12 +180,11 @@ def load_stack(cfg: Any):
     Each group names its loader with ``_target_`` (``treedec.models.load_model``,
     ``treedec.heads.head.DraftHead.load``), so a checkpoint format of your own is a config, not a code change.
     """
-    from treedec.config import instantiate_checked as load
     from treedec.models.tokenizer import load_tokenizer
 
-    target = load(cfg.model).eval()
+    target = instantiate_checked(cfg.model).eval()
     tok = load_tokenizer(cfg.model.path)
     dtype = cfg.draft.get("dtype") or target.dtype  # the draft group's dtype (auto: fp32 on a CPU), else the target's
-    draft = load(cfg.draft, target=target, dtype=dtype, device=target.device).eval()
+    draft = instantiate_checked(cfg.draft, target=target, dtype=dtype, device=target.device).eval()
     return target, tok, draft
 

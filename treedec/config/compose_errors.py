@@ -14,20 +14,19 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+import yaml
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException, SearchPathException
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ConfigTypeError, OmegaConfBaseException
 
 from treedec.config.checks import unknown_key_hint
+from treedec.models.paths import CONF
 
 
 def _first_line(exc: BaseException) -> str:
     text = str(getattr(exc, "msg", None) or exc).strip()
     return text.splitlines()[0].strip() if text else type(exc).__name__
-
-
-def _conf_dir() -> Path:
-    from treedec.models.paths import CONF
-
-    return CONF
 
 
 # ------------------------------------------------------------------------------------------ YAML files
@@ -43,8 +42,6 @@ _YAML_FIXES = (  # (a word of the parser's message, the fix)
 
 def yaml_message(exc: BaseException) -> str | None:
     """``<file> line N: not valid YAML (...); <fix>`` for a YAML parser error with a position, else None."""
-    import yaml
-
     if not isinstance(exc, yaml.MarkedYAMLError):
         return None
     mark = exc.context_mark or exc.problem_mark  # where the unclosed list, quote or block began, else the problem
@@ -58,23 +55,19 @@ def yaml_message(exc: BaseException) -> str | None:
 # ------------------------------------------------------------------------------------------ config files
 def config_file(name: str) -> str:
     """The file Hydra read config ``name`` (``local/default``) from, searched like Hydra searches (first hit)."""
-    from hydra.core.global_hydra import GlobalHydra
-
     if GlobalHydra.instance().is_initialized():
         for source in GlobalHydra.instance().config_loader().get_sources():
             if source.is_config(name):
                 root = source.full_path().removeprefix("file://")
                 if source.full_path() == "pkg://treedec.conf":
-                    root = str(_conf_dir())
+                    root = str(CONF)
                 return f"{root}/{name}.yaml"
-    path = _conf_dir() / f"{name}.yaml"
+    path = CONF / f"{name}.yaml"
     return str(path) if path.is_file() else f"{name}.yaml"
 
 
 def key_line(path: str, key: str) -> int | None:
     """The line (1-based) of dotted ``key`` in the YAML mapping of ``path`` (None where it is not found)."""
-    import yaml
-
     try:
         node = yaml.compose(Path(path).read_text())
     except (OSError, yaml.YAMLError):
@@ -93,7 +86,7 @@ def key_line(path: str, key: str) -> int | None:
 def experiment_entries(name: str) -> dict[str, str]:
     """The entry points an experiment is made for, each with its command: the ``python -m treedec.<entry> ...
     experiment=<name>`` lines of the experiment's header comment (conf/experiment/<name>.yaml)."""
-    path = _conf_dir() / "experiment" / f"{name}.yaml"
+    path = CONF / "experiment" / f"{name}.yaml"
     text = path.read_text() if path.is_file() else ""
     found = re.findall(rf"(python -m treedec\.(\w+)\b[^\n]*?experiment={re.escape(name)})\b", text)
     return {entry: command for command, entry in reversed(found)}  # the first command of each entry
@@ -152,9 +145,7 @@ def _known_keys(inner: OmegaConfBaseException, parent: str) -> str:
 def _entry_groups(entry: str) -> list[str]:
     """The config groups in entry point ``entry``'s defaults list (conf/<entry>.yaml), ``hydra`` and ``schema``
     left out."""
-    from omegaconf import OmegaConf
-
-    path = _conf_dir() / f"{entry}.yaml"
+    path = CONF / f"{entry}.yaml"
     groups = []
     for item in (OmegaConf.load(path).get("defaults") or []) if path.is_file() else []:
         if not hasattr(item, "keys"):  # _self_
@@ -196,7 +187,7 @@ def _not_in_defaults(group: str, override: str, entry: str) -> str:
     if group == "experiment":
         value = override.partition("=")[2]
         elsewhere = _belongs_elsewhere(value, entry) if value else None
-        users = [p.stem for p in sorted(_conf_dir().glob("*.yaml")) if "experiment" in _entry_groups(p.stem)]
+        users = [p.stem for p in sorted(CONF.glob("*.yaml")) if "experiment" in _entry_groups(p.stem)]
         return elsewhere or (f"{override}: {entry} has no experiment group (experiments are for "
                              f"{', '.join(users)}): drop it, or run one of those")
     groups = _entry_groups(entry)
@@ -208,9 +199,6 @@ def _not_in_defaults(group: str, override: str, entry: str) -> str:
 
 def composition_message(exc: BaseException, entry: str) -> str | None:
     """The one line for an error Hydra raised while composing ``entry``'s config; None for anything else."""
-    from hydra.errors import (ConfigCompositionException, MissingConfigException, OverrideParseException,
-                              SearchPathException)
-
     if (msg := yaml_message(exc)) is not None:
         return msg
     if isinstance(exc, OverrideParseException):

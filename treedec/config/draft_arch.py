@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from treedec.errors import ConfigError
+from treedec.heads.checkpoint import head_summary
+from treedec.models.checkpoint import read_config
 
 KINDS = ("eagle", "eagle3", "parallel")
 HEAD_NAMES = {"eagle": "an EAGLE-1/2", "eagle3": "an EAGLE-3", "parallel": "a one-pass (P-EAGLE, kind parallel)"}
@@ -53,8 +55,6 @@ def _fit(ids: Any, n: int) -> bool:
 
 
 def _target_config(target: str):
-    from treedec.models.checkpoint import read_config
-
     try:
         return read_config(target)[0]
     except (ValueError, FileNotFoundError) as e:
@@ -62,8 +62,6 @@ def _target_config(target: str):
 
 
 def _init_head(init: str) -> dict:
-    from treedec.heads.checkpoint import head_summary
-
     try:
         return head_summary(init)
     except (ValueError, FileNotFoundError) as e:

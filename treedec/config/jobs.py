@@ -8,6 +8,8 @@ typo must not run with defaults, and a bad ``export_dtype`` must not fail after 
   arguments of their ``_target_``'s signature (anything, if it takes ``**kwargs``).
 * Values: dtypes, counts, ``trainer.max_time``, ``requeue``, a GPU trainer on a machine without one, the export
   target, the target / tokenizer paths, and the head options against ``init_from`` (:mod:`.draft_arch`).
+
+Lightning is imported on first use (the GPU check): it takes seconds, and every command imports this layer.
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from treedec.config.checks import check_dtype, check_out_path, merge_schema, unknown_key_hint, value_at
 from treedec.config.draft_arch import check_draft_arch
-from treedec.data.tokenizer_train import tokenizer_file
 from treedec.config.renamed import renamed
+from treedec.data.tokenizer_train import tokenizer_file
 from treedec.errors import ConfigError
 from treedec.heads.config import DraftConfig
 from treedec.models.checkpoint import resolve_path

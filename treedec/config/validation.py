@@ -13,8 +13,16 @@ from typing import Any, Callable
 from omegaconf import DictConfig
 
 from treedec.config.bench import check_bench
-from treedec.config.checks import (check_model, check_out_path, check_required, fields_of, merge_schema, plain,
-                                   validate_tree, value_at)
+from treedec.config.checks import (
+    check_model,
+    check_out_path,
+    check_required,
+    fields_of,
+    merge_schema,
+    plain,
+    validate_tree,
+    value_at,
+)
 from treedec.config.commands import CHECKS, OUT_PATHS
 from treedec.config.job_schema import JOB_SCHEMAS
 from treedec.config.jobs import JOB_CHECKS, check_common, check_job_keys, renamed_in
