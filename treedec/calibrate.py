@@ -44,15 +44,13 @@ def run(cfg: DictConfig) -> dict:
     validate(cfg, "calibrate")  # also the probe node by its _target_, before anything loads
     import torch  # (after the checks: see the module docstring)
 
-    from treedec.heads.checkpoint import head_summary
-    from treedec.probe.acceptance import probe_acceptance, refuse_one_pass
+    from treedec.config.commands import refuse_one_pass
+    from treedec.probe.acceptance import probe_acceptance
     from treedec.probe.learn import learn_tree
     from treedec.probe.outputs import summary, write_outputs
     from treedec.probe.prompts import encode_prompts, prompt_set
 
     path = OmegaConf.select(cfg, "draft.path")
-    if path is not None:
-        refuse_one_pass(head_summary(path)["kind"] == "parallel", path)
     probe = instantiate_checked(cfg.probe, "probe")
     if hasattr(probe, "scores"):  # a static probe records its nodes' draft log-probs for the reliability diagram
         probe.scores = True

@@ -5,22 +5,9 @@ from __future__ import annotations
 import torch
 
 from treedec.decoding.speculative import SpeculativeDecoder
-from treedec.errors import ConfigError
 from treedec.sampling import target_probs
 from treedec.tree.calibration import Calibration, Reliability, fit, fit_power
 from treedec.tree.sequoia import AcceptanceCounts
-
-
-def refuse_one_pass(one_pass: bool, path) -> None:
-    """calibrate measures an autoregressive head (its ranks per depth, for the learned tree and calibration.yaml):
-    a one-pass head is refused with what serves it, before the probe tree would refuse it in generate's terms."""
-    if not one_pass:
-        return
-    raise ConfigError(f"draft.path={path} is a one-pass (P-EAGLE, kind parallel) head: calibrate measures an EAGLE "
-                      f"or EAGLE-3 head's acceptance by depth and sibling rank for tree=learned and tree=dynamic, "
-                      f"which a one-pass head cannot draft, and its own trees (tree=chain, tree=best_first, "
-                      f"tree=auto in generate) read its raw marginals, so it needs no calibration; calibrate an "
-                      f"autoregressive head instead (draft=tiny_code or draft=tiny_code_eagle3, or draft.path=DIR)")
 
 
 def edge_labels(step, sampling):
