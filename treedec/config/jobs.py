@@ -31,7 +31,7 @@ from treedec.data.tokenizer_train import tokenizer_file
 from treedec.errors import ConfigError
 from treedec.heads.config import DraftConfig
 from treedec.models.checkpoint import resolve_path
-from treedec.models.config import LlamaConfig
+from treedec.models.config import LlamaConfig, check_sizes
 from treedec.models.paths import bundled_dir, export_path
 
 HYDRA_KEYS = ("_target_", "_recursive_", "_convert_", "_partial_", "_args_")
@@ -232,11 +232,10 @@ def check_pretrain(cfg: DictConfig) -> None:
     arch = dict(_get(cfg, "model_arch"))
     name = arch.pop("asset_name", None)
     try:
+        check_sizes(arch)
         conf = LlamaConfig(**arch)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"invalid model_arch: {e}") from None
-    if conf.vocab_size < 1 or conf.hidden_size < 1 or conf.num_hidden_layers < 1:
-        raise ConfigError("model_arch: vocab_size, hidden_size and num_hidden_layers must be >= 1")
     seq = _get(cfg, "data.seq_len")
     if isinstance(seq, int) and seq > conf.max_position_embeddings:
         raise ConfigError(f"data.seq_len={seq} exceeds model_arch.max_position_embeddings="

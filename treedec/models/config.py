@@ -60,7 +60,14 @@ def _check_types(cls, d: dict[str, Any]) -> None:
         if not _matches(value, hints[key]):
             fix = f" (write {value} without quotes)" if isinstance(value, str) and _is_number(value) else ""
             raise ValueError(f'"{key}" must be {_describe(hints[key])}, got {value!r}{fix}')
-        if key in SIZES and value is not None and value < 1:
+    check_sizes(d)
+
+
+def check_sizes(d: dict[str, Any]) -> None:
+    """Each of :data:`SIZES` that ``d`` gives is >= 1 (a config.json's fields, or pretrain's ``model_arch``)."""
+    for key in SIZES:
+        value = d.get(key)
+        if isinstance(value, int) and value < 1:
             raise ValueError(f'"{key}" must be >= 1, got {value}')
 
 
