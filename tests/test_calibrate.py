@@ -116,7 +116,7 @@ def test_probe_recovers_oracle_acceptance():
 
 def test_calibrate_config_errors(stack, tmp_path):  # noqa: F811
     from treedec.calibrate import run
-    from treedec.config.schema import ConfigError
+    from treedec.config import ConfigError
 
     with pytest.raises(Exception, match="dp.max_budget"):
         compose_calibrate(calib_overrides(stack, tmp_path, "dp.max_budget=lots"))
@@ -146,7 +146,7 @@ def test_calibrate_config_errors(stack, tmp_path):  # noqa: F811
 ])
 def test_calibrate_rejects_bad_options_before_loading(stack, tmp_path, override, needle):  # noqa: F811
     from treedec.calibrate import run
-    from treedec.config.schema import ConfigError
+    from treedec.config import ConfigError
 
     with pytest.raises(ConfigError, match=needle):  # the model path does not exist: nothing loaded
         run(compose_calibrate(calib_overrides(stack, tmp_path, "model.path=/nonexistent/model", override)))
@@ -154,7 +154,7 @@ def test_calibrate_rejects_bad_options_before_loading(stack, tmp_path, override,
 
 def test_malformed_prompts_file_names_path_and_line(stack, tmp_path):  # noqa: F811
     from treedec.calibrate import run
-    from treedec.config.schema import ConfigError
+    from treedec.config import ConfigError
 
     f = tmp_path / "prompts.jsonl"
     f.write_text('"def f(x):\\n"\n{"prompt": "def g(\n')

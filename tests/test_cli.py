@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from treedec.atomic import write_text_atomic
 from treedec.cli import entry
-from treedec.config.schema import ConfigError
+from treedec.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 

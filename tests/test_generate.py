@@ -77,7 +77,7 @@ def test_zero_new_tokens_with_compare_writes_metrics(stack, tmp_path, capsys):
     ("tree=dynamic|tree.total_tokens=1", r"invalid tree config: tree\.total_tokens=1 must be a whole number >= 2"),
 ])
 def test_bad_options_fail_before_the_model_loads(tmp_path, override, needle):
-    from treedec.config.schema import ConfigError
+    from treedec.config import ConfigError
     from treedec.generate import run
 
     (tmp_path / "blob.bin").write_bytes(bytes(range(256)))

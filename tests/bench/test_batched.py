@@ -43,7 +43,7 @@ def test_bench_reports_every_method_per_batch_size(stack, tmp_path):  # noqa: F8
 
 
 def test_bad_batch_size_fails_with_a_clear_error(stack, tmp_path):  # noqa: F811
-    from treedec.config.schema import ConfigError
+    from treedec.config import ConfigError
 
     with pytest.raises((ConfigError, ValueError), match="batch"):
         harness.run(compose_bench(stack, tmp_path, "bench.batch_sizes=[0]", "bench.methods=[vanilla]", "bench.peers=[]",
@@ -66,7 +66,7 @@ def test_static_and_continuous_batches_decode_the_same_tokens(stack, tmp_path): 
 
 
 def test_unknown_batch_mode_names_the_choices(stack, tmp_path):  # noqa: F811
-    from treedec.config.schema import ConfigError
+    from treedec.config import ConfigError
 
     with pytest.raises((ConfigError, ValueError), match="continuous"):
         harness.run(compose_bench(stack, tmp_path, "bench.batch_sizes=[2]", "bench.methods=[vanilla]",

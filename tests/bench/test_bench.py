@@ -181,7 +181,7 @@ def test_first_difference():
 
 def test_bad_options_fail_before_the_model_loads(stack, tmp_path):
     """Typos and out-of-range values are ConfigErrors raised before loading (the model path does not exist)."""
-    from treedec.config.schema import ConfigError
+    from treedec.config import ConfigError
 
     dup = tmp_path / "dup.jsonl"
     dup.write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n{"id": "a", "prompt": "z"}\n')
@@ -389,7 +389,7 @@ def test_bench_compile_runs_compiled_variants(stack, tmp_path):
 # ------------------------------------------------------------------ sampled rows: temperatures and hf_sample
 def test_sample_temperatures_option(stack, tmp_path):
     """bench.sample_temperatures sets the sampled rows; bad lists fail before the model loads."""
-    from treedec.config.schema import ConfigError
+    from treedec.config import ConfigError
 
     cfg = compose_bench(stack, tmp_path, "bench.sampling=true", "bench.sample_temperatures=[0.5]", "sampling.top_p=0.9")
     assert [(s.temperature, s.top_p) for s in bm.sample_settings(cfg)] == [(0.5, 0.9)]

@@ -73,7 +73,7 @@ def test_budget_sweeps_per_head_kind_and_their_plot(stack, heads, tmp_path):  # 
 
 
 def test_draft_heads_option_is_checked_before_loading(stack, tmp_path):  # noqa: F811
-    from treedec.config.schema import ConfigError
+    from treedec.config import ConfigError
 
     for override, needle in [("bench.draft_heads=[]", r"at least one head"),
                              ("bench.draft_heads=[tiny_cod]", r"neither a draft config.*Did you mean tiny_code\?"),

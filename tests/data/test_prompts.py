@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import treedec
-from treedec.config.schema import ConfigError
+from treedec.config import ConfigError
 from treedec.data import prompts as P
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()

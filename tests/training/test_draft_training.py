@@ -224,7 +224,7 @@ def test_debug_fdr_runs_one_batch(target_dir, corpus, tmp_path):  # noqa: F811
 
 def test_init_from_accepts_an_exported_head(target_dir, corpus, tmp_path):  # noqa: F811
     """init_from= takes what draft.path takes (one loader): here a head exported in EAGLE's layout."""
-    from treedec.config.schema import ConfigError
+    from treedec.config import ConfigError
     from treedec.heads.export import export_head
     from treedec.models import load_model
     from treedec.heads.head import DraftConfig, DraftHead

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from treedec.config.schema import ConfigError
+from treedec.config import ConfigError
 from treedec.data.datamodules import EpochSampler, ResumableLoader
 from treedec.models.paths import export_path
 from treedec.atomic import atomic_dir

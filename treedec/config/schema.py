@@ -21,9 +21,9 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from treedec.errors import ConfigError  # noqa: F401  (the schemas' error; in its own module: the data layer raises it too)
+from treedec.attention import BACKENDS
 
-KERNEL_BACKENDS = ("auto", "eager", "sdpa", "triton")
+KERNEL_BACKENDS = ("auto", *BACKENDS)  # model.attn_backend: auto picks one of the tree-attention backends
 
 
 # ------------------------------------------------------------------------------------------ groups
