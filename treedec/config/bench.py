@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from treedec.config import bundled
+from treedec.config.bundled import ASSISTANT, AUTO
 from treedec.config.checks import at_least, check_rules, unknown_key_hint, validate_tree, value_at
 from treedec.data.prompts import SOURCES, read_prompt_file
 from treedec.errors import ConfigError
@@ -37,13 +37,13 @@ def check_bench(cfg) -> None:
         read_prompt_file(value_at(cfg, b + "prompts"), "bench.prompts")
 
     learned = value_at(cfg, b + "learned_path")
-    if learned not in (None, bundled.AUTO) and not Path(learned).expanduser().is_file():
+    if learned not in (None, AUTO) and not Path(learned).expanduser().is_file():
         raise ConfigError(f"bench.learned_path={learned!r}: no such file; pass the learned_tree.yaml that "
                           f"`python -m treedec.calibrate` wrote (auto: the tree shipped for the bundled head; "
                           f"null: skip the `learned` method)")
     assistant = value_at(cfg, b + "assistant_path")
-    if assistant not in (None, bundled.AUTO, bundled.ASSISTANT) and not Path(assistant).expanduser().is_dir():
-        raise ConfigError(f"bench.assistant_path={assistant!r} is not a model directory (auto: {bundled.ASSISTANT} "
+    if assistant not in (None, AUTO, ASSISTANT) and not Path(assistant).expanduser().is_dir():
+        raise ConfigError(f"bench.assistant_path={assistant!r} is not a model directory (auto: {ASSISTANT} "
                           f"for the bundled target; null: skip hf_assisted)")
     trees = value_at(cfg, b + "trees") or {}
     for name in trees:
