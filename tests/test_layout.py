@@ -140,6 +140,14 @@ def test_the_library_never_imports_an_entry_point(graph):
     assert _edges(graph, LIBRARY, ENTRY_POINTS) == []
 
 
+def test_the_config_layer_sits_above_the_library_it_checks(graph):
+    """treedec.config imports the trees, heads and models to run their own rules; none of them imports it back."""
+    below = ("treedec.data", "treedec.models", "treedec.heads", "treedec.attention", "treedec.tree", "treedec.decoding",
+             "treedec.probe", "treedec.errors", "treedec.sampling")
+    assert _edges(graph, below, ("treedec.config",)) == []
+    assert _edges(graph, ("treedec.config",), ("treedec.training", "treedec.bench", "treedec.cli", *ENTRY_POINTS)) == []
+
+
 def test_the_data_layer_sits_below_training_decoding_and_trees(graph):
     assert _edges(graph, ("treedec.data",), ("treedec.training", "treedec.decoding", "treedec.tree",
                                              "treedec.attention", "treedec.config", "treedec.cli")) == []
