@@ -15,10 +15,17 @@ import logging
 import os
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 
 import lightning as L
+import numpy as np
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 log = logging.getLogger("treedec.training")
@@ -26,9 +33,6 @@ log = logging.getLogger("treedec.training")
 
 def rng_states() -> dict:
     """Every global RNG state as plain data (torch, CUDA, numpy, python ``random``): weights_only-loadable."""
-    import numpy as np
-    import torch
-
     kind, key, pos, has_gauss, gauss = np.random.get_state()
     return {"torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else [],
@@ -38,9 +42,6 @@ def rng_states() -> dict:
 
 
 def set_rng_states(state: dict) -> None:
-    import numpy as np
-    import torch
-
     torch.set_rng_state(state["torch"])
     if state.get("cuda") and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -97,8 +98,6 @@ class SaveOnSigterm(L.Callback):
             self._save(trainer)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        from lightning.pytorch.utilities.exceptions import SIGTERMException
-
         if isinstance(exception, SIGTERMException):
             self._save(trainer)
 
@@ -131,8 +130,6 @@ class AfterFit:
     a Python caller) the previous handler comes back."""
 
     def __enter__(self) -> "AfterFit":
-        import threading
-
         self.received, self._committed = False, False
         self._main = threading.current_thread() is threading.main_thread()
         self._prev = signal.getsignal(signal.SIGTERM)
@@ -145,8 +142,6 @@ class AfterFit:
 
     def commit(self) -> None:
         """Stop here if a SIGTERM came since ``fit`` (nothing is written yet); else the job will complete."""
-        from lightning.pytorch.utilities.exceptions import SIGTERMException
-
         if self.received:
             log.warning("SIGTERM after training, before the export and metrics.json: stopping without them")
             raise SIGTERMException
@@ -163,11 +158,6 @@ def ignore_sigterm_once_complete() -> None:
     """A job whose export and metrics.json are written is complete: in a command-line job of one run (``python -m
     treedec.train ...``, not a ``-m`` sweep, whose next job must stop on SIGTERM), which only exits from here, a
     SIGTERM is ignored, so it cannot end a finished job with 143."""
-    import threading
-
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     if threading.current_thread() is threading.main_thread() and HydraConfig.initialized() and \
             HydraConfig.get().mode == RunMode.RUN:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -193,8 +183,6 @@ def requeue_plugins(cfg: DictConfig, trainer_plugins=()) -> list:
     (SIGUSR1 -> ``hpc_ckpt_<n>.ckpt`` + ``scontrol requeue``; sbatch needs ``--signal=SIGUSR1@90``);
     ``none``: nobody requeues. Off SLURM nothing is added.
     """
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
     owner = str(cfg.get("requeue", "auto") or "none")
     if owner not in ("auto", "submitit", "lightning", "none"):
         raise ValueError(f"requeue must be auto, submitit, lightning or none, not {owner!r}")

@@ -12,6 +12,7 @@ skipped with a warning in favour of the newest intact one (an error when none is
 from __future__ import annotations
 
 import datetime
+import fcntl
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import torch
 from omegaconf import DictConfig
 
 from treedec.training.schedule import seconds
@@ -84,8 +86,6 @@ class RunDirLock:
             return {}
 
     def acquire(self) -> "RunDirLock":
-        import fcntl
-
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
             try:
@@ -178,8 +178,6 @@ def find_resume_checkpoint(run_dir: str | os.PathLike) -> str | None:
     highest ``global_step`` wins (``last.ckpt`` on a tie). Raises when checkpoints exist but
     none is usable, rather than silently starting over and overwriting them.
     """
-    import torch
-
     run_dir = Path(run_dir)
     ckpt_dir = run_dir / "checkpoints"
     cands = sorted({*ckpt_dir.glob("last*.ckpt"), *ckpt_dir.glob("step*.ckpt"), *run_dir.glob("hpc_ckpt_*.ckpt")})
@@ -239,8 +237,6 @@ def check_same_shape(checkpoint: str | os.PathLike, hparams: dict) -> None:
     """Raise :class:`JobError` naming each setting that differs between this job (its module's ``hparams``) and
     the run whose ``checkpoint`` it would resume (the head kind and sizes, the model's architecture, the target,
     the start head): that checkpoint's weights do not fit this job's module."""
-    import torch
-
     path = Path(checkpoint)
     saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters") or {}
     before, now = _settings(saved), _settings(dict(hparams))
