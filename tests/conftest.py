@@ -5,7 +5,11 @@
 * ``corpus``, ``tokenizer``: a synthetic ``*.py`` corpus and the BPE trained on its train split
   (val_fraction 0.2), built once per session;
 * ``tiny_target``, ``tiny_head``: a random target and an untrained draft head bound to it
-  (:func:`tests.helpers.make_pair`), shared read-only: a test that changes weights builds its own.
+  (:func:`tests.helpers.make_pair`), shared read-only: a test that changes weights builds its own;
+* ``stack``: the checkpoints the entry-point tests (generate, regenerate, calibrate, sweeps, bench) load: a tiny
+  target, its untrained head, a one-layer assistant, a prompts file and a learned tree; shared read-only (a test
+  adding a file there gives it a name of its own);
+* ``a_file``: a plain file, where a directory is expected.
 
 ``pytest -m "not slow"`` is the quick loop; CI runs everything.
 """
@@ -66,3 +70,29 @@ def tiny_target(tiny_pair):
 @pytest.fixture(scope="session")
 def tiny_head(tiny_pair):
     return tiny_pair[1]
+
+
+@pytest.fixture(scope="session")
+def stack(tokenizer, tmp_path_factory):
+    import json
+
+    from tests.helpers import TINY_ARCH, save_tiny_stack
+    from treedec.models import LlamaConfig, Transformer
+    from treedec.models.checkpoint import save_pretrained
+
+    root = tmp_path_factory.mktemp("stack")
+    save_tiny_stack(root, tokenizer[0])
+    # hf_assisted's assistant: 1 layer, the same tokenizer (as tiny-code-assistant is for tiny-code).
+    small = Transformer(LlamaConfig(**{**TINY_ARCH, "num_hidden_layers": 1, "max_position_embeddings": 256}), "sdpa")
+    save_pretrained(small, root / "assistant", tokenizer=str(tokenizer[0]))
+    (root / "prompts.jsonl").write_text(json.dumps({"id": "add", "prompt": "def add(a, b):\n"}) + "\n\n"
+                                        + json.dumps({"prompt": "class Thing:\n    def get(self):\n"}) + "\n")
+    (root / "learned.yaml").write_text("choices: [[0], [1], [0, 0], [0, 0, 0]]\n")
+    return root
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("not a directory\n")
+    return path

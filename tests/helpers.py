@@ -1,5 +1,6 @@
-"""The one factory of tiny models for the suite: random Llama-family targets, draft heads bound to them,
-a plain greedy reference and an oracle policy (session fixtures over them: ``tests/conftest.py``)."""
+"""The suite's shared helpers: the one factory of tiny models (random Llama-family targets, draft heads bound to them,
+a plain greedy reference and an oracle policy; session fixtures over them: ``tests/conftest.py``) and the one way to
+compose an entry point's config (:func:`compose_config`)."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,6 +24,35 @@ TINY_ARCH = dict(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidde
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 NO_TRITON = "Triton is not installed (torch ships it on Linux only)"
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
+
+
+def compose_config(name: str, overrides=(), *, hydra: bool = False, config_dir=None, job_name: str = "app"):
+    """The config ``python -m treedec.<name> OVERRIDES`` composes from conf/, with the schemas its command registers
+    (or a config of ``config_dir`` as it is); with ``hydra``, its hydra node too (the choices name each group, as in
+    a real run)."""
+    from hydra import compose, initialize_config_dir
+
+    from treedec.models.paths import CONF
+
+    if config_dir is None:
+        entry_module(name)  # the command's imports register its schemas, as in a real run
+    with initialize_config_dir(config_dir=str(config_dir or CONF), version_base="1.3", job_name=job_name):
+        return compose(config_name=name, overrides=list(overrides), return_hydra_config=hydra)
+
+
+def entry_module(name: str):
+    """The module of ``python -m treedec.<name>`` (bench's is its ``__main__``)."""
+    import importlib
+
+    return importlib.import_module("treedec.bench.__main__" if name == "bench" else f"treedec.{name}")
+
+
+def local_config(text: str):
+    """A setup writing ``text`` as ``{tmp}/conf/local/default.yaml`` (passed as ``--config-dir={tmp}/conf``)."""
+    def setup(monkeypatch, tmp_path):
+        (tmp_path / "conf" / "local").mkdir(parents=True)
+        (tmp_path / "conf" / "local" / "default.yaml").write_text(text)
+    return setup
 
 
 def tiny_config(**kw) -> LlamaConfig:
@@ -189,6 +219,12 @@ def save_tiny_stack(root: Path, tokenizer_dir, seed: int = 0) -> Transformer:
     save_pretrained(target, root / "target", tokenizer=str(tokenizer_dir))
     DraftHead(DraftConfig.for_target(target.config)).save(root / "draft")
     return target
+
+
+def generate_overrides(stack: Path, run_dir, *extra) -> list[str]:
+    """``python -m treedec.generate``'s overrides for the ``stack`` fixture's checkpoints: 24 tokens of one prompt."""
+    return [f"model.path={stack / 'target'}", "model.dtype=float32", f"draft.path={stack / 'draft'}",
+            "max_new_tokens=24", f"paths.run_dir={run_dir}", "prompt='def add(a, b):'", *extra]
 
 
 def write_corpus(root: Path, n: int = 40) -> Path:

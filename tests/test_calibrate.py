@@ -5,33 +5,25 @@ import json
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
 
-from .test_generate import CONF, overrides, stack  # noqa: F401  (fixtures)
+from tests.helpers import compose_config, generate_overrides
 
 
-def calib_overrides(stack, run_dir, *extra):  # noqa: F811
+def calib_overrides(stack, run_dir, *extra):
     return [f"model.path={stack / 'target'}", "model.dtype=float32", f"draft.path={stack / 'draft'}",
             f"paths.run_dir={run_dir}", "probe.top_k=3", "probe.depth=3", "prompts.n=2", "prompts.prompt_tokens=32",
             "max_new_tokens=12", "dp.max_budget=12", "dp.max_depth=3", "timing.repeats=1", "timing.warmup=0",
             "timing.budgets=[2,6,12]", "timing.prefix_len=32", "num_threads=1", *extra]
 
 
-def compose_calibrate(ovr):
-    import treedec.calibrate  # noqa: F401  (registers the schemas)
-
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="calibrate", overrides=ovr)
-
-
-def test_calibrate_then_generate_with_learned_tree(stack, tmp_path, corpus, capsys):  # noqa: F811
+def test_calibrate_then_generate_with_learned_tree(stack, tmp_path, corpus, capsys):
     from treedec.calibrate import run
     from treedec.generate import run as generate
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n" + json.dumps("class Thing:\n") + "\n")
     cdir = tmp_path / "calib"
-    m = run(compose_calibrate(calib_overrides(stack, cdir, "prompts.source=file", f"prompts.file={prompts}")))
+    m = run(compose_config("calibrate", calib_overrides(stack, cdir, "prompts.source=file", f"prompts.file={prompts}")))
     out = cdir / "learned_tree.yaml"
     assert m["out"] == str(out) and out.is_file() and (cdir / "metrics.json").is_file()
     shape = yaml.safe_load(out.read_text())
@@ -52,30 +44,27 @@ def test_calibrate_then_generate_with_learned_tree(stack, tmp_path, corpus, caps
     assert cal["map"] == "power" and len(cal["power"]) == 3 and all(b > 0 for _, b in cal["power"])  # the one applied
 
     gdir = tmp_path / "gen"
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="generate", overrides=overrides(stack, gdir, "tree=learned", f"tree.path={out}",
-                                                                  "compare=true", "stream=false"))
+    cfg = compose_config("generate", generate_overrides(stack, gdir, "tree=learned", f"tree.path={out}", "compare=true",
+                                                        "stream=false"))
     g = generate(cfg)
     assert g["identical_to_vanilla"] is True and g["new_tokens"] > 0
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="generate", overrides=overrides(stack, gdir, "tree=learned", f"tree.path={out}",
-                                                                  "tree.total_tokens=5", "stream=false"))
+    cfg = compose_config("generate", generate_overrides(stack, gdir, "tree=learned", f"tree.path={out}",
+                                                        "tree.total_tokens=5", "stream=false"))
     from hydra.utils import instantiate
 
     assert instantiate(cfg.tree).max_size == 5
     # tree=auto reads the calibration.yaml beside its head (tree.draft_path, the draft group's head by default)
     for extra in (["tree=dynamic", f"tree.calibration={cal_file}"], ["tree=auto", f"tree.draft_path={cal_file.parent}"]):
-        with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-            cfg = compose(config_name="generate", overrides=overrides(stack, gdir, "compare=true",
-                                                                      "stream=false", *extra))
+        cfg = compose_config("generate", generate_overrides(stack, gdir, "compare=true", "stream=false", *extra))
         assert instantiate(cfg.tree).calibration is not None
         assert generate(cfg)["identical_to_vanilla"] is True
 
     # heldout prompts from a corpus's validation split, fixed budget, no timing
     hdir = tmp_path / "heldout"
-    m2 = run(compose_calibrate(calib_overrides(stack, hdir, f"prompts.root={corpus}", "prompts.val_fraction=0.5",
-                                               "timing.enabled=false", "dp.budget=7", "dp.per_depth=false",
-                                               f"out={tmp_path / 'fixed.yaml'}")))
+    m2 = run(compose_config("calibrate", calib_overrides(stack, hdir, f"prompts.root={corpus}",
+                                                         "prompts.val_fraction=0.5", "timing.enabled=false",
+                                                         "dp.budget=7", "dp.per_depth=false",
+                                                         f"out={tmp_path / 'fixed.yaml'}")))
     assert m2["budget"] == 7 and m2["prompts"] == 2 and m2["expected_tokens_per_s"] is None
     assert yaml.safe_load((tmp_path / "fixed.yaml").read_text())["timing"] is None
 
@@ -114,19 +103,19 @@ def test_probe_recovers_oracle_acceptance():
     assert exp_tau == pytest.approx(total.as_dict()["tau"], abs=0.25)
 
 
-def test_calibrate_config_errors(stack, tmp_path):  # noqa: F811
+def test_calibrate_config_errors(stack, tmp_path):
     from treedec.calibrate import run
     from treedec.config import ConfigError
 
     with pytest.raises(Exception, match="dp.max_budget"):
-        compose_calibrate(calib_overrides(stack, tmp_path, "dp.max_budget=lots"))
+        compose_config("calibrate", calib_overrides(stack, tmp_path, "dp.max_budget=lots"))
     with pytest.raises(Exception, match="top_kk"):
-        compose_calibrate(calib_overrides(stack, tmp_path, "probe.top_kk=3"))
+        compose_config("calibrate", calib_overrides(stack, tmp_path, "probe.top_kk=3"))
     with pytest.raises(ConfigError, match="probe.top_kk"):  # appended keys pass Hydra; the schema stops them
-        run(compose_calibrate(calib_overrides(stack, tmp_path, "+probe.top_kk=3", "model.path=/nonexistent")))
+        run(compose_config("calibrate", calib_overrides(stack, tmp_path, "+probe.top_kk=3", "model.path=/nonexistent")))
     with pytest.raises(FileNotFoundError, match="prompts.file"):
-        run(compose_calibrate(calib_overrides(stack, tmp_path, "prompts.source=file",
-                                              f"prompts.file={tmp_path / 'none.jsonl'}")))
+        run(compose_config("calibrate", calib_overrides(stack, tmp_path, "prompts.source=file",
+                                                        f"prompts.file={tmp_path / 'none.jsonl'}")))
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -144,31 +133,31 @@ def test_calibrate_config_errors(stack, tmp_path):  # noqa: F811
                                       r"calibrate measures an EAGLE or EAGLE-3 head.* calibrate an autoregressive head "
                                       r"instead \(draft=tiny_code or draft=tiny_code_eagle3"),  # not tree=...: no group
 ])
-def test_calibrate_rejects_bad_options_before_loading(stack, tmp_path, override, needle):  # noqa: F811
+def test_calibrate_rejects_bad_options_before_loading(stack, tmp_path, override, needle):
     from treedec.calibrate import run
     from treedec.config import ConfigError
 
     with pytest.raises(ConfigError, match=needle):  # the model path does not exist: nothing loaded
-        run(compose_calibrate(calib_overrides(stack, tmp_path, "model.path=/nonexistent/model", override)))
+        run(compose_config("calibrate", calib_overrides(stack, tmp_path, "model.path=/nonexistent/model", override)))
 
 
-def test_malformed_prompts_file_names_path_and_line(stack, tmp_path):  # noqa: F811
+def test_malformed_prompts_file_names_path_and_line(stack, tmp_path):
     from treedec.calibrate import run
     from treedec.config import ConfigError
 
     f = tmp_path / "prompts.jsonl"
     f.write_text('"def f(x):\\n"\n{"prompt": "def g(\n')
     with pytest.raises(ConfigError, match=r"prompts\.jsonl:2: not valid JSON \(.*column \d+.*\); write one prompt per line"):
-        run(compose_calibrate(calib_overrides(stack, tmp_path, "model.path=/nonexistent/model",
-                                              "prompts.source=file", f"prompts.file={f}")))
+        run(compose_config("calibrate", calib_overrides(stack, tmp_path, "model.path=/nonexistent/model",
+                                                        "prompts.source=file", f"prompts.file={f}")))
 
 
-def test_calibrate_on_third_party_prompts(stack, tmp_path):  # noqa: F811
+def test_calibrate_on_third_party_prompts(stack, tmp_path):
     """prompts.source=third_party: code the bundled model never saw; each prompt's file is recorded."""
     from treedec.calibrate import run
 
-    m = run(compose_calibrate(calib_overrides(stack, tmp_path, "prompts.source=third_party", "timing.enabled=false",
-                                              "dp.budget=5", "max_new_tokens=6")))
+    m = run(compose_config("calibrate", calib_overrides(stack, tmp_path, "prompts.source=third_party",
+                                                        "timing.enabled=false", "dp.budget=5", "max_new_tokens=6")))
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert m["prompts"] == 2 and len(saved["prompt_sources"]) == 2
     assert all("site-packages" in s["file"] for s in saved["prompt_sources"].values())

@@ -15,6 +15,8 @@ from treedec.atomic import write_text_atomic
 from treedec.cli import entry
 from treedec.config import ConfigError
 
+from tests.helpers import compose_config, local_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -62,8 +64,6 @@ def test_readme_results_commands_compose_validate_and_name_shipped_heads():
     head of its bench.draft_heads is a shipped draft config whose bundled head is in the package."""
     import shlex
 
-    from hydra import compose, initialize_config_dir
-
     from treedec.config import validate
     from treedec.heads.config import BUNDLED_DRAFTS
     from treedec.models.paths import CONF
@@ -86,8 +86,7 @@ def test_readme_results_commands_compose_validate_and_name_shipped_heads():
     heads = set()
     for command in commands:
         args = shlex.split(command.split("  #")[0])[3:]
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose(config_name="bench", overrides=args)
+        cfg = compose_config("bench", args)
         validate(cfg, "bench")
         heads |= set(cfg.bench.draft_heads or [])
     assert {"tiny_code", "tiny_code_eagle3", "tiny_code_parallel"} <= heads
@@ -155,38 +154,6 @@ def test_every_entry_point_prints_one_error_line(module, args, needle, a_file, t
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith(needle.format(**fill)), done.stderr[-2000:]
     assert not (tmp_path / "run" / "metrics.json").exists() and not (tmp_path / "x").exists()
-
-
-# ------------------------------------------------------------------ shared with tests/test_user_mistakes.py's table
-def compose_cfg(name: str, overrides: list[str]):
-    """A composed entry-point config with its hydra node (the choices name the group, as in a real run)."""
-    from hydra import compose, initialize_config_dir
-
-    from treedec.models.paths import CONF
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name=name, overrides=overrides, return_hydra_config=True)
-
-
-def entry_module(name: str):
-    import importlib
-
-    return importlib.import_module("treedec.bench.__main__" if name == "bench" else f"treedec.{name}")
-
-
-@pytest.fixture
-def a_file(tmp_path):
-    path = tmp_path / "a_file"
-    path.write_text("not a directory\n")
-    return path
-
-
-def local_config(text: str):
-    """A setup writing ``text`` as ``{tmp}/conf/local/default.yaml`` (passed as ``--config-dir={tmp}/conf``)."""
-    def setup(monkeypatch, tmp_path):
-        (tmp_path / "conf" / "local").mkdir(parents=True)
-        (tmp_path / "conf" / "local" / "default.yaml").write_text(text)
-    return setup
 
 
 RAISING_TEMPLATE = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system turn comes first') }}{% endif %}"

@@ -6,10 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.test_cli import ROOT, compose_cfg, entry_module
+from tests.helpers import compose_config, entry_module
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_hydra_full_error_keeps_a_composition_errors_traceback(monkeypatch):
@@ -33,7 +36,7 @@ def test_every_experiment_names_its_entry_points_and_composes_there(experiment):
     entries = experiment_entries(experiment)
     assert entries, f"conf/experiment/{experiment}.yaml shows no `python -m treedec.<entry> experiment={experiment}`"
     for name in entries:
-        assert compose_cfg(name, [f"experiment={experiment}"]).hydra.runtime.choices.experiment == experiment
+        assert compose_config(name, [f"experiment={experiment}"], hydra=True).hydra.runtime.choices.experiment == experiment
 
 
 def test_make_run_passes_quoted_overrides_to_hydra(tmp_path):

@@ -9,12 +9,13 @@ import shlex
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from treedec.config import instantiate_checked, validate
-from treedec.models.paths import ASSETS, CONF
+from treedec.models.paths import ASSETS
+
+from tests.helpers import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LEARNED = ASSETS / "tiny-code-eagle" / "learned_tree.yaml"
@@ -43,7 +44,6 @@ def test_every_job_of_a_documented_sweep_builds_its_tree(where, args):
     jobs = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None)[0]
     assert jobs, where
     for job in jobs:
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose(config_name="generate", overrides=list(job))
+        cfg = compose_config("generate", job)
         validate(cfg, "generate")
         assert instantiate_checked(cfg.tree, "tree").max_size >= 2, (where, job)

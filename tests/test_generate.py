@@ -7,33 +7,15 @@ import sys
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from treedec.tree.shapes import SHAPE_DIR
-
-from tests.helpers import save_tiny_stack
-
-CONF = str(SHAPE_DIR.parents[1])
-
-
-@pytest.fixture(scope="module")
-def stack(tokenizer, tmp_path_factory):
-    root = tmp_path_factory.mktemp("stack")
-    save_tiny_stack(root, tokenizer[0])
-    return root
-
-
-def overrides(stack, tmp_path, *extra):
-    return [f"model.path={stack / 'target'}", "model.dtype=float32", f"draft.path={stack / 'draft'}",
-            "max_new_tokens=24", f"paths.run_dir={tmp_path}", "prompt='def add(a, b):'", *extra]
+from tests.helpers import compose_config, generate_overrides
 
 
 @pytest.mark.parametrize("tree", ["dynamic", "static", "chain"])
 def test_generate_matches_vanilla_and_writes_metrics(stack, tmp_path, tree, capsys):
     from treedec.generate import run
 
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="generate", overrides=overrides(stack, tmp_path, f"tree={tree}", "compare=true"))
+    cfg = compose_config("generate", generate_overrides(stack, tmp_path, f"tree={tree}", "compare=true"))
     m = run(cfg)
     assert m["identical_to_vanilla"] is True and m["new_tokens"] > 0
     saved = json.loads((tmp_path / "metrics.json").read_text())
@@ -44,8 +26,8 @@ def test_generate_matches_vanilla_and_writes_metrics(stack, tmp_path, tree, caps
 
 @pytest.mark.slow
 def test_cli_subprocess(stack, tmp_path):
-    cmd = [sys.executable, "-m", "treedec.generate", *overrides(stack, tmp_path)[:-2], f"hydra.run.dir={tmp_path}",
-           "prompt='class Thing:'", "sampling=sample"]
+    cmd = [sys.executable, "-m", "treedec.generate", *generate_overrides(stack, tmp_path)[:-2],
+           f"hydra.run.dir={tmp_path}", "prompt='class Thing:'", "sampling=sample"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "metrics.json").is_file() and "tok/s" in done.stdout
@@ -55,8 +37,7 @@ def test_zero_new_tokens_with_compare_writes_metrics(stack, tmp_path, capsys):
     """max_new_tokens=0 compare=true: nothing to time, so no speedup; the summary says so and metrics.json exists."""
     from treedec.generate import run
 
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="generate", overrides=overrides(stack, tmp_path, "max_new_tokens=0", "compare=true"))
+    cfg = compose_config("generate", generate_overrides(stack, tmp_path, "max_new_tokens=0", "compare=true"))
     m = run(cfg)
     assert m["new_tokens"] == 0 and m["speedup"] is None and m["identical_to_vanilla"] is True
     assert json.loads((tmp_path / "metrics.json").read_text())["speedup"] is None
@@ -82,9 +63,8 @@ def test_bad_options_fail_before_the_model_loads(tmp_path, override, needle):
 
     (tmp_path / "blob.bin").write_bytes(bytes(range(256)))
     override = override.format(missing=tmp_path / "missing.py", dir=tmp_path, binary=tmp_path / "blob.bin")
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="generate", overrides=["model.path=/nonexistent/model", f"paths.run_dir={tmp_path}",
-                                                         *override.split("|")])
+    cfg = compose_config("generate", ["model.path=/nonexistent/model", f"paths.run_dir={tmp_path}",
+                                      *override.split("|")])
     with pytest.raises((ConfigError, OSError), match=needle):  # not the model's FileNotFoundError: checked first
         run(cfg)
 
@@ -94,8 +74,7 @@ def test_hf_model_defaults_to_auto_device(stack, tmp_path):
     """model=hf used to default to device cuda and fail on a CPU machine; auto resolves to the CPU here."""
     from treedec.generate import run
 
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="generate", overrides=["model=hf", *overrides(stack, tmp_path, "max_new_tokens=2")])
+    cfg = compose_config("generate", ["model=hf", *generate_overrides(stack, tmp_path, "max_new_tokens=2")])
     assert cfg.model.device == "auto"
     assert run(cfg)["new_tokens"] == 2
 
@@ -111,9 +90,8 @@ def test_objective_for_optuna():
 def test_generate_compile_reports_compile_time_apart(stack, tmp_path):
     from treedec.generate import run
 
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="generate", overrides=overrides(stack, tmp_path, "tree=chain", "compare=true",
-                                                                  "compile=true", "stream=false"))
+    cfg = compose_config("generate", generate_overrides(stack, tmp_path, "tree=chain", "compare=true", "compile=true",
+                                                        "stream=false"))
     m = run(cfg)
     assert m["identical_to_vanilla"] is True  # fp32: compiled == eager == vanilla
     assert m["compile_s"]["speculative"] > 0 and m["compile_s"]["vanilla"] > 0

@@ -15,23 +15,12 @@ import threading
 import time
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from treedec.tree.shapes import SHAPE_DIR
+from tests.helpers import compose_config
 
-from tests.helpers import save_tiny_stack
-
-CONF = str(SHAPE_DIR.parents[1])
 SPECIAL = 'SEP = "<|endoftext|>"\nx = 1\n'
 CODE = ["def add(a, b):\n    return a + b\n", "class Stack:\n    def push(self, x):\n", "import os\nprint(os.getcwd())\n",
         "for i in range(10):\n    print(i)\n", "x = [1, 2, 3]\ny = sorted(x)\n", "with open(p) as f:\n    data = f.read()\n"]
-
-
-@pytest.fixture(scope="module")
-def stack(tokenizer, tmp_path_factory):
-    root = tmp_path_factory.mktemp("regen_stack")
-    save_tiny_stack(root, tokenizer[0])
-    return root
 
 
 def write_jsonl(path, rows) -> str:
@@ -48,9 +37,7 @@ def args(stack, inp, out, *extra) -> list[str]:
 def regenerate(stack, inp, out, *extra) -> dict:
     from treedec.regenerate import run
 
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="regenerate", overrides=args(stack, inp, out, f"paths.run_dir={out}", *extra))
-    return run(cfg)
+    return run(compose_config("regenerate", args(stack, inp, out, f"paths.run_dir={out}", *extra)))
 
 
 def shards(out) -> dict[str, bytes]:

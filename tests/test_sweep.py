@@ -7,11 +7,9 @@ import sys
 
 import pytest
 
-from .test_generate import stack  # noqa: F401  (fixture)
-
 
 @pytest.mark.slow
-def test_multirun_2x2_writes_summary_and_plots(stack, tmp_path):  # noqa: F811
+def test_multirun_2x2_writes_summary_and_plots(stack, tmp_path):
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "treedec.generate", "-m", "tree=dynamic", "tree.total_tokens=6,10", "tree.depth=2,3", "tree.top_k=4",
            f"model.path={stack / 'target'}", "model.dtype=float32", f"draft.path={stack / 'draft'}",
@@ -43,7 +41,7 @@ def test_multirun_2x2_writes_summary_and_plots(stack, tmp_path):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_sweep_with_zero_new_tokens_completes(stack, tmp_path):  # noqa: F811
+def test_sweep_with_zero_new_tokens_completes(stack, tmp_path):
     """A sweep containing max_new_tokens=0 (compare=true) used to abort in the summary line: every job now writes
     metrics.json and the summary has both rows (no speedup where nothing was generated)."""
     sweep = tmp_path / "sweep"

@@ -10,13 +10,11 @@ import sys
 import pytest
 import yaml
 
-from .test_generate import stack  # noqa: F401  (fixture)
-
 SEARCHED = ("tree.total_tokens", "tree.depth", "tree.top_k")
 
 
 @pytest.mark.slow
-def test_two_trial_optuna_sweep_over_tree_shapes_names_the_best(stack, tmp_path):  # noqa: F811
+def test_two_trial_optuna_sweep_over_tree_shapes_names_the_best(stack, tmp_path):
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "treedec.generate", "-m", "hparams_search=optuna_tree", "hydra.sweeper.n_trials=2",
            f"model.path={stack / 'target'}", "model.dtype=float32", f"draft.path={stack / 'draft'}",

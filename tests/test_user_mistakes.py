@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from tests.test_cli import a_file, compose_cfg, entry_module, local_config  # noqa: F401  (a_file: a fixture)
 from treedec.cli import entry
+
+from tests.helpers import compose_config, entry_module, local_config
 
 
 def entry_run(name: str):
@@ -27,7 +28,7 @@ def run_entry_point(name: str, args: list[str], monkeypatch) -> None:
 
     searchpath = [f"hydra.searchpath=[file://{a.split('=', 1)[1]}]" for a in args if a.startswith("--config-dir=")]
     try:
-        cfg = compose_cfg(name, [a for a in args if not a.startswith("--")] + searchpath)
+        cfg = compose_config(name, [a for a in args if not a.startswith("--")] + searchpath, hydra=True)
     except Exception:
         monkeypatch.setattr(sys, "argv", [f"treedec.{name}", *args])
         launch(name, entry_module(name).main)

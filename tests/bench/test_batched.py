@@ -8,7 +8,7 @@ import pytest
 from treedec.bench import batched, harness
 from treedec.bench.methods import Prompt
 
-from tests.bench.test_bench import compose_bench, stack  # noqa: F401  (the module's tiny stack)
+from tests.bench.configs import bench_cfg
 
 
 def test_batches_are_full_and_take_the_prompts_in_turn():
@@ -19,9 +19,9 @@ def test_batches_are_full_and_take_the_prompts_in_turn():
         batched.batches(ps, 0)
 
 
-def test_bench_reports_every_method_per_batch_size(stack, tmp_path):  # noqa: F811
-    cfg = compose_bench(stack, tmp_path, "bench.batch_sizes=[1,2,3]", "bench.methods=[vanilla,dynamic,auto]",
-                        "bench.peers=[hf_greedy]", "bench.repeats=1", "bench.plots=true")
+def test_bench_reports_every_method_per_batch_size(stack, tmp_path):
+    cfg = bench_cfg(stack, tmp_path, "bench.batch_sizes=[1,2,3]", "bench.methods=[vanilla,dynamic,auto]",
+                    "bench.peers=[hf_greedy]", "bench.repeats=1", "bench.plots=true")
     m = harness.run(cfg)
     saved = json.loads((tmp_path / "metrics.json").read_text())["batched"]
     assert saved["sizes"] == [1, 2, 3] and not saved["failures"] and m["batched"]["sizes"] == [1, 2, 3]
@@ -42,21 +42,21 @@ def test_bench_reports_every_method_per_batch_size(stack, tmp_path):  # noqa: F8
     assert (tmp_path / "batch_throughput.png").stat().st_size > 0
 
 
-def test_bad_batch_size_fails_with_a_clear_error(stack, tmp_path):  # noqa: F811
+def test_bad_batch_size_fails_with_a_clear_error(stack, tmp_path):
     from treedec.config import ConfigError
 
     with pytest.raises((ConfigError, ValueError), match="batch"):
-        harness.run(compose_bench(stack, tmp_path, "bench.batch_sizes=[0]", "bench.methods=[vanilla]", "bench.peers=[]",
-                                  "bench.repeats=1"))
+        harness.run(bench_cfg(stack, tmp_path, "bench.batch_sizes=[0]", "bench.methods=[vanilla]", "bench.peers=[]",
+                              "bench.repeats=1"))
 
 
-def test_static_and_continuous_batches_decode_the_same_tokens(stack, tmp_path):  # noqa: F811
+def test_static_and_continuous_batches_decode_the_same_tokens(stack, tmp_path):
     """Continuous batching refills slots from the queue; static batching runs full batches in turn: every prompt's
     tokens are the same either way (vanilla is the reference in both)."""
     runs = {}
     for mode in ("continuous", "static"):
-        cfg = compose_bench(stack, tmp_path / mode, "bench.batch_sizes=[2]", "bench.methods=[vanilla,chain]",
-                            "bench.peers=[]", "bench.repeats=1", f"bench.batch_mode={mode}")
+        cfg = bench_cfg(stack, tmp_path / mode, "bench.batch_sizes=[2]", "bench.methods=[vanilla,chain]",
+                        "bench.peers=[]", "bench.repeats=1", f"bench.batch_mode={mode}")
         runs[mode] = harness.run(cfg)["batched"]
         assert runs[mode]["mode"] == mode and not runs[mode]["failures"]
         assert runs[mode]["by_size"]["2"]["chain"]["identical_to_vanilla"]
@@ -65,9 +65,9 @@ def test_static_and_continuous_batches_decode_the_same_tokens(stack, tmp_path): 
     assert "continuous batching" in (tmp_path / "continuous" / "results.md").read_text()
 
 
-def test_unknown_batch_mode_names_the_choices(stack, tmp_path):  # noqa: F811
+def test_unknown_batch_mode_names_the_choices(stack, tmp_path):
     from treedec.config import ConfigError
 
     with pytest.raises((ConfigError, ValueError), match="continuous"):
-        harness.run(compose_bench(stack, tmp_path, "bench.batch_sizes=[2]", "bench.methods=[vanilla]",
-                                  "bench.peers=[]", "bench.repeats=1", "bench.batch_mode=paged"))
+        harness.run(bench_cfg(stack, tmp_path, "bench.batch_sizes=[2]", "bench.methods=[vanilla]",
+                              "bench.peers=[]", "bench.repeats=1", "bench.batch_mode=paged"))

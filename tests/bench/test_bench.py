@@ -9,55 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from treedec.bench import harness, timing
 from treedec.bench import methods as bm
 from treedec.models.checkpoint import save_pretrained
 from treedec.models.config import LlamaConfig
 from treedec.models.llama import Transformer
-from treedec.tree.shapes import SHAPE_DIR
 
-from tests.helpers import TINY_ARCH, save_tiny_stack
-
-CONF = str(SHAPE_DIR.parents[1])
-
-
-
-@pytest.fixture(scope="module")
-def stack(tokenizer, tmp_path_factory):  # noqa: F811
-    root = tmp_path_factory.mktemp("bench_stack")
-    save_tiny_stack(root, tokenizer[0])
-    # hf_assisted's assistant: 1 layer, the same tokenizer (as tiny-code-assistant is for tiny-code).
-    small = Transformer(LlamaConfig(**{**TINY_ARCH, "num_hidden_layers": 1, "max_position_embeddings": 256}), "sdpa")
-    save_pretrained(small, root / "assistant", tokenizer=str(tokenizer[0]))
-    (root / "prompts.jsonl").write_text(json.dumps({"id": "add", "prompt": "def add(a, b):\n"}) + "\n\n"
-                                        + json.dumps({"prompt": "class Thing:\n    def get(self):\n"}) + "\n")
-    (root / "learned.yaml").write_text("choices: [[0], [1], [0, 0], [0, 0, 0]]\n")
-    return root
-
-
-def overrides(stack, run_dir, *extra):
-    """The tiny stack's overrides; a key in ``extra`` replaces the base one (Hydra refuses a key given twice)."""
-    base = [f"model.path={stack / 'target'}", "model.dtype=float32", "model.device=cpu", "kernel=sdpa",
-            f"draft.path={stack / 'draft'}", f"bench.prompts={stack / 'prompts.jsonl'}", "bench.max_new_tokens=12",
-            "bench.repeats=2", "bench.warmup=1", "bench.num_threads=1", f"bench.learned_path={stack / 'learned.yaml'}",
-            "tree/shape@bench.trees.static.shape=balanced_2x3", "bench.trees.dynamic.total_tokens=8",
-            "bench.trees.dynamic.depth=3", "bench.trees.dynamic.top_k=3", "bench.trees.chain.depth=3",
-            "bench.trees.dynamic_raw.total_tokens=8", "bench.trees.dynamic_raw.depth=3", "bench.trees.dynamic_raw.top_k=3",
-            "bench.trees.auto.max_depth=3", "bench.trees.auto.top_k=3",
-            f"bench.assistant_path={stack / 'assistant'}", "bench.plots=false", f"paths.run_dir={run_dir}"]
-    keys = {e.split("=", 1)[0] for e in extra}
-    return [o for o in base if o.split("=", 1)[0] not in keys] + list(extra)
-
-
-def compose_bench(stack, run_dir, *extra):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="bench", overrides=overrides(stack, run_dir, *extra))
+from tests.bench.configs import bench_cfg, bench_overrides
+from tests.helpers import TINY_ARCH, compose_config
 
 
 def test_bench_writes_well_formed_metrics(stack, tmp_path):
-    m = harness.run(compose_bench(stack, tmp_path, "bench.sampling=true"))
+    m = harness.run(bench_cfg(stack, tmp_path, "bench.sampling=true"))
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["methods"].keys() == m["methods"].keys()
     names = set(saved["methods"])
@@ -133,8 +97,8 @@ def test_bench_writes_well_formed_metrics(stack, tmp_path):
 
 
 def test_dynamic_sweep_puts_tree_auto_on_the_fixed_budget_curve(stack, tmp_path):
-    m = harness.run(compose_bench(stack, tmp_path, "bench.methods=[vanilla,auto]", "bench.peers=[]",
-                                  "bench.repeats=1", "bench.dynamic_sweep=[8,16]", "bench.plots=true"))
+    m = harness.run(bench_cfg(stack, tmp_path, "bench.methods=[vanilla,auto]", "bench.peers=[]",
+                              "bench.repeats=1", "bench.dynamic_sweep=[8,16]", "bench.plots=true"))
     assert m["dynamic_sweep"] == {"methods": ["dynamic_T8", "dynamic_T16"], "auto": ["auto"]}
     for T in (8, 16):
         e = m["methods"][f"dynamic_T{T}"]
@@ -158,8 +122,8 @@ def test_mismatch_fails_the_cli_after_writing_metrics(stack, tmp_path, monkeypat
         return res
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", corrupt)
-    args = overrides(stack, tmp_path, "bench.methods=[vanilla,chain,dynamic]", "bench.peers=[]", "bench.repeats=1",
-                     "bench.plots=true")
+    args = bench_overrides(stack, tmp_path, "bench.methods=[vanilla,chain,dynamic]", "bench.peers=[]",
+                           "bench.repeats=1", "bench.plots=true")
     monkeypatch.setattr(sys, "argv", ["treedec.bench", *args, f"hydra.run.dir={tmp_path}"])
     with pytest.raises(SystemExit) as exc:  # as `python -m treedec.bench`, in this process (keeps the monkeypatch)
         runpy.run_module("treedec.bench", run_name="__main__", alter_sys=True)
@@ -200,7 +164,7 @@ def test_bad_options_fail_before_the_model_loads(stack, tmp_path):
         ("bench.trees.dynamic.total_tokens=1", r"invalid bench\.trees\.dynamic config: tree\.total_tokens=1 must be a whole number >= 2"),
     ]
     for override, needle in cases:
-        cfg = compose_bench(stack, tmp_path, "model.path=/nonexistent/model", override)
+        cfg = bench_cfg(stack, tmp_path, "model.path=/nonexistent/model", override)
         with pytest.raises(ConfigError, match=needle):
             harness.run(cfg)
     assert not (tmp_path / "metrics.json").exists()
@@ -208,9 +172,9 @@ def test_bad_options_fail_before_the_model_loads(stack, tmp_path):
 
 def test_third_party_prompts_are_recorded(stack, tmp_path):
     """bench.prompt_source=third_party: prompts from installed packages, each one's file and line in metrics.json."""
-    cfg = compose_bench(stack, tmp_path, "bench.prompts=null", "bench.prompt_source=third_party", "bench.n_prompts=2",
-                        "bench.prompt_tokens=24", "bench.methods=[vanilla,chain]", "bench.peers=[]", "bench.repeats=1",
-                        "bench.max_new_tokens=4")
+    cfg = bench_cfg(stack, tmp_path, "bench.prompts=null", "bench.prompt_source=third_party", "bench.n_prompts=2",
+                    "bench.prompt_tokens=24", "bench.methods=[vanilla,chain]", "bench.peers=[]", "bench.repeats=1",
+                    "bench.max_new_tokens=4")
     m = harness.run(cfg)
     pr = json.loads((tmp_path / "metrics.json").read_text())["prompts"]
     assert pr["source"] == "third_party" and pr["n"] == 2 and sorted(pr["sources"]) == sorted(pr["ids"])
@@ -251,8 +215,7 @@ def test_defaults_run_learned_and_hf_assisted_on_third_party_prompts(tmp_path):
     """`python -m treedec.bench` as is: third-party prompts, the shipped learned tree, the bundled assistant."""
     from treedec.config import bundled
 
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="bench", overrides=[f"paths.run_dir={tmp_path}"])
+    cfg = compose_config("bench", [f"paths.run_dir={tmp_path}"])
     assert cfg.bench.prompt_source == "third_party" and "learned" in cfg.bench.methods
     assert "hf_assisted" in cfg.bench.peers
     why = bm.resolve_auto(cfg)
@@ -264,8 +227,8 @@ def test_defaults_run_learned_and_hf_assisted_on_third_party_prompts(tmp_path):
 
 def test_auto_is_off_for_other_checkpoints(stack, tmp_path):
     """auto keeps today's behaviour for a head or target of your own: learned and hf_assisted are skipped, with why."""
-    cfg = compose_bench(stack, tmp_path, "bench.learned_path=auto", "bench.assistant_path=auto",
-                        "bench.methods=[vanilla,chain,learned]", "bench.peers=[hf_assisted]", "bench.repeats=1")
+    cfg = bench_cfg(stack, tmp_path, "bench.learned_path=auto", "bench.assistant_path=auto",
+                    "bench.methods=[vanilla,chain,learned]", "bench.peers=[hf_assisted]", "bench.repeats=1")
     m = harness.run(cfg)  # (a bench whose every tree method is skipped is an error: chain runs beside)
     assert set(m["methods"]) == {"vanilla", "chain"}
     assert "only for the bundled head tiny-code-eagle" in m["skipped"]["learned"]
@@ -299,23 +262,23 @@ def test_bundled_assistant_auto_runs_and_missing_one_is_skipped(stack, tmp_path,
     monkeypatch.setitem(checkpoint.BUNDLED, "tiny-code-assistant", stack / "assistant")
     args = ("model.path=tiny-code", "bench.assistant_path=auto", "bench.methods=[vanilla]", "bench.peers=[hf_assisted]",
             "bench.repeats=1")
-    m = harness.run(compose_bench(stack, tmp_path / "a", *args))
+    m = harness.run(bench_cfg(stack, tmp_path / "a", *args))
     e = m["methods"]["hf_assisted"]
     assert e["assistant_path"] == str(stack / "assistant") and e["assistant_layers"] == 1
     assert e["identical_to_vanilla"] is True and m["config"]["bench"]["assistant_path"] == "tiny-code-assistant"
 
     monkeypatch.setitem(checkpoint.BUNDLED, "tiny-code-assistant", tmp_path / "absent")
-    m = harness.run(compose_bench(stack, tmp_path / "b", *args))
+    m = harness.run(bench_cfg(stack, tmp_path / "b", *args))
     assert "hf_assisted" not in m["methods"]
     assert "model_arch=tiny_code_assistant" in m["skipped"]["hf_assisted"]
     assert "hf_assisted" in (tmp_path / "b" / "results.md").read_text()  # the Skipped line says why
 
 
-def test_assistant_of_another_vocabulary_is_skipped(stack, tmp_path, tokenizer):  # noqa: F811
+def test_assistant_of_another_vocabulary_is_skipped(stack, tmp_path, tokenizer):
     other = Transformer(LlamaConfig(**{**TINY_ARCH, "vocab_size": 400, "num_hidden_layers": 1}), "sdpa")
     save_pretrained(other, tmp_path / "other", tokenizer=str(tokenizer[0]))
-    m = harness.run(compose_bench(stack, tmp_path, f"bench.assistant_path={tmp_path / 'other'}",
-                                  "bench.methods=[vanilla]", "bench.peers=[hf_assisted]", "bench.repeats=1"))
+    m = harness.run(bench_cfg(stack, tmp_path, f"bench.assistant_path={tmp_path / 'other'}",
+                              "bench.methods=[vanilla]", "bench.peers=[hf_assisted]", "bench.repeats=1"))
     assert "hf_assisted" not in m["methods"] and "vocab_size 400" in m["skipped"]["hf_assisted"]
 
 
@@ -374,8 +337,8 @@ def test_compiled_tree_methods_are_checked_against_compiled_vanilla():
 @pytest.mark.slow
 def test_bench_compile_runs_compiled_variants(stack, tmp_path):
     """bench.compile=true: vanilla_compile and chain_compile decode like eager vanilla (fp32), compile time apart."""
-    m = harness.run(compose_bench(stack, tmp_path, "bench.compile=true", "bench.methods=[vanilla,chain]",
-                                  "bench.peers=[]", "bench.repeats=1", "bench.warmup=0"))
+    m = harness.run(bench_cfg(stack, tmp_path, "bench.compile=true", "bench.methods=[vanilla,chain]",
+                              "bench.peers=[]", "bench.repeats=1", "bench.warmup=0"))
     assert {"vanilla", "vanilla_compile", "chain", "chain_compile"} <= set(m["methods"])
     for name in ("vanilla_compile", "chain_compile"):
         e = m["methods"][name]
@@ -391,25 +354,25 @@ def test_sample_temperatures_option(stack, tmp_path):
     """bench.sample_temperatures sets the sampled rows; bad lists fail before the model loads."""
     from treedec.config import ConfigError
 
-    cfg = compose_bench(stack, tmp_path, "bench.sampling=true", "bench.sample_temperatures=[0.5]", "sampling.top_p=0.9")
+    cfg = bench_cfg(stack, tmp_path, "bench.sampling=true", "bench.sample_temperatures=[0.5]", "sampling.top_p=0.9")
     assert [(s.temperature, s.top_p) for s in bm.sample_settings(cfg)] == [(0.5, 0.9)]
-    cfg = compose_bench(stack, tmp_path, "bench.sampling=true", "bench.sample_temperatures=null",
-                        "sampling.temperature=0.7")
+    cfg = bench_cfg(stack, tmp_path, "bench.sampling=true", "bench.sample_temperatures=null",
+                    "sampling.temperature=0.7")
     assert [s.temperature for s in bm.sample_settings(cfg)] == [0.7]  # null: the group's own
-    assert bm.sample_settings(compose_bench(stack, tmp_path)) == []  # bench.sampling=false
+    assert bm.sample_settings(bench_cfg(stack, tmp_path)) == []  # bench.sampling=false
     for override, needle in [("bench.sample_temperatures=[0.8,0]", r"has 0\.0: every temperature must be > 0"),
                              ("bench.sample_temperatures=[]", r"at least one temperature"),
                              ("bench.sample_temperatures=[0.3,0.3]", r"repeats a temperature")]:
         with pytest.raises(ConfigError, match=needle):
-            harness.run(compose_bench(stack, tmp_path, "model.path=/nonexistent/model", "bench.sampling=true",
-                                      override))
+            harness.run(bench_cfg(stack, tmp_path, "model.path=/nonexistent/model", "bench.sampling=true",
+                                  override))
 
 
 def test_hf_sample_is_seeded_and_runs_only_when_sampling(stack, tmp_path):
     from treedec.bench import peers
 
-    cfg = compose_bench(stack, tmp_path, "bench.sampling=true", "bench.sample_temperatures=[50.0]",
-                        "bench.peers=[hf_greedy,hf_sample]", "bench.max_new_tokens=16")
+    cfg = bench_cfg(stack, tmp_path, "bench.sampling=true", "bench.sample_temperatures=[50.0]",
+                    "bench.peers=[hf_greedy,hf_sample]", "bench.max_new_tokens=16")
     from treedec.cli import load_stack
 
     target, tok, _ = load_stack(cfg)
@@ -424,13 +387,13 @@ def test_hf_sample_is_seeded_and_runs_only_when_sampling(stack, tmp_path):
     assert torch.equal(torch.get_rng_state(), state)  # fork_rng: the process's random state is untouched
     assert runs[0] == runs[1] and len(runs[0]) > 0  # the same seed, the same sample
     assert any(r != runs[0] for r in runs[2:]), runs  # other seeds, other samples (T=50: the random model is peaked)
-    greedy_cfg = compose_bench(stack, tmp_path, "bench.peers=[hf_sample]")
+    greedy_cfg = bench_cfg(stack, tmp_path, "bench.peers=[hf_sample]")
     assert peers.build_peers(greedy_cfg, target, [0]) == ([], {})  # nothing to match without sampled rows
 
 
 def test_vanilla_fp32_reference_is_reported_never_checked(stack, tmp_path):
-    m = harness.run(compose_bench(stack, tmp_path, "bench.methods=[vanilla,chain]", "bench.peers=[]",
-                                  "bench.vanilla_fp32=true", "bench.learned_path=null"))
+    m = harness.run(bench_cfg(stack, tmp_path, "bench.methods=[vanilla,chain]", "bench.peers=[]",
+                              "bench.vanilla_fp32=true", "bench.learned_path=null"))
     e = m["methods"]["vanilla_fp32"]
     assert e["tokens_per_s"] > 0 and e["tau"] == 1.0 and e["speedup"] > 0
     assert e["identical_to_vanilla"] is True  # an fp32 target: its fp32 copy decodes the same tokens

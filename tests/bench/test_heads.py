@@ -8,15 +8,14 @@ import re
 
 import pytest
 
+from tests.bench.configs import bench_cfg
 from treedec.bench import harness
 from treedec.heads.head import DraftConfig, DraftHead
 from treedec.heads.parallel import ParallelHead
 
-from tests.bench.test_bench import compose_bench, stack  # noqa: F401  (the tiny stack fixture and its overrides)
-
 
 @pytest.fixture(scope="module")
-def heads(stack):  # noqa: F811
+def heads(stack):
     """An EAGLE head (``eagle``, the stack's own) and a one-pass head of block size 8 (``parallel``)."""
     from treedec.models.checkpoint import load_model
 
@@ -30,9 +29,9 @@ TINY = ("bench.peers=[]", "bench.repeats=1", "bench.warmup=0", "bench.max_new_to
         "bench.trees.best_first.total_tokens=6", "bench.trees.best_first.depth=3")
 
 
-def test_methods_cross_heads_and_rejected_pairs_are_skipped(stack, heads, tmp_path):  # noqa: F811
-    m = harness.run(compose_bench(stack, tmp_path, *TINY, f"bench.draft_heads=[{heads[0]},{heads[1]}]",
-                                  "bench.methods=[vanilla,chain,dynamic,best_first,parallel_chain]"))
+def test_methods_cross_heads_and_rejected_pairs_are_skipped(stack, heads, tmp_path):
+    m = harness.run(bench_cfg(stack, tmp_path, *TINY, f"bench.draft_heads=[{heads[0]},{heads[1]}]",
+                              "bench.methods=[vanilla,chain,dynamic,best_first,parallel_chain]"))
     assert list(m["methods"]) == ["vanilla", "chain@draft", "chain@parallel", "dynamic@draft", "best_first@parallel",
                                   "parallel_chain@draft", "parallel_chain@parallel"]
     # a tree the head cannot feed is skipped with check_head's reason, never an error
@@ -57,10 +56,10 @@ def test_methods_cross_heads_and_rejected_pairs_are_skipped(stack, heads, tmp_pa
     assert {ln["method"] for ln in lines} == set(m["methods"])
 
 
-def test_budget_sweeps_per_head_kind_and_their_plot(stack, heads, tmp_path):  # noqa: F811
-    m = harness.run(compose_bench(stack, tmp_path, *TINY, f"bench.draft_heads=[{heads[0]},{heads[1]}]",
-                                  "bench.methods=[vanilla]", "bench.dynamic_sweep=[8]",
-                                  "bench.best_first_sweep=[4,6]", "bench.plots=true", "bench.batch_sizes=[2]"))
+def test_budget_sweeps_per_head_kind_and_their_plot(stack, heads, tmp_path):
+    m = harness.run(bench_cfg(stack, tmp_path, *TINY, f"bench.draft_heads=[{heads[0]},{heads[1]}]",
+                              "bench.methods=[vanilla]", "bench.dynamic_sweep=[8]",
+                              "bench.best_first_sweep=[4,6]", "bench.plots=true", "bench.batch_sizes=[2]"))
     assert m["dynamic_sweep"] == {"methods": ["dynamic_T8@draft"], "auto": []}
     assert m["best_first_sweep"] == {"methods": ["best_first_T4@parallel", "best_first_T6@parallel"], "auto": []}
     assert set(m["skipped"]) == {"dynamic_T8@parallel", "best_first_T4@draft", "best_first_T6@draft"}
@@ -72,25 +71,25 @@ def test_budget_sweeps_per_head_kind_and_their_plot(stack, heads, tmp_path):  # 
     assert set(m["batched"]["by_size"]["2"]) == {"vanilla", "dynamic_T8"} and m["batched"]["failures"] == []
 
 
-def test_draft_heads_option_is_checked_before_loading(stack, tmp_path):  # noqa: F811
+def test_draft_heads_option_is_checked_before_loading(stack, tmp_path):
     from treedec.config import ConfigError
 
     for override, needle in [("bench.draft_heads=[]", r"at least one head"),
                              ("bench.draft_heads=[tiny_cod]", r"neither a draft config.*Did you mean tiny_code\?"),
                              (f"bench.draft_heads=[{stack / 'draft'},{stack / 'draft'}]", r"both go by 'draft'")]:
         with pytest.raises(ConfigError, match=needle):
-            harness.run(compose_bench(stack, tmp_path, "model.path=/nonexistent/model", override))
+            harness.run(bench_cfg(stack, tmp_path, "model.path=/nonexistent/model", override))
 
 
-def test_a_bench_whose_every_pair_is_skipped_is_one_error_before_timing(stack, heads, tmp_path, monkeypatch):  # noqa: F811
+def test_a_bench_whose_every_pair_is_skipped_is_one_error_before_timing(stack, heads, tmp_path, monkeypatch):
     """The user asked for a comparison and no method@head pair can run: one error naming each pair, why it was
     skipped and what each head can draft, before any timing (not vanilla rows alone and exit status 0)."""
     from treedec.errors import ConfigError
 
     monkeypatch.setattr(harness, "time_methods", lambda *a, **k: pytest.fail("timed a bench that compares nothing"))
     with pytest.raises(ConfigError) as err:
-        harness.run(compose_bench(stack, tmp_path, *TINY, f"bench.draft_heads=[{heads[1]}]",
-                                  "bench.methods=[vanilla,dynamic,static]"))
+        harness.run(bench_cfg(stack, tmp_path, *TINY, f"bench.draft_heads=[{heads[1]}]",
+                              "bench.methods=[vanilla,dynamic,static]"))
     msg = str(err.value)
     assert msg.startswith("bench.methods=['vanilla', 'dynamic', 'static']: every tree method was skipped, so the bench "
                           "would compare nothing: dynamic@parallel (DynamicPolicy drafts node by node, one head pass "

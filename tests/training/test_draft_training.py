@@ -5,47 +5,13 @@ import json
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-
-from treedec.models.checkpoint import save_pretrained
-from treedec.models.config import LlamaConfig
-from treedec.models.llama import Transformer
-from treedec.tree.shapes import SHAPE_DIR
 
 from tests.helpers import TINY_ARCH
-
-CONF = str(SHAPE_DIR.parents[1])
-
-
-@pytest.fixture(scope="module")
-def target_dir(tokenizer, tmp_path_factory):  # noqa: F811
-    torch.manual_seed(0)
-    model = Transformer(LlamaConfig(**TINY_ARCH), "sdpa")
-    out = tmp_path_factory.mktemp("target")
-    save_pretrained(model, out, tokenizer=str(tokenizer[0]))
-    return out
+from tests.training.jobs import head_weights, train_cfg, train_overrides
 
 
-def train_overrides(target_dir, corpus, tmp_path, steps, *extra) -> list[str]:  # noqa: F811
-    """The overrides of a short draft job on the tiny target (``extra`` replaces a key or adds one)."""
-    overrides = [f"model.path={target_dir}", "model.dtype=float32", f"export_dir={tmp_path / 'draft'}",
-                 f"paths.run_dir={tmp_path / 'run'}", f"data.root={corpus}", "data.seq_len=32", "data.batch_size=8",
-                 "data.val_fraction=0.2", f"data.cache_dir={tmp_path / 'cache'}", "data.max_val_windows=2",
-                 f"trainer.max_steps={steps}", "trainer.max_time=null", "trainer.val_check_interval=10",
-                 "trainer.precision=32-true", "optim.time_budget_s=null", "optim.lr=3e-3", "optim.warmup_steps=2",
-                 "eval.n_prompts=2", "eval.prompt_tokens=24", "eval.max_new_tokens=8", "eval.every_n_steps=10",
-                 "ckpt_every_n_steps=5", "log_every=5", "export_dtype=float32"]
-    keys = {e.split("=", 1)[0] for e in extra}
-    return [o for o in overrides if o.split("=", 1)[0] not in keys] + list(extra)
-
-
-def train_cfg(target_dir, corpus, tmp_path, steps, *extra):  # noqa: F811
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="train", overrides=train_overrides(target_dir, corpus, tmp_path, steps, *extra))
-
-
-def test_train_resume_and_export(target_dir, corpus, tmp_path):  # noqa: F811
-    from treedec.heads.head import DraftHead
+def test_train_resume_and_export(target_dir, corpus, tmp_path):
+    from treedec.heads import DraftHead
     from treedec.train import run
 
     m = run(train_cfg(target_dir, corpus, tmp_path, 20))
@@ -65,13 +31,7 @@ def test_train_resume_and_export(target_dir, corpus, tmp_path):  # noqa: F811
     assert {p: p.read_bytes() for p in files} == files and json.loads(files[tmp_path / "run" / "metrics.json"])["tau"]
 
 
-def head_weights(path):
-    from safetensors.torch import load_file
-
-    return load_file(str(path / "draft.safetensors"))
-
-
-def test_crash_then_rerun_is_bit_identical(target_dir, corpus, tmp_path):  # noqa: F811
+def test_crash_then_rerun_is_bit_identical(target_dir, corpus, tmp_path):
     """A crash after the end-of-epoch checkpoint (8 batches an epoch here), then the same command again:
     the loader, the feature noise's generator and the RNGs go on from the checkpoint."""
     from treedec.train import run
@@ -90,7 +50,7 @@ def test_crash_then_rerun_is_bit_identical(target_dir, corpus, tmp_path):  # noq
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_exits_143_and_the_rerun_resumes(target_dir, corpus, tmp_path):  # noqa: F811
+def test_sigterm_saves_a_checkpoint_exits_143_and_the_rerun_resumes(target_dir, corpus, tmp_path):
     """A SIGTERM'd job (kill, scancel, a preemption) must not exit 0 as a finished one does: it saves
     last.ckpt of the step it was on, writes no export or metrics.json, exits 143; the same command resumes."""
     import os
@@ -180,7 +140,7 @@ def test_eagle3_training_time_test_loss_decreases(target_dir):
         DraftModule(str(target_dir), target_dtype="float32", unroll=0)
 
 
-def test_eagle_training_time_test_weights_the_steps_and_every_step_learns(target_dir):  # noqa: F811
+def test_eagle_training_time_test_weights_the_steps_and_every_step_learns(target_dir):
     """An EAGLE-1/2 head with unroll=3: loss = sum 0.8^i (feat + w_ce ce) of each step; each step's CE falls."""
     from treedec.training.draft import DraftModule
 
@@ -199,8 +159,8 @@ def test_eagle_training_time_test_weights_the_steps_and_every_step_learns(target
 
 
 @pytest.mark.slow
-def test_eagle3_train_resume_and_export(target_dir, corpus, tmp_path):  # noqa: F811
-    from treedec.heads.head import DraftHead
+def test_eagle3_train_resume_and_export(target_dir, corpus, tmp_path):
+    from treedec.heads import DraftHead
     from treedec.heads.eagle3 import Eagle3Head
     from treedec.train import run
 
@@ -214,7 +174,7 @@ def test_eagle3_train_resume_and_export(target_dir, corpus, tmp_path):  # noqa: 
     assert head.lm_head.out_features == 48 and head.vocab_ids.unique().numel() == 48
 
 
-def test_debug_fdr_runs_one_batch(target_dir, corpus, tmp_path):  # noqa: F811
+def test_debug_fdr_runs_one_batch(target_dir, corpus, tmp_path):
     """``debug=fdr`` (conf/debug/fdr.yaml): Lightning's fast_dev_run through the real job: one step, then it ends."""
     from treedec.train import run
 
@@ -222,17 +182,17 @@ def test_debug_fdr_runs_one_batch(target_dir, corpus, tmp_path):  # noqa: F811
     assert m["steps"] == 1 and m["export_dir"] is None and m["max_steps"] == 20
 
 
-def test_init_from_accepts_an_exported_head(target_dir, corpus, tmp_path):  # noqa: F811
+def test_init_from_accepts_an_exported_head(target_dir, corpus, tmp_path):
     """init_from= takes what draft.path takes (one loader): here a head exported in EAGLE's layout."""
     from treedec.config import ConfigError
     from treedec.heads.export import export_head
     from treedec.models import load_model
-    from treedec.heads.head import DraftConfig, DraftHead
+    from treedec.heads import DraftConfig, DraftHead, build_head
     from treedec.training.draft import DraftModule
     from treedec.config import validate
 
     target = load_model(target_dir)
-    head = DraftHead(DraftConfig.for_target(target.config)).bind(target)
+    head = build_head(DraftConfig.for_target(target.config)).bind(target)
     out = export_head(head, tmp_path / "exported", "eagle")
     validate(train_cfg(target_dir, corpus, tmp_path, 1, f"init_from={out}"), "train")
     module = DraftModule(str(target_dir), init_from=str(out), target_dtype="float32")
@@ -256,7 +216,7 @@ def test_init_from_a_one_pass_head_takes_draft_arch_block_size():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["after_the_writes", "before_the_writes"])
-def test_exit_143_means_no_export_and_no_metrics(when, target_dir, corpus, tmp_path):  # noqa: F811
+def test_exit_143_means_no_export_and_no_metrics(when, target_dir, corpus, tmp_path):
     """README's promise, at the edges of training: a SIGTERM that lands after the last step but before the writes
     stops the job with 143 and writes nothing; one that lands once the export and metrics.json are written finds
     the job complete: exit 0."""

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from .test_job_safety import compose_cfg, tree_hashes
-from tests.helpers import TINY_ARCH
+from tests.helpers import TINY_ARCH, compose_config
+from tests.training.jobs import tree_hashes
 
 
 def tiny_pretrain(corpus, tok_path, run_dir, *extra):
     arch = [f"model_arch.{k}={v}" for k, v in TINY_ARCH.items()] + ["model_arch.head_dim=8"]
-    return compose_cfg("pretrain", arch + [
+    return compose_config("pretrain", arch + [
         f"paths.run_dir={run_dir}", f"paths.tokenizer={tok_path}", "num_threads=1", f"data.root={corpus}",
         "data.seq_len=32", "data.batch_size=4", "data.val_fraction=0.2", f"data.cache_dir={run_dir.parent / 'cache'}",
         "data.max_val_windows=1", "trainer.max_steps=3", "trainer.max_time=null", "trainer.precision=32-true",
@@ -27,7 +27,7 @@ def tiny_pretrain(corpus, tok_path, run_dir, *extra):
 def test_readme_commands_export_into_the_run_dir_and_leave_the_assets_alone(corpus, tokenizer, tmp_path,
                                                                             caplog):
     """`python -m treedec.pretrain` and `python -m treedec.train` with their defaults (tiny settings)."""
-    from treedec.heads.head import DraftHead
+    from treedec.heads import DraftHead
     from treedec.models.paths import ASSETS
     from treedec.pretrain import run as pretrain
     from treedec.train import run as train
@@ -39,7 +39,7 @@ def test_readme_commands_export_into_the_run_dir_and_leave_the_assets_alone(corp
         assert m["export_dir"] == str(export) and (export / "model.safetensors").is_file()
         assert f"use it: python -m treedec.generate model=hf model.path={export} " in caplog.text
 
-        cfg = compose_cfg("train", [  # the default target: the bundled tiny-code
+        cfg = compose_config("train", [  # the default target: the bundled tiny-code
             f"paths.run_dir={tmp_path / 'train'}", "num_threads=1", f"data.root={corpus}", "data.seq_len=16",
             "data.batch_size=2", "data.val_fraction=0.2", f"data.cache_dir={tmp_path / 'cache'}",
             "data.max_val_windows=1", "trainer.max_steps=2", "trainer.max_time=null", "trainer.val_check_interval=2",

@@ -10,8 +10,6 @@ import torch
 
 from treedec.data.datamodules import JsonlDataModule, StdlibCodeDataModule
 
-from .test_draft_training import target_dir  # noqa: F401  (fixtures)
-from .test_jsonl import chat_file  # noqa: F401
 from tests.helpers import TINY_ARCH
 
 

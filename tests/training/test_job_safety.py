@@ -2,7 +2,6 @@
 follow the umask, start-up config checks with one-line errors."""
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -15,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from treedec.config import ConfigError
 from treedec.data.datamodules import EpochSampler, ResumableLoader
@@ -23,20 +21,10 @@ from treedec.models.paths import export_path
 from treedec.atomic import atomic_dir
 from treedec.training.preemption import ResumeState, rng_states, set_rng_states
 from treedec.training.run_dir import JobError, RunDirLock, finished_metrics
-from treedec.tree.shapes import SHAPE_DIR
 
-CONF = str(SHAPE_DIR.parents[1])
+from tests.helpers import compose_config
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def compose_cfg(name: str, overrides: list[str]):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name=name, overrides=overrides)
-
-
-def tree_hashes(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 # ------------------------------------------------------------------------------------------- lock
@@ -164,12 +152,12 @@ def test_atomic_dir_keeps_the_old_directory_when_writing_fails(tmp_path):
 @pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
 def test_exports_follow_the_umask(tmp_path, umask, file_mode, dir_mode):
     from treedec.models.config import LlamaConfig
-    from treedec.heads.head import DraftConfig, DraftHead
+    from treedec.heads import DraftConfig, build_head
     from treedec.models.llama import Transformer
 
     target = Transformer(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                      num_attention_heads=2, max_position_embeddings=32), "sdpa")
-    head = DraftHead(DraftConfig.for_target(target.config)).bind(target)
+    head = build_head(DraftConfig.for_target(target.config)).bind(target)
     old = os.umask(umask)
     try:
         out = atomic_dir(tmp_path / "head", head.save)
@@ -270,7 +258,7 @@ def test_bad_options_are_refused_before_anything_runs(name, override, message, t
         (tmp_path / "deep").mkdir()
         (tmp_path / "deep" / DRAFT_CONFIG).write_text(json.dumps({**head, "feature_layers": [2, 6, 30]}))
         override = override.replace("{deep}", str(tmp_path / "deep"))
-    cfg = compose_cfg(name, [*override.split(" "), f"paths.run_dir={tmp_path / 'run'}"])
+    cfg = compose_config(name, [*override.split(" "), f"paths.run_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match=message):
         (train if name == "train" else pretrain)(cfg)
     assert not (tmp_path / "run").exists()  # refused before the job made its run dir, data or model
@@ -286,4 +274,4 @@ def test_defaults_and_documented_overrides_pass(tmp_path):
                                  "+callbacks.lr={_target_:lightning.pytorch.callbacks.LearningRateMonitor}"]),
                       ("pretrain", ["model_arch=tiny_code_assistant", "paths.tokenizer=tiny-code"]),
                       ("pretrain", ["export_dir=bundled", "+trainer.limit_test_batches=2"])]:
-        validate(compose_cfg(name, ovr + [run]), name)
+        validate(compose_config(name, ovr + [run]), name)

@@ -2,11 +2,8 @@
 DraftModule's masked loss ignores every masked position; draft training runs on chat data."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from treedec.models.tokenizer import Tokenizer
 from treedec.data.chat import ChatRenderer, spans_to_mask
@@ -14,30 +11,11 @@ from treedec.data.corpus import parse_record
 from treedec.data.datamodules import JsonlDataModule
 from treedec.data.token_cache import tokenize_jsonl
 
-from .test_draft_training import CONF, target_dir  # noqa: F401  (fixtures)
-from tests.helpers import TINY_ARCH
+from tests.helpers import TINY_ARCH, compose_config
+from tests.training.jobs import conversation, write_jsonl
 
 CHATML = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
           "{% if add_generation_prompt %}<|endoftext|>assistant\n{% endif %}")
-
-
-def conversation(i: int) -> dict:
-    return {"conversations": [
-        {"from": "system", "value": "Code only."},
-        {"from": "human", "value": f"QUERY{i} please"},
-        {"from": "gpt", "value": f"def reply_{i}(x):\n    return x + {i}\n"},
-        {"role": "user", "content": "and again"},
-        {"role": "assistant", "content": f"return {i}"}]}
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-@pytest.fixture(scope="module")
-def chat_file(tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("jsonl") / "chat.jsonl", [conversation(i) for i in range(24)])
 
 
 @pytest.mark.parametrize("template", ["fallback", CHATML])
@@ -168,9 +146,7 @@ def test_train_on_chat_jsonl(target_dir, chat_file, tmp_path):
            "trainer.max_time=null", "trainer.val_check_interval=4", "trainer.precision=32-true",
            "optim.time_budget_s=null", "optim.warmup_steps=1", "eval.n_prompts=2", "eval.prompt_tokens=16",
            "eval.max_new_tokens=4", "eval.every_n_steps=0", "ckpt_every_n_steps=2", "log_every=2", "num_threads=1"]
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=ovr)
-    m = run(cfg)
+    m = run(compose_config("train", ovr))
     assert m["steps"] == 4 and 1.0 <= m["tau"] < 1.5 and 0.0 <= m["val"]["val/top1_acc"] <= 1.0  # 4 steps: untrained
 
 
@@ -184,6 +160,5 @@ def test_pretrain_on_text_jsonl_trains_its_tokenizer(tmp_path):
                   f"data.cache_dir={tmp_path / 'cache'}", f"paths.run_dir={tmp_path / 'run'}", "export_dir=null",
                   "trainer.max_steps=3", "trainer.max_time=null", "trainer.precision=32-true", "num_threads=1",
                   "optim.time_budget_s=null", "optim.warmup_steps=1", "ckpt_every_n_steps=3", "log_every=1"]
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        m = run(compose(config_name="pretrain", overrides=ovr))
+    m = run(compose_config("pretrain", ovr))
     assert m["steps"] == 3 and m["val_loss"] is not None and (tmp_path / "run" / "tokenizer.json").is_file()

@@ -16,15 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from treedec.training.run_dir import JobError, find_resume_checkpoint
-from treedec.tree.shapes import SHAPE_DIR
 
-from tests.helpers import TINY_ARCH
-from tests.training.test_draft_training import target_dir, train_cfg  # noqa: F401  (the tiny target, a short job)
+from tests.helpers import TINY_ARCH, compose_config
+from tests.training.jobs import train_cfg
 
-CONF = str(SHAPE_DIR.parents[1])
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
 
@@ -37,11 +34,6 @@ def overrides(corpus, tok_path, cache, steps=STEPS):
         "data.max_val_windows=2", f"paths.tokenizer={tok_path}", f"trainer.max_steps={steps}", "trainer.max_time=null",
         "trainer.val_check_interval=6", "trainer.precision=32-true", "trainer.enable_model_summary=false",
         "optim.time_budget_s=null", "optim.warmup_steps=2"]
-
-
-def compose_pretrain(ovr):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="pretrain", overrides=ovr)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +78,7 @@ def test_kill9_then_rerun_ends_bit_identical_to_an_uninterrupted_run(killed_and_
     assert metrics["resumed_from"] == str(run / "checkpoints" / "last.ckpt")
     # an uninterrupted run of the same config ends at the same global step
     ovr = overrides(corpus, tokenizer[0], tmp_path / "cache") + [f"paths.run_dir={tmp_path / 'ref'}"]
-    ref = pretrain(compose_pretrain(ovr))
+    ref = pretrain(compose_config("pretrain", ovr))
     assert ref["resumed_from"] is None and metrics["steps"] == ref["steps"] == STEPS
     got, want = weights(run / "checkpoints" / "final.ckpt"), weights(tmp_path / "ref" / "checkpoints" / "final.ckpt")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)  # bit for bit
@@ -104,8 +96,8 @@ def test_rerunning_a_finished_job_leaves_it_alone(killed_and_resumed, corpus, to
     run, _, metrics = killed_and_resumed
     files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in [run / "metrics.json", *(run / "checkpoints").iterdir()]}
     with caplog.at_level(logging.WARNING, logger="treedec.pretrain"):
-        again = pretrain(compose_pretrain(overrides(corpus, tokenizer[0], run.parent / "cache")
-                                          + [f"paths.run_dir={run}"]))
+        again = pretrain(compose_config("pretrain", overrides(corpus, tokenizer[0], run.parent / "cache")
+                                        + [f"paths.run_dir={run}"]))
     assert again == metrics and "already finished (step 12" in caplog.text
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files} == files
 
@@ -126,8 +118,8 @@ def test_truncated_last_ckpt_falls_back_to_an_intact_one(killed_and_resumed, cor
     assert got == str(run / "checkpoints" / f"step{STEPS}.ckpt")
     assert "last.ckpt is unusable" in caplog.text and "newest intact" in caplog.text
     # the weights-only final.ckpt is never a resume candidate; the job itself resumes and goes on
-    m = pretrain(compose_pretrain(overrides(corpus, tokenizer[0], tmp_path / "cache", steps=STEPS + 2)
-                                  + [f"paths.run_dir={run}"]))
+    m = pretrain(compose_config("pretrain", overrides(corpus, tokenizer[0], tmp_path / "cache", steps=STEPS + 2)
+                                + [f"paths.run_dir={run}"]))
     assert m["resumed_from"] == got and m["steps"] == STEPS + 2
     assert torch.load(find_resume_checkpoint(run), weights_only=True)["global_step"] == STEPS + 2
 
@@ -168,9 +160,8 @@ def test_slurm_launcher_config_keys_run_dirs_by_job_name():
     from omegaconf import OmegaConf
 
     import hydra_plugins.hydra_submitit_launcher  # noqa: F401  (the slurm extra is a test dependency: no skip)
-    with initialize_config_dir(config_dir=CONF, version_base="1.3", job_name="train"):
-        cfg = compose(config_name="train", overrides=["hydra/launcher=slurm", "hydra.job.name=my-head", "trainer=ddp"],
-                      return_hydra_config=True)
+    cfg = compose_config("train", ["hydra/launcher=slurm", "hydra.job.name=my-head", "trainer=ddp"], hydra=True,
+                         job_name="train")
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher") and launcher.max_num_timeout > 0 and launcher.timeout_min > 0
     sweep = OmegaConf.to_container(cfg.hydra.sweep, resolve=False)
@@ -179,7 +170,7 @@ def test_slurm_launcher_config_keys_run_dirs_by_job_name():
     assert cfg.trainer.strategy == "ddp" and cfg.trainer.precision == "bf16-mixed" and cfg.requeue == "auto"
 
 
-def test_resuming_with_another_head_shape_names_the_setting(target_dir, corpus, tmp_path, monkeypatch):  # noqa: F811
+def test_resuming_with_another_head_shape_names_the_setting(target_dir, corpus, tmp_path, monkeypatch):
     """Issue 46 item 2: re-running a run dir with another head kind (or block size) is one ``Error:`` line naming
     the setting that differs from the run it would resume and the fix, not a state-dict traceback; the checkpoint
     is kept."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .test_draft_training import head_weights, target_dir, train_cfg, train_overrides  # noqa: F401  (fixture)
+from tests.training.jobs import head_weights, train_cfg, train_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ EXTRA = ("num_threads=1", "eval.every_n_steps=0")  # one thread: the same float 
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(target_dir, corpus, tmp_path_factory):  # noqa: F811
+def uninterrupted(target_dir, corpus, tmp_path_factory):
     """The exported head and metrics of the same 12 steps, run through in this process."""
     from treedec.train import run
 
@@ -58,7 +58,7 @@ def wait_for(check, what: str, proc: subprocess.Popen, logs, seconds: float = 24
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preemption", ["usr2_mid_step", "sigterm_then_usr2"])
-def test_submitit_job_preempted_is_requeued_and_resumes_exactly(preemption, target_dir, corpus, tmp_path,  # noqa: F811
+def test_submitit_job_preempted_is_requeued_and_resumes_exactly(preemption, target_dir, corpus, tmp_path,
                                                                  uninterrupted):
     """``usr2_mid_step``: submitit's signal lands in a step (as before a time limit); the job resumes from step 5's
     checkpoint. ``sigterm_then_usr2``: SLURM's preemption of a submitit job, where the SIGTERM (which submitit

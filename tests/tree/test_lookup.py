@@ -14,7 +14,7 @@ from treedec.tree.policies import ChainPolicy, DynamicPolicy, LookupPolicy, Stat
 from treedec.tree.policies.lookup import NgramIndex
 from treedec.tree.tree import Tree, TreeError
 
-from tests.helpers import greedy_reference, make_pair
+from tests.helpers import compose_config, greedy_reference, make_pair
 
 
 def test_ngram_index_copies_what_followed_the_latest_earlier_occurrence():
@@ -234,15 +234,12 @@ def test_each_rows_context_follows_it_when_finished_rows_leave_the_batch(seed):
 
 
 def test_tree_lookup_config_instantiates_and_unknown_keys_name_the_fix():
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     from treedec.config.checks import instantiate_checked, validate_tree
     from treedec.errors import ConfigError
-    from treedec.models.paths import CONF
 
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="generate", overrides=["tree=lookup", "tree.tokens=16", "tree.inner.depth=6"])
+    cfg = compose_config("generate", ["tree=lookup", "tree.tokens=16", "tree.inner.depth=6"])
     validate_tree(cfg.tree)
     pol = instantiate_checked(cfg.tree, "tree")
     assert isinstance(pol, LookupPolicy) and pol.tokens == 16 and pol.inner.max_depth == 6 and pol.max_depth == 16
