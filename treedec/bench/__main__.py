@@ -3,6 +3,9 @@
 Writes metrics.json, results.md, outputs.jsonl and plots into the run dir. Exits 1 when a
 treedec greedy method's output differs from vanilla decoding (after writing metrics.json), and
 with one ``Error: ...`` line when an option is wrong (before any model loads).
+
+The harness (torch and the models, seconds to import) is imported inside :func:`main`, after Hydra has composed
+and checked the config, so ``--help`` and a wrong option answer at once.
 """
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -38,7 +39,11 @@ from typing import Callable
 import torch
 from omegaconf import DictConfig
 
+from treedec.bench import peers
 from treedec.bench.methods import Prompt, method_names
+from treedec.decoding.speculative import CompactingDecoder
+from treedec.decoding.vanilla import VanillaDecoder
+from treedec.models.paths import resolve_path
 
 log = logging.getLogger("treedec.bench")
 # Continuous batching: prompts per queue, in rounds of b. The methods take turns per queue, so shorter queues
@@ -79,9 +84,6 @@ def _from_stats(res) -> BatchRun:
 
 def build(cfg: DictConfig, target, draft, eos_ids: list[int], policies: dict) -> tuple[list[BatchMethod], dict]:
     """The batched methods (vanilla, the tree methods that have a policy, hf_greedy); returns (methods, skipped)."""
-    from treedec.decoding.vanilla import VanillaDecoder
-    from treedec.decoding.speculative import CompactingDecoder
-
     bench, n = cfg.bench, int(cfg.bench.max_new_tokens)
     plain = VanillaDecoder(target, eos_ids=eos_ids)
     out = [BatchMethod("vanilla", "treedec", lambda rows, k: _from_stats(plain.serve(rows, n, k, compact=True)))]
@@ -93,9 +95,6 @@ def build(cfg: DictConfig, target, draft, eos_ids: list[int], policies: dict) ->
     skipped = {}
     if "hf_greedy" in (bench.get("peers") or []):
         try:
-            from treedec.bench import peers
-            from treedec.models.checkpoint import resolve_path
-
             model = peers.load_hf(resolve_path(cfg.model.path), target.dtype, target.device)
         except Exception as exc:  # no transformers, or a checkpoint it cannot read: the peer is skipped
             skipped["hf_greedy"] = f"batched hf_greedy could not load the model: {type(exc).__name__}: {exc}"
@@ -160,8 +159,6 @@ def measure(methods: list[BatchMethod], groups: list[list[list[int]]], repeats: 
         if passes and m.family == "treedec" and m.name != "vanilla":
             e["mean_tree_size"] = sum(x.tree_nodes for x in runs) / passes
         if m.name in history:  # tree=auto's shapes during this batch size's runs, most frequent first
-            from collections import Counter
-
             arms = Counter(m.policy.history[history[m.name]:]).most_common(4)
             e["auto_arms"] = [{"total_tokens": T, "depth": d, "steps": c} for (T, d), c in arms]
         out[m.name] = e

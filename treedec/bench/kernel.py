@@ -9,6 +9,9 @@ Backends are timed through their implementations directly (inputs validated once
 front), so the dispatcher's checks and host syncs are not in the figure. On CUDA each
 repeat flushes the L2 cache first and is timed with CUDA events. On CPU the triton backend
 runs only when ``--backends`` names it (the interpreter is a correctness tool, not a speed).
+
+The Triton kernel is imported when a run asks for it: after ``TRITON_INTERPRET`` is set on CPU (it must be set
+before the kernel is defined), and never where Triton is not installed.
 """
 from __future__ import annotations
 
@@ -19,9 +22,13 @@ import platform
 import statistics
 import sys
 import time
+from functools import partial
 from typing import Callable
 
 import torch
+
+from treedec.attention import check_inputs, reference
+from treedec.tree import Tree
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -51,8 +58,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def backend_fns(names: list[str]) -> dict[str, Callable]:
     """The backend implementations, without the dispatcher's validation."""
-    from treedec.attention import reference
-
     fns: dict[str, Callable] = {"eager": reference.eager_tree_attention, "sdpa": reference.sdpa_tree_attention}
     if "triton" in names:
         from treedec.attention.triton_kernel import triton_tree_attention
@@ -62,8 +67,6 @@ def backend_fns(names: list[str]) -> dict[str, Callable]:
 
 
 def random_tree_bits(T: int, gen: torch.Generator) -> torch.Tensor:
-    from treedec.tree import Tree
-
     parents = [-1] + [int(torch.randint(max(0, i - 8), i, (1,), generator=gen)) for i in range(1, T)]
     return Tree.from_parents(parents).ancestor_bits()
 
@@ -102,8 +105,6 @@ def run(args: argparse.Namespace) -> dict:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernel's definition
     if args.threads:
         torch.set_num_threads(args.threads)
-    from treedec.attention import check_inputs
-
     fns = backend_fns(names)
     gen = torch.Generator().manual_seed(args.seed)
     B, Hq, Hkv, D = args.batch, args.heads, args.kv_heads, args.head_dim
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> dict:
             for name, fn in fns.items():
                 out = fn(q, k, v, bits, pl)
                 ref = out.float() if ref is None else ref
-                us = median_us(lambda: fn(q, k, v, bits, pl), device, args.repeats, args.warmup)
+                us = median_us(partial(fn, q, k, v, bits, pl), device, args.repeats, args.warmup)
                 rows.append(dict(prefix=L, tree=T, backend=name, us=round(us, 2),
                                  kv_gbps=round(kv_bytes / us / 1e3, 2), kv_mb=round(kv_bytes / 2**20, 3),
                                  max_abs_diff=float((out.float() - ref).abs().max())))

@@ -1,8 +1,15 @@
-"""Reports of a bench run: the Markdown table (results.md) and plots (matplotlib, when installed)."""
+"""Reports of a bench run: the Markdown table (results.md) and plots (matplotlib, when installed).
+
+matplotlib (the ``plots`` extra) is imported by :func:`plots` only, so the Markdown report needs none.
+"""
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+
+from treedec.bench.batched import markdown as batched_markdown
+from treedec.bench.batched import plot as batched_plot
+from treedec.bench.sweep_plots import budget_sweep_plot
 
 log = logging.getLogger("treedec.bench")
 
@@ -173,8 +180,6 @@ def markdown(metrics: dict) -> str:
     if metrics.get("sampled"):
         lines += sampled_tables(metrics["sampled"])
     if metrics.get("batched"):  # bench.batch_sizes (treedec/bench/batched.py)
-        from treedec.bench.batched import markdown as batched_markdown
-
         lines += batched_markdown(metrics["batched"])
     if metrics.get("skipped"):
         why: dict[str, list[str]] = {}  # one line per reason: a head skips the same trees at every budget
@@ -248,11 +253,7 @@ def plots(metrics: dict, out_dir: str | Path) -> list[Path]:
             plt.close(fig)
             written.append(out_dir / "time_split.png")
         if metrics.get("batched"):  # bench.batch_sizes: batch_throughput.png
-            from treedec.bench.batched import plot as batched_plot
-
             written.append(batched_plot(metrics["batched"], out_dir, plt))
-        from treedec.bench.sweep_plots import budget_sweep_plot
-
         sweep = budget_sweep_plot(metrics, out_dir, plt)
         if sweep is not None:
             written.append(sweep)

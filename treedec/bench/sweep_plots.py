@@ -3,7 +3,9 @@
 bench's budget sweeps (:func:`budget_sweep_plot`: ``bench.dynamic_sweep`` / ``bench.best_first_sweep``, one curve per
 tree and head, tree=auto as a star at its mean T).
 
-matplotlib is imported by the callers only (the ``plots`` extra).
+Imports on first use: matplotlib (the ``plots`` extra, absent from a plain install) in :func:`plot`, and
+:mod:`treedec.bench.methods` (which loads torch, about 2.5 s) in :func:`budget_sweep_plot`, so a sweep's summary
+(:mod:`treedec.sweep`, which reads metrics files only) draws without torch.
 """
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """The timing loop: warm-up, then ``repeats`` passes with the methods taking turns on every prompt, and the
-untimed op count of each method (see harness.py for the protocol)."""
+untimed op count of each method (see harness.py for the protocol).
+
+``torch._dynamo`` (seconds to import) is imported only when a compiled method is timed.
+"""
 from __future__ import annotations
 
 import logging

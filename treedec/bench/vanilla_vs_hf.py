@@ -14,6 +14,9 @@ still round differently, so there the script only reports how many leading token
 
 Timings need a quiet machine: with other processes competing for the cores, multi-threaded
 CPU kernels stall at OpenMP barriers and both figures collapse (the ratio suffers less).
+
+transformers (a test dependency, not the package's) is imported inside the functions that run it, so ``--help``
+and a wrong argument answer without it.
 """
 from __future__ import annotations
 
