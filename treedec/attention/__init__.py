@@ -8,13 +8,24 @@ triton kernel does not load them; eager/sdpa mask them, so they must be finite: 
 
 A model forward picks the backend and builds the mask once, then attends in every layer: :mod:`.dispatch`.
 The tree's packed form (ancestor bits): :mod:`.layout`.
+
+The Triton kernel is imported on its first use only: Triton is missing off Linux x86_64 (the eager and sdpa
+backends work without it), and importing it costs about 0.25 s that a CPU run never needs.
 """
 from __future__ import annotations
 
 import torch
 
-from treedec.attention.reference import (dense_mask, eager_tree_attention, fold_query_groups, folded_sdpa,
-                                         prefix_tree_mask, query_fold, sdpa_tree_attention, tree_dense_mask)
+from treedec.attention.reference import (
+    dense_mask,
+    eager_tree_attention,
+    fold_query_groups,
+    folded_sdpa,
+    prefix_tree_mask,
+    query_fold,
+    sdpa_tree_attention,
+    tree_dense_mask,
+)
 
 BACKENDS = ("eager", "sdpa", "triton")
 
