@@ -19,18 +19,21 @@ from typing import Sequence
 
 import torch
 
+from treedec.conf_defaults import shipped_defaults
+
 CANDIDATES = 2  # top-p candidates per draw: all miss with probability <= (1 - top_p)^2 (2 were as fast as 4)
 BLOCK = 64  # the blocked inverse CDF: a sum per BLOCK weights, then a cumsum inside one block
 BLOCKED_FROM = 1 << 16  # weights in a draw from which the blocked inverse CDF is the faster (8 rows of 8192)
 _TINY = torch.finfo(torch.float32).tiny
 _MASK63 = (1 << 63) - 1
+_GREEDY = shipped_defaults("sampling/greedy")  # the default: greedy, as sampling=greedy (written once there)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
+    temperature: float = _GREEDY["temperature"]  # 0 = greedy
+    top_k: int = _GREEDY["top_k"]  # 0 = off
+    top_p: float = _GREEDY["top_p"]  # 1 = off
 
     def __post_init__(self):
         for name in ("temperature", "top_p"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import os
 import typing
 from pathlib import Path
@@ -97,7 +98,9 @@ def validate_tree(node: Any, where: str = "tree", kind: str = "generate") -> Non
     for cls, (rule, keys) in POLICY_RULES.items():
         if schema is tree_schema(f"{cls.__module__}.{cls.__qualname__}"):
             try:
-                rule(**{k: OmegaConf.select(merged, k, throw_on_resolution_failure=False) for k in keys})
+                given = inspect.signature(cls).parameters  # a key the node leaves out: the class's default (the YAML's)
+                rule(**{k: OmegaConf.select(merged, k, throw_on_resolution_failure=False) if k in node
+                        else given[k].default for k in keys})
             except TreeError as e:
                 raise ConfigError(f"invalid {where} config: {e}") from None
     shape = node.get("shape")

@@ -16,36 +16,36 @@ from treedec.config.schema import ModelSchema
 
 @dataclass
 class EvalSchema:
-    n_prompts: int = 6
-    prompt_tokens: int = 96
-    max_new_tokens: int = 64
-    every_n_steps: int = 200
+    n_prompts: int = MISSING
+    prompt_tokens: int = MISSING
+    max_new_tokens: int = MISSING
+    every_n_steps: int = MISSING
 
 
 @dataclass
 class DraftOptimSchema:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.1
-    feature_noise: float = 0.1
-    w_feat: float = 1.0
-    w_ce: float = 0.1
-    time_budget_s: Any = "auto"
-    unroll: Optional[int] = None  # training-time test steps (None: 3 for eagle3, 1 for eagle)
+    lr: float = MISSING
+    weight_decay: float = MISSING
+    betas: List[float] = MISSING
+    warmup_steps: int = MISSING
+    min_lr_ratio: float = MISSING
+    feature_noise: float = MISSING
+    w_feat: float = MISSING
+    w_ce: float = MISSING
+    time_budget_s: Any = MISSING
+    unroll: Optional[int] = MISSING  # training-time test steps (None: 3 for eagle3, 1 for eagle)
 
 
 @dataclass
 class LMOptimSchema:
-    lr: float = 2e-3
-    weight_decay: float = 0.1
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.1
-    init_std: float = 0.02
-    use_cache_path: bool = False
-    time_budget_s: Any = "auto"
+    lr: float = MISSING
+    weight_decay: float = MISSING
+    betas: List[float] = MISSING
+    warmup_steps: int = MISSING
+    min_lr_ratio: float = MISSING
+    init_std: float = MISSING
+    use_cache_path: bool = MISSING
+    time_budget_s: Any = MISSING
 
 
 @dataclass
@@ -65,13 +65,13 @@ class PretrainPathsSchema(TrainPathsSchema):
 @dataclass
 class JobSchema:
     """Keys both jobs share."""
-    seed: int = 0
-    num_threads: int = 2
+    seed: int = MISSING
+    num_threads: int = MISSING
     export_dir: Optional[str] = MISSING
-    export_dtype: str = "bfloat16"
-    ckpt_every_n_steps: int = 100
-    log_every: int = 10
-    requeue: str = "auto"
+    export_dtype: str = MISSING
+    ckpt_every_n_steps: int = MISSING
+    log_every: int = MISSING
+    requeue: str = MISSING
     callbacks: Any = MISSING  # name -> callback config (checked by _target_)
     logger: Any = MISSING  # name -> logger config (checked by _target_)
     data: Any = MISSING  # checked by _target_
@@ -83,8 +83,8 @@ class JobSchema:
 class TrainSchema(JobSchema):
     model: ModelSchema = field(default_factory=ModelSchema)  # the frozen target (conf/model)
     draft_arch: Any = MISSING  # DraftConfig overrides: the head to train (checked against DraftConfig)
-    init_from: Optional[str] = None
-    draft_vocab_size: int = 0  # > 0: export with the training data's K most frequent tokens as draft vocabulary
+    init_from: Optional[str] = MISSING
+    draft_vocab_size: int = MISSING  # > 0: export with the training data's K most frequent tokens as draft vocabulary
     optim: DraftOptimSchema = field(default_factory=DraftOptimSchema)
     eval: EvalSchema = field(default_factory=EvalSchema)
     paths: TrainPathsSchema = field(default_factory=TrainPathsSchema)

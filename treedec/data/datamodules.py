@@ -18,6 +18,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from treedec.conf_defaults import shipped_defaults
 from treedec.data.corpus import line_split, read_jsonl
 from treedec.data.datasets import ChatSequences, TokenWindows
 from treedec.data.prompts import heldout_prompts
@@ -135,6 +136,11 @@ def eval_loader(dataset: Dataset, indices: list[int], batch_size: int, num_worke
 
 
 # --------------------------------------------------------------------------- data modules
+# The defaults of data=stdlib_code and data=jsonl, written once in their YAML (the keys it wires to another,
+# such as seed: ${seed}, keep a default here for a Python caller)
+_STDLIB, _JSONL = shipped_defaults("data/stdlib_code"), shipped_defaults("data/jsonl")
+
+
 class StdlibCodeDataModule(L.LightningDataModule):
     """Token windows of the stdlib corpus (or any ``root`` of ``*.py`` files).
 
@@ -142,9 +148,11 @@ class StdlibCodeDataModule(L.LightningDataModule):
     Validation: contiguous, non-overlapping windows (at most ``max_val_windows``).
     """
 
-    def __init__(self, tokenizer_path: str, root: str | None = None, seq_len: int = 512, batch_size: int = 16,
-                 val_fraction: float = 0.03, cache_dir: str | None = None, seed: int = 0,
-                 max_val_windows: int | None = 64, num_workers: int = 0, vocab_size: int = 8192):
+    def __init__(self, tokenizer_path: str, root: str | None = _STDLIB["root"], seq_len: int = _STDLIB["seq_len"],
+                 batch_size: int = _STDLIB["batch_size"], val_fraction: float = _STDLIB["val_fraction"],
+                 cache_dir: str | None = _STDLIB["cache_dir"], seed: int = 0,
+                 max_val_windows: int | None = _STDLIB["max_val_windows"], num_workers: int = _STDLIB["num_workers"],
+                 vocab_size: int = 8192):
         super().__init__()
         self.tokenizer_path, self.root = tokenizer_path, root
         self.seq_len, self.batch_size, self.val_fraction = seq_len, batch_size, val_fraction
@@ -210,11 +218,13 @@ class JsonlDataModule(L.LightningDataModule):
     Tokenisation is cached by :func:`tokenize_jsonl`.
     """
 
-    def __init__(self, path: str, tokenizer_path: str, val_path: str | None = None, format: str = "auto",
-                 chat_template: str | None = "auto", chat_mask: bool = True, seq_len: int = 512,
-                 batch_size: int = 8, val_fraction: float = 0.02, cache_dir: str | None = None, seed: int = 0,
-                 max_val_windows: int | None = 64, num_workers: int = 0, vocab_size: int = 0,
-                 pad_id: int | None = None):
+    def __init__(self, path: str, tokenizer_path: str, val_path: str | None = _JSONL["val_path"],
+                 format: str = _JSONL["format"], chat_template: str | None = _JSONL["chat_template"],
+                 chat_mask: bool = _JSONL["chat_mask"], seq_len: int = _JSONL["seq_len"],
+                 batch_size: int = _JSONL["batch_size"], val_fraction: float = _JSONL["val_fraction"],
+                 cache_dir: str | None = _JSONL["cache_dir"], seed: int = 0,
+                 max_val_windows: int | None = _JSONL["max_val_windows"], num_workers: int = _JSONL["num_workers"],
+                 vocab_size: int = 0, pad_id: int | None = _JSONL["pad_id"]):
         super().__init__()
         self.path, self.val_path, self.tokenizer_path = str(path), (str(val_path) if val_path else None), tokenizer_path
         self.format, self.chat_template, self.chat_mask = format, chat_template, bool(chat_mask)

@@ -35,9 +35,14 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from treedec.conf_defaults import shipped_defaults
 from treedec.heads.head import DraftConfig, DraftHead
 from treedec.training.lm import _plain
 from treedec.training.schedule import WallTimeScheduled
+
+# train's optimiser settings, written once in conf/train.yaml (the job passes optim.* as these arguments;
+# time_budget_s reaches the module resolved to seconds, so its default here is None: steps only)
+_OPTIM = shipped_defaults("train", "optim")
 
 
 def unpack_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -71,11 +76,13 @@ def unpack_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 class DraftModule(WallTimeScheduled):
-    def __init__(self, target_path: str, draft: dict | None = None, lr: float = 1e-3, weight_decay: float = 0.0,
-                 betas: tuple = (0.9, 0.95), warmup_steps: int = 100, max_steps: int = 2000, min_lr_ratio: float = 0.1,
-                 feature_noise: float = 0.1, w_feat: float = 1.0, w_ce: float = 0.1, target_dtype: str = "bfloat16",
+    def __init__(self, target_path: str, draft: dict | None = None, lr: float = _OPTIM["lr"],
+                 weight_decay: float = _OPTIM["weight_decay"], betas: tuple = _OPTIM["betas"],
+                 warmup_steps: int = _OPTIM["warmup_steps"], max_steps: int = 2000,
+                 min_lr_ratio: float = _OPTIM["min_lr_ratio"], feature_noise: float = _OPTIM["feature_noise"],
+                 w_feat: float = _OPTIM["w_feat"], w_ce: float = _OPTIM["w_ce"], target_dtype: str = "bfloat16",
                  seed: int = 0, time_budget_s: float | None = None, init_from: str | None = None,
-                 unroll: int | None = None):
+                 unroll: int | None = _OPTIM["unroll"]):
         super().__init__()
         self.save_hyperparameters({
             "target_path": str(target_path), "draft": _plain(draft or {}), "lr": float(lr),

@@ -14,9 +14,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from treedec.conf_defaults import shipped_defaults
 from treedec.models.config import LlamaConfig
 from treedec.models.llama import Transformer
 from treedec.training.schedule import WallTimeScheduled
+
+# pretrain's optimiser settings, written once in conf/pretrain.yaml (the job passes optim.* as these arguments;
+# time_budget_s reaches the module resolved to seconds, so its default here is None: steps only)
+_OPTIM = shipped_defaults("pretrain", "optim")
 
 
 def _plain(x: Any) -> Any:
@@ -41,9 +46,10 @@ class CausalLMModule(WallTimeScheduled):
     ``arch``: LlamaConfig keyword arguments (HF names: vocab_size, hidden_size, ...).
     """
 
-    def __init__(self, arch: dict, lr: float = 3e-3, weight_decay: float = 0.1, betas: tuple = (0.9, 0.95),
-                 warmup_steps: int = 200, max_steps: int = 10_000, min_lr_ratio: float = 0.1,
-                 init_std: float = 0.02, use_cache_path: bool = False, seed: int = 0,
+    def __init__(self, arch: dict, lr: float = _OPTIM["lr"], weight_decay: float = _OPTIM["weight_decay"],
+                 betas: tuple = _OPTIM["betas"], warmup_steps: int = _OPTIM["warmup_steps"], max_steps: int = 10_000,
+                 min_lr_ratio: float = _OPTIM["min_lr_ratio"], init_std: float = _OPTIM["init_std"],
+                 use_cache_path: bool = _OPTIM["use_cache_path"], seed: int = 0,
                  time_budget_s: float | None = None):
         super().__init__()
         arch = _plain(arch)

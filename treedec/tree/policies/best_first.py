@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import torch
 
+from treedec.conf_defaults import shipped_defaults
 from treedec.sampling import SamplingParams
 from treedec.tree.policies.base import TreePolicy, kept_tree, kept_tree_constants, whole
 from treedec.tree.policies.dynamic import Pool
 from treedec.tree.tree import Tree, TreeError
+
+_D = shipped_defaults("tree/best_first")  # the defaults of tree=best_first, written once there
 
 
 class BestFirstPolicy(TreePolicy):
@@ -30,7 +33,7 @@ class BestFirstPolicy(TreePolicy):
 
     reads = "marginals"
 
-    def __init__(self, total_tokens: int = 32, depth: int = 8):
+    def __init__(self, total_tokens: int = _D["total_tokens"], depth: int = _D["depth"]):
         self.total_tokens = whole(total_tokens, "total_tokens", 2)
         self.max_depth = whole(depth, "depth")
         self.max_size = self.total_tokens

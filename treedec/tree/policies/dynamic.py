@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from treedec.conf_defaults import shipped_defaults
 from treedec.sampling import SamplingParams
 from treedec.tree import calibration as calib
 from treedec.tree.policies.base import ForestAncestry, TreePolicy, kept_tree, kept_tree_constants, whole
@@ -33,6 +34,7 @@ from treedec.tree.policies.chain import ChainPolicy
 from treedec.tree.tree import Tree, TreeError
 
 log = logging.getLogger(__name__)
+_D = shipped_defaults("tree/dynamic")  # the defaults of tree=dynamic, written once there
 
 
 def n_drafted(top_k: int, depth: int) -> int:
@@ -60,8 +62,9 @@ class Pool(NamedTuple):
 
 
 class DynamicPolicy(TreePolicy):
-    def __init__(self, total_tokens: int = 60, depth: int = 6, top_k: int | str = 10, calibration=None,
-                 draft_path: str | None = None, node_share: float = 1.0):
+    def __init__(self, total_tokens: int = _D["total_tokens"], depth: int = _D["depth"], top_k: int | str = _D["top_k"],
+                 calibration=_D["calibration"], draft_path: str | None = _D["draft_path"],
+                 node_share: float = _D["node_share"]):
         """``calibration``: a calibration file, ``auto`` (the one next to ``draft_path``'s head, if any) or None (raw
         draft probabilities). ``top_k="auto"``: the narrowest width that holds ``total_tokens`` at ``depth``, so any
         (total_tokens, depth) a tree of that depth can hold works (a sweep over shapes). ``node_share`` in (0, 1]: the

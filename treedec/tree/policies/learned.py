@@ -14,8 +14,11 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from treedec.conf_defaults import shipped_defaults
 from treedec.tree.policies.static import StaticPolicy
 from treedec.tree.tree import TreeError
+
+_D = shipped_defaults("tree/learned")  # the defaults of tree=learned, written once there
 
 HEADER = "# Learned tree shape written by `python -m treedec.calibrate` (Sequoia DP on measured acceptance).\n"
 
@@ -77,7 +80,7 @@ class LearnedPolicy(StaticPolicy):
     uses the calibrated choice.
     """
 
-    def __init__(self, path: str, total_tokens: int | None = None, sample_drafts: bool = False):
+    def __init__(self, path: str, total_tokens: int | None = _D["total_tokens"], sample_drafts: bool = _D["sample_drafts"]):
         data = load_learned(path)
         choices = data["choices"]
         if total_tokens is not None and int(total_tokens) != len(choices) + 1:

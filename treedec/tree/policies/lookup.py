@@ -25,9 +25,12 @@ from typing import Sequence
 
 import torch
 
+from treedec.conf_defaults import shipped_defaults
 from treedec.sampling import SamplingParams
 from treedec.tree.policies.base import TreePolicy
 from treedec.tree.tree import Tree, TreeError
+
+_D = shipped_defaults("tree/lookup")  # the defaults of tree=lookup, written once there
 
 
 class NgramIndex:
@@ -76,8 +79,8 @@ class LookupPolicy(TreePolicy):
     changes.
     """
 
-    def __init__(self, inner: TreePolicy, tokens: int = 12, ngram: Sequence[int] = (3, 2), max_rows: int = 4,
-                 skip_draft: bool = True):
+    def __init__(self, inner: TreePolicy, tokens: int = _D["tokens"], ngram: Sequence[int] = _D["ngram"],
+                 max_rows: int = _D["max_rows"], skip_draft: bool = _D["skip_draft"]):
         sizes = sorted({int(n) for n in ngram}, reverse=True)
         if int(tokens) < 1 or not sizes or sizes[-1] < 1 or int(max_rows) < 1:
             raise TreeError(f"lookup needs tokens >= 1, n-gram sizes >= 1 and max_rows >= 1, got tokens={tokens}, "

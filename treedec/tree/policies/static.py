@@ -11,16 +11,19 @@ from typing import Sequence
 
 import torch
 
+from treedec.conf_defaults import shipped_defaults
 from treedec.sampling import SamplingParams, greedy_pick, target_probs
 from treedec.attention.layout import ancestor_matrix
 from treedec.tree.policies.base import TreePolicy
 from treedec.tree.shapes import load_shape
 from treedec.tree.tree import Tree, TreeError
 
+_D = shipped_defaults("tree/static")  # the defaults of tree=static, written once there
+
 
 class StaticPolicy(TreePolicy):
     def __init__(self, choices: Sequence[Sequence[int]] | Tree | None = None, shape: str | Mapping | None = None,
-                 sample_drafts: bool = False, scores: bool = False):
+                 sample_drafts: bool = _D["sample_drafts"], scores: bool = False):
         """``choices``: the paths of the nodes (or the :class:`Tree` itself); ``shape``: a shipped shape name, a
         YAML/JSON file, or a mapping with ``choices`` (a ``tree/shape`` config).
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from treedec.conf_defaults import shipped_defaults
 from treedec.sampling import SamplingParams
 from treedec.tree import calibration as calib
 from treedec.tree.policies.auto.cost import DECAY, StepCost
@@ -25,13 +26,16 @@ from treedec.tree.policies.chain import ChainPolicy
 from treedec.tree.policies.dynamic import DynamicPolicy, n_drafted
 from treedec.tree.tree import Tree, TreeError
 
+_D = shipped_defaults("tree/auto")  # the defaults of tree=auto, written once there
+
 MAX_GAP = 128  # most steps a losing group of shapes (chains, trees) waits before it is played again
 
 
 class AutoPolicy(TreePolicy):
     reads = "either"
 
-    def __init__(self, max_depth: int = 10, top_k: int = 4, max_total_tokens: int = 64, draft_path: str | None = None,
+    def __init__(self, max_depth: int = _D["max_depth"], top_k: int = _D["top_k"],
+                 max_total_tokens: int = _D["max_total_tokens"], draft_path: str | None = _D["draft_path"],
                  calibration="auto", cost_cache: str | None = None):
         """``top_k`` 1: chains and plain steps only. ``calibration``: as :class:`DynamicPolicy`'s (``auto``: the
         head's ``calibration.yaml`` beside ``draft_path``). ``cost_cache``: the profile's folder (None: $TREEDEC_CACHE,
