@@ -19,8 +19,8 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 import treedec.config.schema as schema
 from treedec.conf_defaults import HYDRA_KEYS
-from treedec.models.paths import CONF
 from treedec.config import job_schema as train_schema
+from treedec.models.paths import CONF
 
 FILES = sorted(p.relative_to(CONF).as_posix() for p in CONF.rglob("*.yaml"))
 ENTRIES = sorted(p.stem for p in CONF.glob("*.yaml"))

@@ -11,9 +11,9 @@ from typing import Sequence
 
 import torch
 
+from treedec.attention.layout import ancestor_matrix
 from treedec.conf_defaults import shipped_defaults
 from treedec.sampling import SamplingParams, greedy_pick, target_probs
-from treedec.attention.layout import ancestor_matrix
 from treedec.tree.policies.base import TreePolicy
 from treedec.tree.shapes import load_shape
 from treedec.tree.tree import Tree, TreeError
