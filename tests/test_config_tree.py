@@ -1,25 +1,19 @@
 """The config tree (conf/, shipped as treedec.conf; lightning-hydra-template style): one run-dir pattern, debug/,
-local/ and experiment/ groups, and one source of truth for each default (the YAML, or the schema dataclass where
-the YAML leaves it out)."""
+local/ and experiment/ groups (that each default is written once, in the YAML: tests/test_config_defaults.py)."""
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import MISSING, OmegaConf
 
-import treedec.config.schema as schema
-from treedec.models.paths import CONF
 from treedec.config import ConfigError, validate
-from treedec.config import job_schema as train_schema
+from treedec.models.paths import CONF
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRIES = ("generate", "calibrate", "bench", "regenerate", "export_head", "train", "pretrain")
-SCHEMAS = {**schema.SCHEMAS, "train": train_schema.TrainSchema, "pretrain": train_schema.PretrainSchema}
 
 
 def composed(name: str, overrides=(), hydra: bool = False):
@@ -60,35 +54,6 @@ def test_local_overrides_from_a_config_dir(tmp_path):
                            cwd=REPO)
     assert plain.returncode == 0 and local.returncode == 0, plain.stderr + local.stderr
     assert "data_dir: ${paths.root_dir}/data" in plain.stdout and "data_dir: /my/data" in local.stdout
-
-
-def _defaults(cls: type, prefix: str = ""):
-    """(dotted key, default) of every field of a schema dataclass with a plain default (nested dataclasses too)."""
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
-            yield from _defaults(f.type, f"{prefix}{f.name}.")
-        elif f.default is not dataclasses.MISSING and f.default is not MISSING:
-            yield f"{prefix}{f.name}", f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            value = f.default_factory()
-            if dataclasses.is_dataclass(value):
-                yield from _defaults(type(value), f"{prefix}{f.name}.")
-            else:
-                yield f"{prefix}{f.name}", value
-
-
-@pytest.mark.parametrize("name", ENTRIES)
-def test_yaml_and_schema_defaults_agree(name):
-    """A key with a default in both the YAML and the schema has the same one: the schema's only documents it."""
-    yaml = OmegaConf.to_container(composed(name), resolve=False)
-    differ = []
-    for key, default in _defaults(SCHEMAS[name]):
-        node = yaml
-        for part in key.split("."):
-            node = node.get(part, MISSING) if isinstance(node, dict) else MISSING
-        if node is not MISSING and node != "???" and node != default:
-            differ.append(f"{key}: yaml {node!r}, schema {default!r}")
-    assert not differ, f"{name}: " + "; ".join(differ)
 
 
 @pytest.mark.parametrize("name, module", [("train", "DraftModule"), ("pretrain", "CausalLMModule")])
