@@ -181,7 +181,7 @@ def random_stack(work: Path) -> tuple[str, str]:
 
     from treedec.models.checkpoint import save_pretrained
     from treedec.models.config import LlamaConfig
-    from treedec.heads.head import DraftConfig, DraftHead
+    from treedec.heads import DraftConfig, build_head
     from treedec.models.llama import Transformer
     from treedec.data.corpus import split_files, stdlib_root
     from treedec.data.tokenizer_train import train_tokenizer
@@ -196,7 +196,7 @@ def random_stack(work: Path) -> tuple[str, str]:
     torch.manual_seed(0)
     model = Transformer(LlamaConfig(**arch))
     save_pretrained(model, work / "random_target", tokenizer=str(work / "tokenizer.json"))
-    DraftHead(DraftConfig.for_target(model.config, target="random")).save(work / "random_draft")
+    build_head(DraftConfig.for_target(model.config, target="random")).save(work / "random_draft")
     return str(work / "random_target"), str(work / "random_draft")
 
 
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     if want & {"bench_triton", "bench_sdpa"}:
         try:
             from treedec.models.checkpoint import resolve_path
-            from treedec.heads.head import BUNDLED_DRAFTS
+            from treedec.heads import BUNDLED_DRAFTS
 
             resolve_path(model)
             if not (Path(str(BUNDLED_DRAFTS.get(draft, draft))) / "draft_config.json").is_file():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from treedec.models import LlamaConfig, Transformer
-from treedec.heads.head import DraftConfig, DraftHead
+from treedec.heads import DraftConfig, build_head
 from treedec.tree import Tree
 from treedec.tree.policies.base import TreePolicy
 
@@ -93,14 +93,14 @@ def make_pair(seed: int = 0, vocab: int = 64, hidden: int = 64, layers: int = 2,
     target = Transformer(cfg, backend).eval()
     with torch.no_grad():
         target.lm_head.weight.mul_(peaked)
-    draft = DraftHead(DraftConfig.for_target(cfg)).eval().bind(target)
+    draft = build_head(DraftConfig.for_target(cfg)).eval().bind(target)
     return target, draft
 
 
 def eagle3_pair(seed: int, vocab: int = 64, k: int = 40, **kw):
     """A random target of 4 layers and a random EAGLE-3 head over ``k`` random draft tokens (0: all)."""
     target, _ = make_pair(seed, vocab=vocab, layers=4, **kw)
-    head = DraftHead(DraftConfig.for_target(target.config, kind="eagle3", draft_vocab_size=k))
+    head = build_head(DraftConfig.for_target(target.config, kind="eagle3", draft_vocab_size=k))
     if k:
         head.restrict_vocab(torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:k])
     return target, head.eval().bind(target)
@@ -217,7 +217,7 @@ def save_tiny_stack(root: Path, tokenizer_dir, seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
     target = Transformer(LlamaConfig(**{**TINY_ARCH, "max_position_embeddings": 256}), "sdpa")
     save_pretrained(target, root / "target", tokenizer=str(tokenizer_dir))
-    DraftHead(DraftConfig.for_target(target.config)).save(root / "draft")
+    build_head(DraftConfig.for_target(target.config)).save(root / "draft")
     return target
 
 

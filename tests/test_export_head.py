@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.helpers import randomize_, tiny_model
+from treedec.heads import DraftConfig, DraftHead, build_head
 from treedec.heads.export import export_head
-from treedec.heads.head import DraftConfig, DraftHead
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def make_head(target, seed, **kw):
     """A random head, fused as ``DraftHead.load`` fuses it (so that logits compare bit for bit)."""
     torch.manual_seed(seed)
-    head = randomize_(DraftHead(DraftConfig.for_target(target.config, **kw)), seed).eval()
+    head = randomize_(build_head(DraftConfig.for_target(target.config, **kw)), seed).eval()
     head.layer.fuse()
     return head.bind(target)
 
@@ -142,7 +142,7 @@ def test_config_is_checked_before_loading():
 
     from treedec.config import ConfigError, validate
 
-    ok = dict(draft={"_target_": "treedec.heads.head.DraftHead.load", "path": "tiny-code-eagle"}, format="eagle",
+    ok = dict(draft={"_target_": "treedec.heads.DraftHead.load", "path": "tiny-code-eagle"}, format="eagle",
               out="x", dtype=None)
     validate(OmegaConf.create(ok), "export_head")
     for bad, needle in ((dict(format="medusa"), "format='medusa'"), (dict(dtype="int8"), "invalid dtype"),
@@ -213,7 +213,7 @@ def test_stale_work_directories_of_killed_exports_are_cleaned(tmp_path):
 @pytest.mark.filterwarnings("ignore:the EAGLE-1/2 layout has no draft vocabulary")
 def test_a_killed_export_is_cleaned_up_by_the_next(tmp_path):
     code = ("import os, sys, warnings; import treedec.heads.export as e; "
-            "from treedec.heads.head import DraftHead; real = e.save_file; warnings.simplefilter('ignore'); "
+            "from treedec.heads import DraftHead; real = e.save_file; warnings.simplefilter('ignore'); "
             "e.save_file = lambda *a, **k: (real(*a, **k), os._exit(9)); "  # killed once the weights are written
             "e.export_head(DraftHead.load('tiny-code-eagle'), sys.argv[1], 'eagle')")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], cwd=ROOT, timeout=180)
@@ -228,7 +228,7 @@ def test_a_killed_export_is_cleaned_up_by_the_next(tmp_path):
 def test_export_records_the_target_fingerprint_and_loading_warns_on_another(tmp_path):
     import warnings
 
-    from treedec.heads.head import target_fingerprint
+    from treedec.heads import target_fingerprint
 
     target, other = tiny_model(seed=1), tiny_model(seed=5)  # same shape, other weights
     out = export_head(make_head(target, 2), tmp_path / "out", "eagle")
@@ -258,7 +258,7 @@ def test_a_one_pass_head_is_refused_naming_what_works(fmt, tmp_path):
     head_dir = tmp_path / "one-pass"  # its config alone: refused before any weights would be read
     head_dir.mkdir()
     (head_dir / DRAFT_CONFIG).write_bytes((BUNDLED_DRAFTS["tiny-code-parallel"] / DRAFT_CONFIG).read_bytes())
-    cfg = OmegaConf.create(dict(draft={"_target_": "treedec.heads.head.DraftHead.load", "path": str(head_dir)},
+    cfg = OmegaConf.create(dict(draft={"_target_": "treedec.heads.DraftHead.load", "path": str(head_dir)},
                                 format=fmt, out=str(tmp_path / "out"), dtype=None))
     with pytest.raises(ValueError) as err:
         run(cfg)

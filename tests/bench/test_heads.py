@@ -10,7 +10,7 @@ import pytest
 
 from tests.bench.configs import bench_cfg
 from treedec.bench import harness
-from treedec.heads.head import DraftConfig, DraftHead
+from treedec.heads import DraftConfig, build_head
 from treedec.heads.parallel import ParallelHead
 
 
@@ -20,7 +20,7 @@ def heads(stack):
     from treedec.models.checkpoint import load_model
 
     target = load_model(stack / "target")
-    ParallelHead.from_eagle3(DraftHead(DraftConfig.for_target(target.config, kind="eagle3")), 8).save(
+    ParallelHead.from_eagle3(build_head(DraftConfig.for_target(target.config, kind="eagle3")), 8).save(
         stack / "parallel")
     return [str(stack / "draft"), str(stack / "parallel")]
 

@@ -203,7 +203,7 @@ def test_a_reduced_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(po
 
 
 def test_draft_vocabulary_is_saved_with_the_head(tmp_path):
-    from treedec.heads.head import DraftHead
+    from treedec.heads import DraftHead
 
     target, draft = make_pair(9)
     draft.restrict_vocab([5, 1, 7])

@@ -6,7 +6,7 @@ import torch
 
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.models import load_model
-from treedec.heads.head import DraftHead
+from treedec.heads import DraftHead
 from treedec.tree.policies import ChainPolicy
 
 

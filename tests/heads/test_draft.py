@@ -6,9 +6,9 @@ import warnings
 import pytest
 import torch
 
-from treedec.models import LlamaConfig, Transformer
-from treedec.heads.head import DraftConfig, DraftHead, target_fingerprint
+from treedec.heads import DraftConfig, DraftHead, build_head, target_fingerprint
 from treedec.heads.config import DRAFT_CONFIG, DRAFT_WEIGHTS
+from treedec.models import LlamaConfig, Transformer
 from treedec.models.packed import PackedLinear
 
 
@@ -20,7 +20,7 @@ def small_target(vocab=50, hidden=32):
 
 def test_head_shares_target_embedding_and_lm_head(tmp_path):
     target = small_target()
-    head = DraftHead(DraftConfig.for_target(target.config, target="small")).bind(target)
+    head = build_head(DraftConfig.for_target(target.config, target="small")).bind(target)
     names = [n for n, _ in head.named_parameters()]
     assert not any("embed" in n or "lm_head" in n for n in names)
     assert head.fc.in_features == 2 * 32
@@ -40,7 +40,7 @@ def test_head_shares_target_embedding_and_lm_head(tmp_path):
 def test_head_trained_for_another_target_warns_naming_both(tmp_path):
     torch.manual_seed(0)
     trained_for = small_target()
-    DraftHead(DraftConfig.for_target(trained_for.config, target="small-a")).bind(trained_for).save(tmp_path)
+    build_head(DraftConfig.for_target(trained_for.config, target="small-a")).bind(trained_for).save(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         DraftHead.load(tmp_path, target=trained_for)  # its own target: silent
@@ -62,7 +62,7 @@ def test_fingerprint_ignores_dtype_but_not_weights():
 @pytest.mark.parametrize("head_dtype,target_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
 def test_a_head_of_another_dtype_than_its_target_drafts(head_dtype, target_dtype):
     target = small_target().to(target_dtype)
-    head = DraftHead(DraftConfig.for_target(target.config)).to(head_dtype).bind(target)
+    head = build_head(DraftConfig.for_target(target.config)).to(head_dtype).bind(target)
     feats = torch.randn(1, 2, 32, dtype=target_dtype)
     feat = head(torch.tensor([[1, 2]]), feats, head.new_cache(1, 8), torch.arange(2)[None])
     logits = head.logits(feat)  # in the head's dtype: its LM head rows are a copy in that dtype
@@ -77,7 +77,7 @@ def test_auto_dtype_is_the_faster_of_fp32_and_packed_bf16_on_a_cpu(tmp_path, mon
     from treedec.heads import dtype as draft_dtype
 
     target = small_target().to(torch.bfloat16)
-    DraftHead(DraftConfig.for_target(target.config)).to(torch.bfloat16).bind(target).save(tmp_path)
+    build_head(DraftConfig.for_target(target.config)).to(torch.bfloat16).bind(target).save(tmp_path)
     assert DraftHead.load(tmp_path, target=target).fc.weight.dtype == torch.bfloat16  # None: the file's dtype
     for faster, dtype in ((False, torch.float32), (True, torch.bfloat16)):
         monkeypatch.setattr(draft_dtype, "packed_bf16_is_faster", lambda shapes, rows=4, f=faster: f)
@@ -92,7 +92,7 @@ def test_auto_dtype_is_the_faster_of_fp32_and_packed_bf16_on_a_cpu(tmp_path, mon
 def test_a_packed_bf16_head_drafts_what_the_unpacked_one_does():
     """Packing (its layers and its LM rows) changes the kernel's weight layout, not the numbers."""
     target = small_target().to(torch.bfloat16)
-    plain = DraftHead(DraftConfig.for_target(target.config)).to(torch.bfloat16)
+    plain = build_head(DraftConfig.for_target(target.config)).to(torch.bfloat16)
     plain.layer.fuse()
     plain.bind(target)
     packed = copy.deepcopy(plain).prepare(target)
@@ -105,10 +105,10 @@ def test_a_packed_bf16_head_drafts_what_the_unpacked_one_does():
 
 
 def test_feature_layers_must_fit_the_head_kind_and_the_target():
-    head = DraftHead(DraftConfig.for_target(small_target().config, feature_layers=[5]))
+    head = build_head(DraftConfig.for_target(small_target().config, feature_layers=[5]))
     with pytest.raises(ValueError, match=r"EAGLE-1/2 draft head reads the final hidden state.*\[5\].*eagle3"):
         head.bind(small_target())
-    head = DraftHead(DraftConfig.for_target(small_target().config, kind="eagle3", feature_layers=[0, 1, 5]))
+    head = build_head(DraftConfig.for_target(small_target().config, kind="eagle3", feature_layers=[0, 1, 5]))
     with pytest.raises(ValueError, match=r"target layers \[0, 1, 5\], but the target has 2 layers"):
         head.bind(small_target())
 
@@ -122,7 +122,7 @@ def test_feature_layers_default_per_kind():
 
 
 def test_mismatched_target_is_a_clear_error():
-    head = DraftHead(DraftConfig.for_target(small_target().config, target="small"))
+    head = build_head(DraftConfig.for_target(small_target().config, target="small"))
     with pytest.raises(ValueError, match="does not fit the target"):
         head.bind(small_target(vocab=60))
     with pytest.raises(ValueError, match="hidden"):
@@ -132,7 +132,7 @@ def test_mismatched_target_is_a_clear_error():
 def test_missing_and_corrupt_checkpoints(tmp_path):
     with pytest.raises(FileNotFoundError, match="train"):
         DraftHead.load(tmp_path / "nowhere")
-    head = DraftHead(DraftConfig.for_target(small_target().config))
+    head = build_head(DraftConfig.for_target(small_target().config))
     head.save(tmp_path)
     (tmp_path / DRAFT_WEIGHTS).write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="cannot read draft weights"):
@@ -143,26 +143,26 @@ def test_missing_and_corrupt_checkpoints(tmp_path):
 
 
 def test_unbound_head_says_how_to_fix():
-    head = DraftHead(DraftConfig.for_target(small_target().config))
+    head = build_head(DraftConfig.for_target(small_target().config))
     with pytest.raises(RuntimeError, match="bind"):
         head(torch.tensor([[1]]), torch.zeros(1, 1, 32), head.new_cache(1, 4), torch.zeros(1, 1, dtype=torch.long))
 
 
 def test_multi_layer_features_are_refused_until_the_decoder_feeds_them():
-    head = DraftHead(DraftConfig.for_target(small_target().config, feature_layers=[0]))
+    head = build_head(DraftConfig.for_target(small_target().config, feature_layers=[0]))
     with pytest.raises(ValueError, match="feature_layers=\\[-1\\]"):
         head.bind(small_target())
 
 
 def test_rope_frequencies_stay_fp32_in_a_bf16_head():
-    head = DraftHead(DraftConfig.for_target(small_target().config)).to(torch.bfloat16)
+    head = build_head(DraftConfig.for_target(small_target().config)).to(torch.bfloat16)
     assert head.inv_freq.dtype == torch.float32 and head.fc.weight.dtype == torch.bfloat16
-    fresh = DraftHead(DraftConfig.for_target(small_target().config))
+    fresh = build_head(DraftConfig.for_target(small_target().config))
     assert torch.equal(head.inv_freq, fresh.inv_freq)
 
 
 def test_load_refuses_a_target_given_by_name(tmp_path):
-    DraftHead(DraftConfig.for_target(small_target().config)).save(tmp_path)
+    build_head(DraftConfig.for_target(small_target().config)).save(tmp_path)
     with pytest.raises(TypeError, match=r"a loaded model \(treedec.models.load_model\('tiny-code'\)\), not str"):
         DraftHead.load(tmp_path, target="tiny-code")
     with pytest.raises(TypeError, match="not str"):
@@ -172,7 +172,7 @@ def test_load_refuses_a_target_given_by_name(tmp_path):
 def test_non_finite_head_weights_are_refused(tmp_path):
     from treedec.models.checkpoint import CheckpointError
 
-    head = DraftHead(DraftConfig.for_target(small_target().config))
+    head = build_head(DraftConfig.for_target(small_target().config))
     with torch.no_grad():
         head.layer.mlp.down_proj.weight[1, 2] = float("-inf")
     head.save(tmp_path)

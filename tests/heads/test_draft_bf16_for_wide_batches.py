@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from tests.helpers import eagle3_pair, make_pair
-from treedec.decoding.vanilla import VanillaDecoder
-from treedec.heads import dtype as draft_dtype
-from treedec.heads.head import DraftHead
-from treedec.models.packed import PackedLinear
 from treedec.decoding.speculative import CompactingDecoder
+from treedec.decoding.vanilla import VanillaDecoder
+from treedec.heads import DraftHead
+from treedec.heads import dtype as draft_dtype
+from treedec.models.packed import PackedLinear
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy
 
 

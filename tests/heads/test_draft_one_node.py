@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers import eagle3_pair, make_pair, randomize_
 from treedec.decoding.drafter import Drafter
-from treedec.heads.head import DraftHead
+from treedec.heads import DraftHead
 from treedec.profiling import count_ops
 from treedec.tree.policies import ChainPolicy
 

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from treedec.decoding.drafter import Drafter
+from treedec.heads import DraftConfig, build_head
 from treedec.models import LlamaConfig, Transformer
-from treedec.heads.head import DraftConfig, DraftHead
 
 
 def pair(seed: int, vocab: int = 50):
@@ -12,7 +12,7 @@ def pair(seed: int, vocab: int = 50):
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     target = Transformer(cfg, "sdpa").eval()
-    head = DraftHead(DraftConfig.for_target(cfg, kind="eagle", rope_theta=5000.0))
+    head = build_head(DraftConfig.for_target(cfg, kind="eagle", rope_theta=5000.0))
     with torch.no_grad():  # norms away from 1, so a wrong norm shows
         for n, p in head.named_parameters():
             if "norm" in n:

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from treedec.decoding.drafter import Drafter
-from treedec.models import LlamaConfig, Transformer
-from treedec.heads.head import DraftConfig, DraftHead
+from treedec.heads import DraftConfig, DraftHead, build_head
 from treedec.heads.eagle3 import Eagle3Head, ttt_mask
+from treedec.models import LlamaConfig, Transformer
 
 H, NH, NKV, HD = 32, 4, 2, 8
 
@@ -19,7 +19,7 @@ def pair(seed=0, layers=6, k=20, vocab=50):
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=H, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=NH, num_key_value_heads=NKV, max_position_embeddings=128)
     target = Transformer(cfg, "sdpa").eval()
-    head = DraftHead(DraftConfig.for_target(cfg, kind="eagle3", draft_vocab_size=k, rope_theta=5000.0))
+    head = build_head(DraftConfig.for_target(cfg, kind="eagle3", draft_vocab_size=k, rope_theta=5000.0))
     with torch.no_grad():  # norms away from 1, so a wrong norm shows
         for n, p in head.named_parameters():
             if "norm" in n:
@@ -104,11 +104,11 @@ def test_save_load_round_trip_keeps_vocab_and_outputs(tmp_path):
 
 def test_bind_checks_feature_layers_against_the_target():
     target, _ = pair(layers=6)
-    head = DraftHead(DraftConfig.for_target(target.config, kind="eagle3", feature_layers=[2, 3, 6]))
+    head = build_head(DraftConfig.for_target(target.config, kind="eagle3", feature_layers=[2, 3, 6]))
     with pytest.raises(ValueError, match=r"layers \[2, 3, 6\].*6 layers.*0\.\.5"):
         head.bind(target)
     with pytest.raises(ValueError, match="unknown draft kind 'eagle4'"):
-        DraftHead(DraftConfig.for_target(target.config, kind="eagle4"))
+        build_head(DraftConfig.for_target(target.config, kind="eagle4"))
     with pytest.raises(ValueError, match="LM head's 20 rows; got 5"):
         pair()[1].restrict_vocab(torch.arange(5))
 

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from tests.helpers import tiny_model
+from treedec.heads import DraftHead
 from treedec.models.checkpoint import CheckpointError
-from treedec.heads.head import DraftHead
 
 V, H, NH, NKV, I = 97, 64, 4, 2, 112
 HD = H // NH

@@ -3,10 +3,10 @@ its files round-trip, and an EAGLE-3 head converts into one."""
 import pytest
 import torch
 
-from treedec.decoding.drafter import Drafter
-from treedec.heads.head import DraftConfig, DraftHead
-from treedec.heads.parallel import ParallelHead, block_mask, cod_sample
 from tests.helpers import eagle3_pair, parallel_pair
+from treedec.decoding.drafter import Drafter
+from treedec.heads import DraftConfig, DraftHead, build_head
+from treedec.heads.parallel import ParallelHead, block_mask, cod_sample
 
 
 def test_block_mask_lets_a_mask_element_see_its_anchors_prefix_and_its_block_up_to_itself():
@@ -90,4 +90,4 @@ def test_save_load_round_trip_and_conversion_keeps_the_eagle3_weights(tmp_path):
 def test_block_size_must_be_positive():
     target, e3 = eagle3_pair(0)
     with pytest.raises(ValueError, match="block_size"):
-        DraftHead(DraftConfig.for_target(target.config, kind="parallel", block_size=0))
+        build_head(DraftConfig.for_target(target.config, kind="parallel", block_size=0))

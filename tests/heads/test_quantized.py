@@ -5,12 +5,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests.helpers import greedy_reference, make_pair
 from treedec.decoding.speculative import SpeculativeDecoder
-from treedec.heads.head import DraftHead
+from treedec.heads import DraftHead, build_head
 from treedec.heads.quantized import Int8Linear, int8_is_faster, is_quantized, quantize_linears
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, StaticPolicy
-
-from tests.helpers import greedy_reference, make_pair
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -45,7 +44,7 @@ def test_quantize_linears_skips_the_named_prefixes():
 
 def _quantized_pair(seed: int, **kw):
     target, draft = make_pair(seed, **kw)
-    q = DraftHead(draft.config).eval()
+    q = build_head(draft.config).eval()
     q.load_state_dict(draft.state_dict())
     return target, draft.prepare(target), q.prepare(target, quantize="int8")
 
@@ -97,7 +96,7 @@ def test_an_int8_eagle3_head_quantizes_its_own_lm_head_and_stays_lossless(seed):
     from tests.helpers import eagle3_pair
 
     target, head = eagle3_pair(seed)
-    q = DraftHead(head.config).eval()
+    q = build_head(head.config).eval()
     q.load_state_dict(head.state_dict())
     q = q.prepare(target, quantize="int8")
     assert isinstance(q.lm_head, Int8Linear) and isinstance(q.fc, Int8Linear) and q._lm_int8 is None

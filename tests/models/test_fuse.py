@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from tests.helpers import full_logits, tiny_config, tiny_model
+from treedec.heads import DraftConfig, DraftHead, build_head
 from treedec.models import load_model
 from treedec.models.checkpoint import save_pretrained
-from treedec.heads.head import DraftConfig, DraftHead
 
 HF_NAMES = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
             "mlp.gate_proj.weight", "mlp.up_proj.weight"}
@@ -65,14 +65,14 @@ def test_load_model_fuses_by_default(tmp_path):
 
 def test_draft_head_with_fused_layer_keeps_its_file_format(tmp_path):
     cfg = DraftConfig.for_target(tiny_config())
-    head = DraftHead(cfg)
+    head = build_head(cfg)
     torch.nn.init.normal_(head.layer.self_attn.q_proj.weight)
     want = {k: v.clone() for k, v in head.state_dict().items()}
     head.layer.fuse()
     head.save(tmp_path)
     loaded = DraftHead.load(tmp_path)  # strict=False load into an unfused head: nothing missing or unexpected
     assert all(torch.equal(loaded.state_dict()[k], want[k]) for k in want)
-    again = DraftHead(cfg)
+    again = build_head(cfg)
     again.layer.fuse()
     missing, unexpected = again.load_state_dict(want, strict=False)
     assert not missing and not unexpected

@@ -11,7 +11,6 @@ from tests.helpers import full_logits, randomize_, tiny_model
 from treedec.models import load_model
 from treedec.models.checkpoint import save_pretrained
 
-
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
               rms_norm_eps=1e-5)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -196,13 +195,13 @@ def test_qwen3_speculative_greedy_equals_vanilla(seed, tmp_path):
     """Tree-masked verification with q/k norms: greedy fp32 speculative decoding is vanilla token for token."""
     from treedec.decoding.speculative import SpeculativeDecoder
     from treedec.decoding.vanilla import generate
-    from treedec.heads.head import DraftConfig, DraftHead
+    from treedec.heads import DraftConfig, build_head
     from treedec.tree.policies import DynamicPolicy, StaticPolicy
 
     hf_model("qwen3", seed=seed).save_pretrained(tmp_path)
     target = load_model(tmp_path, attn_backend="sdpa")
     torch.manual_seed(seed)
-    draft = randomize_(DraftHead(DraftConfig.for_target(target.config)), seed).eval().bind(target)
+    draft = randomize_(build_head(DraftConfig.for_target(target.config)), seed).eval().bind(target)
     prompt = ids_for(seed, B=1, T=7 + 5 * seed)[0].tolist()
     want = generate(target, [prompt], 48, eos_ids=[]).tokens[0]
     for policy in (DynamicPolicy(total_tokens=20, depth=5, top_k=4), StaticPolicy(shape="balanced_2x3")):

@@ -209,7 +209,7 @@ def test_bundled_head_calibrated_and_auto_are_lossless_greedy_fp32():
     from treedec.decoding.speculative import SpeculativeDecoder
     from treedec.decoding.vanilla import VanillaDecoder
     from treedec.models import load_model
-    from treedec.heads.head import DraftHead
+    from treedec.heads import DraftHead
     from treedec.models.tokenizer import load_tokenizer
 
     target = load_model("tiny-code", dtype="float32").eval()

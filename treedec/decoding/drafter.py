@@ -25,7 +25,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from treedec.attention import prefix_tree_mask
-from treedec.heads.head import DraftHead
+from treedec.heads import DraftHead
 from treedec.tree.policies.base import topk_logp
 
 

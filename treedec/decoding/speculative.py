@@ -30,7 +30,7 @@ from treedec.decoding.vanilla import pick
 from treedec.decoding.verify import (Acceptance, accept_chain, accept_paths, acceptance_counts, add_chain_counts,
                                      emitted, node_choices, verify_sampling)
 from treedec.errors import ConfigError
-from treedec.heads.head import DraftHead
+from treedec.heads import DraftHead
 from treedec.models.llama import Transformer
 from treedec.tree.policies.base import TreePolicy
 from treedec.tree.tree import Tree

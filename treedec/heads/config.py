@@ -1,5 +1,5 @@
-"""A draft head's configuration and files, below every head class (EAGLE-1/2 in draft.py, EAGLE-3 in eagle3.py)
-and the published-layout converters (head_formats.py), which all read it."""
+"""A draft head's configuration and file names, below every head kind (:mod:`treedec.heads.kinds`) and the
+published-layout readers and writers (:mod:`treedec.heads.formats`), which all read it."""
 from __future__ import annotations
 
 import hashlib
@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 
 BUNDLED_DRAFTS = {name: ASSETS / name for name in ("tiny-code-eagle", "tiny-code-eagle3", "tiny-code-parallel")}
 #                  heads shipped for tiny-code
-KINDS = ("eagle", "eagle3", "parallel")
 DRAFT_CONFIG = "draft_config.json"
 DRAFT_WEIGHTS = "draft.safetensors"
 
@@ -37,12 +36,12 @@ class DraftConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     kind: str = "eagle"  # "eagle" (EAGLE-1/2) | "eagle3" (fused low/mid/high layer inputs; fc: 3H -> H; own LM head)
-    #                      | "parallel" (an EAGLE-3 head drafting block_size positions in one pass: models/parallel.py)
+    #                      | "parallel" (an EAGLE-3 head drafting block_size positions in one pass: heads/parallel.py)
     feature_layers: list[int] = field(default_factory=lambda: [-1])  # eagle: [-1] (final normed hidden); eagle3: layer ids
     target: str = ""  # what it was trained for (informational)
     target_fingerprint: str = ""  # target_fingerprint() of the target it was trained with ("" = unknown)
     draft_vocab_size: int = 0  # > 0: draft only over these most frequent target tokens (buffer vocab_ids); 0: all
-    fc_bias: bool = True  # EAGLE-1/2's fc has a bias unless its config says "bias": false (head_formats.py)
+    fc_bias: bool = True  # EAGLE-1/2's fc has a bias unless its config says "bias": false (formats/eagle.py)
     qkv_bias: bool = False  # the layer's q/k/v biases (published Qwen2 heads)
     o_bias: bool = False
     qk_norm: bool = False  # the layer's per-head q/k RMSNorms (Qwen3-layer heads)
@@ -104,5 +103,5 @@ def head_dir(path: str | os.PathLike) -> Path:
     return d
 
 
-__all__ = ["BUNDLED_DRAFTS", "DRAFT_CONFIG", "DRAFT_WEIGHTS", "KINDS", "DraftConfig", "head_dir",
+__all__ = ["BUNDLED_DRAFTS", "DRAFT_CONFIG", "DRAFT_WEIGHTS", "DraftConfig", "head_dir",
            "target_fingerprint"]

@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 
 from treedec.heads.config import DraftConfig
+from treedec.heads.quantized import is_quantized
 from treedec.models.llama import Transformer
 from treedec.models.packed import packed_bf16_is_faster
-from treedec.heads.quantized import is_quantized
 
 
 def inference_dtype(target: Transformer | None, device=None) -> torch.dtype | None:

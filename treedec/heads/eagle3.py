@@ -1,4 +1,4 @@
-"""EAGLE-3 draft head: fused low/mid/high target features, a 2H-input midlayer, its own LM head.
+"""The EAGLE-3 draft head (kind "eagle3"): fused low/mid/high target features, a 2H-input midlayer, its own LM head.
 
 Input at draft position t is the pair (token x_{t+1}, feature h_t). For verified positions
 ``h_t = fc(concat(inputs of target layers l, m, h at t))`` (3H -> H, no bias); inside a draft
@@ -14,10 +14,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from treedec.heads.config import DraftConfig
+from treedec.heads.head import DraftHead
+from treedec.heads.ttt import ttt_attend, ttt_mask
 from treedec.models.cache import KVCache
 from treedec.models.config import LlamaConfig
-from treedec.heads.head import DraftConfig, DraftHead
-from treedec.heads.ttt import ttt_attend, ttt_mask
 from treedec.models.llama import MLP, Attention, ModelOutput, RMSNorm, one_row_matmuls, rope_cos_sin
 
 
@@ -49,8 +50,8 @@ class Eagle3Layer(nn.Module):
         return self
 
 
-class Eagle3Head(DraftHead, kind="eagle3"):
-    """``DraftHead(DraftConfig(kind="eagle3", ...))`` builds one (see :class:`DraftHead`)."""
+class Eagle3Head(DraftHead):
+    """EAGLE-3: ``fc`` over three target layers' inputs, the 2H-input midlayer, its own norm and LM head."""
 
     def _build(self, cfg: DraftConfig) -> None:
         H = cfg.hidden_size
@@ -101,7 +102,7 @@ class Eagle3Head(DraftHead, kind="eagle3"):
         mask, cos, sin = self._mask_rope(tokens.shape[1], cache, position_ids, mask)
         backend = "eager" if t.attn_backend == "eager" else "sdpa"
         emb = t.model.embed_tokens(tokens).to(dt)
-        with one_row_matmuls(emb, tokens.numel() == 1):  # one row: ATen's kernel, as DraftHead.forward
+        with one_row_matmuls(emb, tokens.numel() == 1):  # one row: ATen's kernel, as EagleHead.forward
             return self.layer(emb, features.to(dt), cos, sin, cache, mask, backend)
 
     def logits(self, feat: torch.Tensor) -> torch.Tensor:

@@ -1,71 +1,58 @@
-"""Draft heads: the EAGLE-1/2 head (here) and, by ``kind``, the EAGLE-3 head (:mod:`treedec.heads.eagle3`).
+"""What every draft head kind shares: :class:`DraftHead`, the base of the classes of :data:`~treedec.heads.kinds.HEAD_KINDS`.
 
-EAGLE-1/2 head: one decoder layer that reads the target's features.
+A head is a small model that reads the target's features and proposes tokens. What the decoder feeds any head:
+``head.feature_layers_needed`` (layer ids whose inputs the target forward must return), ``head.features(output)``
+(the target features of each position) and ``head.project(features)`` (those features in the head's input space,
+what ``forward`` reads for verified positions; inside a tree it reads its own outputs). Each kind (its own file)
+builds its layers and computes ``forward`` and ``logits``; here is what they all do alike: binding to a target, the
+draft vocabulary, dtype and device, the bf16 copy for wide batches, the cache, saving, and the inference form
+(:meth:`~DraftHead.prepare`).
 
-Input at draft position t is ``fc(concat(embed(token[t+1]), feature[t]))`` — the token is one
-step ahead of the feature — followed by one Llama decoder layer whose first input norm is
-skipped (as in EAGLE). Its output is the predicted next feature, i.e. the target LM head's
-input, so ``logits = lm_head(feature)``. The embedding and LM head are the target's own,
-shared and frozen, and never written into the draft checkpoint.
-
-What the decoder feeds any head: ``head.feature_layers_needed`` (layer ids whose inputs the
-target forward must return), ``head.features(model_output)`` (the target features of each
-position) and ``head.project(features)`` (those features in the head's input space, what
-``forward`` reads for verified positions; inside a tree it reads its own outputs).
-
-Here: the kind registry, binding to a target, the draft vocabulary, :meth:`~DraftHead.forward` and
-:meth:`~DraftHead.logits`. Apart, one job a file: its files (:mod:`~treedec.heads.checkpoint`), its dtype on
-this machine and the bf16 copy for wide batches (:mod:`~treedec.heads.dtype`), the one-node fast pass
-(:mod:`~treedec.heads.one_node`), training-time test (:mod:`~treedec.heads.ttt`), the config
-(:mod:`~treedec.heads.config`).
+:meth:`DraftHead.load` is :func:`treedec.heads.checkpoint.load_head`, which builds a head of its file's kind through the
+kind table; the table imports the kinds, which import this module, so ``load`` imports it when called (the one
+import inside a function here, to break that cycle).
 """
 from __future__ import annotations
 
+import json
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors.torch import save_file
 
+from treedec.atomic import follow_umask
 from treedec.attention import prefix_tree_mask
-from treedec.models.cache import KVCache
-from treedec.heads.checkpoint import check_target, load_head, save_head
-from treedec.heads.config import BUNDLED_DRAFTS  # noqa: F401  (calibration imports it from here)
-from treedec.heads.config import KINDS, DraftConfig, target_fingerprint
+from treedec.heads.config import DRAFT_CONFIG, DRAFT_WEIGHTS, DraftConfig, target_fingerprint
 from treedec.heads.dtype import bf16_copy
-from treedec.heads.one_node import as_dtype, forward_one
-from treedec.heads.ttt import forward_unrolled
-from treedec.models.llama import (DecoderLayer, ModelOutput, Transformer, one_row_matmuls, rope_cos_sin, rope_inv_freq,
-                                  rope_lookup)
-from treedec.models.packed import PackedLinear, pack_linears, packed_weight, should_pack
-from treedec.heads.quantized import Int8Linear, int8_is_faster, quantize_linears
+from treedec.heads.quantized import Int8Linear, int8_is_faster, is_quantized, quantize_linears
+from treedec.models.cache import KVCache
+from treedec.models.llama import ModelOutput, Transformer, rope_inv_freq, rope_lookup
+from treedec.models.packed import pack_linears, should_pack
+
+
+def check_target(target: object) -> None:
+    """A head binds to a loaded model: a name (``target="tiny-code"``) would fail deep inside binding, or later."""
+    if target is not None and not isinstance(target, Transformer):
+        raise TypeError(f"a draft head's target is a loaded model (treedec.models.load_model({target!r})), not "
+                        f"{type(target).__name__} {target!r}")
 
 
 class DraftHead(nn.Module):
-    """Trainable part of an EAGLE head; ``bind(target)`` attaches the shared embedding (and LM head).
+    """The base of every head kind; ``bind(target)`` attaches the target's shared embedding (and LM head).
 
-    ``DraftHead(cfg)`` builds the class of ``cfg.kind``: this one for "eagle", an
-    :class:`~treedec.heads.eagle3.Eagle3Head` for "eagle3". A subclass registers its kind
-    (``class Eagle3Head(DraftHead, kind="eagle3")``), so this module never imports the heads built on
-    it; ``treedec/models/__init__.py`` imports them all.
+    A head of a config's kind is ``build_head(cfg)`` (:mod:`treedec.heads.kinds`), one from a file
+    ``DraftHead.load(path)``; this class itself builds none.
     """
 
-    _KINDS: dict[str, type] = {}
     one_pass = False  # drafts per-position marginals in one pass (kind "parallel") instead of one pass per depth
 
-    def __init_subclass__(cls, kind: str | None = None, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if kind is not None:
-            DraftHead._KINDS[kind] = cls
-
-    def __new__(cls, cfg: DraftConfig | None = None, *args, **kwargs):
-        if cls is DraftHead and cfg is not None and cfg.kind != "eagle":
-            if cfg.kind not in DraftHead._KINDS:
-                raise ValueError(f"unknown draft kind {cfg.kind!r}; treedec builds {', '.join(KINDS)}")
-            cls = DraftHead._KINDS[cfg.kind]
-        return super().__new__(cls)
-
     def __init__(self, cfg: DraftConfig):
+        if type(self) is DraftHead:
+            raise TypeError(f"DraftHead is the base of the head kinds: build a head of kind {cfg.kind!r} with "
+                            "treedec.heads.build_head(cfg)")
         super().__init__()
         self.config = cfg
         self._build(cfg)
@@ -73,34 +60,44 @@ class DraftHead(nn.Module):
         if cfg.draft_vocab_size:
             self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab_size))
         self._target: tuple[Transformer, ...] = ()
-        self._lm_weight: torch.Tensor | None = None  # the LM head's rows of the draft vocabulary
+        self._lm_weight: torch.Tensor | None = None  # a kind sharing the target's LM head: its rows (_bind_lm_head)
         self._bf16_for_wide: tuple = ()  # (its bf16 copy, the batch from which that drafts): for_batch
 
+    # ------------------------------------------------------------------ what each kind defines
     def _build(self, cfg: DraftConfig) -> None:
-        self.fc = nn.Linear((1 + len(cfg.feature_layers)) * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
-        self.layer = DecoderLayer(cfg.layer_config())
-        self.layer.input_layernorm = nn.Identity()  # EAGLE skips the first input norm
+        """Create the kind's layers (``fc`` and ``layer`` at least)."""
+        raise NotImplementedError
 
     def _check_feature_layers(self, n_layers: int) -> None:
-        if list(self.config.feature_layers) != [-1]:
-            raise ValueError(f"an EAGLE-1/2 draft head reads the final hidden state (feature_layers=[-1]), not "
-                             f"{self.config.feature_layers}; multi-layer features are kind='eagle3'")
+        """A ValueError where the config's feature layers do not fit a target of ``n_layers`` layers."""
+        raise NotImplementedError
 
     @property
     def feature_layers_needed(self) -> tuple[int, ...]:
         """Target layers whose inputs the target forward must return (``layer_inputs=``)."""
-        return ()
+        raise NotImplementedError
 
     def features(self, out: ModelOutput) -> torch.Tensor:
         """The target features [B, T, F] this head reads, from a target forward's output."""
-        return out.hidden
+        raise NotImplementedError
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
-        """Target features -> what :meth:`forward` reads at verified positions (EAGLE: the same space)."""
-        return features
+        """Target features -> what :meth:`forward` reads at verified positions."""
+        raise NotImplementedError
 
+    def _bind_lm_head(self, target: Transformer) -> None:
+        """Keep what the kind needs of the target's LM head when bound (``_lm_weight``, ``_lm_packed``, ``_lm_int8``;
+        nothing for a head with its own)."""
+
+    def forward_one(self, tokens: torch.Tensor, features: torch.Tensor, cache: KVCache, offset: int,
+                    position_offset: int) -> torch.Tensor | None:
+        """One node per row (a chain's next draft) without module calls, where the kind has such a path; None here:
+        the caller runs :meth:`forward`."""
+        return None
+
+    # ------------------------------------------------------------------ binding and the draft vocabulary
     def bind(self, target: Transformer) -> "DraftHead":
-        """Share the target's embedding and LM head, on the target's device.
+        """Share the target's embedding (and, where the kind has none of its own, LM head), on the target's device.
 
         The head keeps its own dtype (inputs and outputs are cast at its boundaries), so an
         fp32 head may draft for a bf16 target: on CPUs its small matmuls are faster in fp32.
@@ -131,23 +128,8 @@ class DraftHead(nn.Module):
         self._target = (target,)  # a tuple keeps the target out of this module's parameters
         if self._bf16_for_wide:
             self._bf16_for_wide[0].bind(target)
-        self._lm_weight = self._lm_packed = self._lm_int8 = None  # an EAGLE-3 head has its own LM head; an EAGLE
-        #                                                             head shares the target's
-        if dc.kind == "eagle":
-            w = target.lm_head.weight.detach()
-            if dc.draft_vocab_size:
-                w = w[self.vocab_ids]
-            if w.dtype != self.dtype or dc.draft_vocab_size:  # a copy in the head's dtype
-                self._lm_weight = w.to(self.dtype)
-            if isinstance(self.fc, Int8Linear):  # a quantized head drafts over int8 rows of the LM head too (the
-                #                                  largest of its matrices), for as many rows as its other linears
-                self._lm_int8 = [Int8Linear(w.to(self.dtype))]  # (a list: not a submodule of the head)
-            fc = self.fc.dense if isinstance(self.fc, Int8Linear) else self.fc
-            if isinstance(fc, PackedLinear):  # a packed bf16 head multiplies by packed LM rows too: the target's
-                #                                  own packed LM head when it shares it whole, else its rows packed
-                shared = self._lm_weight is None and isinstance(target.lm_head, PackedLinear)
-                self._lm_packed = target.lm_head if shared else packed_weight(
-                    w if self._lm_weight is None else self._lm_weight)
+        self._lm_weight = self._lm_packed = self._lm_int8 = None  # what a kind sharing the target's LM head keeps of it
+        self._bind_lm_head(target)
         return self
 
     def restrict_vocab(self, token_ids: torch.Tensor) -> "DraftHead":
@@ -201,6 +183,7 @@ class DraftHead(nn.Module):
             raise RuntimeError("draft head is not bound to a target: call draft.bind(target) first")
         return self._target[0]
 
+    # ------------------------------------------------------------------ dtype, device, cache
     def _apply(self, fn, recurse: bool = True):
         """Keep the RoPE frequencies in fp32 whatever dtype the head moves to (as the target does)."""
         out = super()._apply(fn, recurse)
@@ -217,40 +200,12 @@ class DraftHead(nn.Module):
         return self.inv_freq.device
 
     def _linear_shapes(self) -> tuple[tuple[int, int], ...]:
-        """(in, out) of the head's linears and, for a head sharing its target's LM head, of its LM rows."""
-        shapes = [(m.in_features, m.out_features) for m in self.modules() if isinstance(m, nn.Linear)]
-        if self.config.kind == "eagle":
-            shapes.append((self.config.hidden_size, self.config.draft_vocab_size or self.config.vocab_size))
-        return tuple(shapes)
+        """(in, out) of the head's linears (what ``quantize="auto"`` measures)."""
+        return tuple((m.in_features, m.out_features) for m in self.modules() if isinstance(m, nn.Linear))
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
         return KVCache(1, batch, c.num_key_value_heads, max_len, c.head_dim, self.dtype, self.device)
-
-    def forward(self, tokens: torch.Tensor, features: torch.Tensor, cache: KVCache,
-                position_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, T] (one ahead of) features [B, T, H] -> predicted features [B, T, H].
-
-        ``mask`` is a dense [B, 1, T, S] visibility mask over the cache (from ``prefix_tree_mask``);
-        None means a chain after each row's cached prefix; "full": every key is visible (one query
-        over rows of one length). The cache length does not move.
-        Logits cost a vocabulary-wide matmul, so they are asked for apart: :meth:`logits`.
-        """
-        t = self.target
-        dt = self.dtype
-        x = torch.cat((as_dtype(t.model.embed_tokens(tokens), dt), as_dtype(features, dt)), dim=-1)
-        mask, cos, sin = self._mask_rope(tokens.shape[1], cache, position_ids, mask)
-        backend = "eager" if t.attn_backend == "eager" else "sdpa"  # one small layer: a dense mask is cheapest
-        with one_row_matmuls(x, tokens.numel() == 1):  # a chain's node at batch 1: ATen's kernel, as the target's step
-            return self.layer(self.fc(x), cos, sin, cache, 0, None, mask, backend)
-
-    def forward_one(self, tokens: torch.Tensor, features: torch.Tensor, cache: KVCache, offset: int,
-                    position_offset: int) -> torch.Tensor | None:
-        """One node per row (a chain's next draft): tokens [B], features [B, H] -> predicted features [B, H], its key
-        ``offset`` slots past each row's cached length, at RoPE position length + ``position_offset``; :meth:`forward`'s
-        maths without module calls (:func:`treedec.heads.one_node.forward_one`). None where this head has no
-        such path (another kind, ...): the caller runs :meth:`forward`. The cache length does not move."""
-        return forward_one(self, tokens, features, cache, offset, position_offset) if type(self) is DraftHead else None
 
     @property
     def _n_positions(self) -> int:
@@ -270,50 +225,28 @@ class DraftHead(nn.Module):
             mask = prefix_tree_mask(chain, cache.lengths, max(host) + T, host_lens=host)[:, None]
         return (mask, *rope_lookup(self, position_ids, self._n_positions, self.dtype))
 
-    def logits(self, feat: torch.Tensor) -> torch.Tensor:
-        """Draft logits for predicted features: over the draft vocabulary (all of the target's by default)."""
-        if self._lm_int8 is not None and feat.numel() // feat.shape[-1] <= self._lm_int8[0].max_rows:
-            return self._lm_int8[0](as_dtype(feat, self.dtype))
-        if self._lm_packed is not None:
-            return self._lm_packed(as_dtype(feat, torch.bfloat16))
-        w = self.target.lm_head.weight if self._lm_weight is None else self._lm_weight
-        return torch.nn.functional.linear(as_dtype(feat, w.dtype), w)
-
-    def forward_train(self, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal pass from position 0 without a cache (training): same maths as :meth:`forward` on a chain."""
-        t = self.target
-        x = self.fc(torch.cat((t.model.embed_tokens(tokens), features.to(self.dtype)), dim=-1))
-        B, T = tokens.shape
-        cos, sin = rope_cos_sin(torch.arange(T, device=x.device)[None].expand(B, T), self.inv_freq)
-        feat = self.layer.forward_causal(x, cos, sin)
-        return feat, t.lm_head(feat.to(t.lm_head.weight.dtype))
-
-    def forward_unrolled(self, tokens: torch.Tensor, features: torch.Tensor,
-                         steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Training-time test: (features, logits) of each of ``steps`` unrolled steps, step 0 :meth:`forward_train`,
-        step i reading step i-1's predictions (:mod:`treedec.heads.ttt`)."""
-        return forward_unrolled(self, tokens, features, steps)
-
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ files and the inference form
     def save(self, path: str | Path) -> None:
         """Write draft_config.json + draft.safetensors; a bound head records its target's fingerprint."""
-        save_head(self, path)
+        if is_quantized(self):
+            raise ValueError("this draft head's weights are int8 (draft.quantize=int8): a file of them would not load; "
+                             "save the head loaded without quantize")
+        if self._target:
+            self.config.target_fingerprint = target_fingerprint(self.target)
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / DRAFT_CONFIG).write_text(json.dumps(asdict(self.config), indent=2))
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(path / DRAFT_WEIGHTS))
+        follow_umask(path / DRAFT_WEIGHTS)
 
     @classmethod
     def load(cls, path: str | Path, target: Transformer | None = None, dtype=None, device=None,
              quantize: str | None = None) -> "DraftHead":
-        """Load a bundled head ("tiny-code-eagle", "tiny-code-eagle3", "tiny-code-parallel") or a directory
-        (draft_config.json + draft.safetensors, or a published EAGLE / EAGLE-3 / P-EAGLE / speculators layout); never
-        unpickles.
+        """:func:`treedec.heads.checkpoint.load_head`: a head of its file's kind from a bundled name
+        ("tiny-code-eagle", "tiny-code-eagle3", "tiny-code-parallel") or a directory (treedec's or a published layout)."""
+        from treedec.heads.checkpoint import load_head  # (the kind table is above this module: see its docstring)
 
-        ``dtype``: None keeps the file's; "auto" is :func:`~treedec.heads.dtype.inference_dtype` for the target
-        (and, for an fp32 head of a bf16 CPU target, a bf16 copy for wide batches); else a dtype or its name.
-        ``quantize``: "int8" rounds the head's weights to int8 for its passes of few rows (:mod:`treedec.heads.quantized`;
-        the output does not change, the drafts only where the head's top tokens nearly tie); "auto": int8 on a CPU
-        where that measures faster than the head's dtype; None keeps them. See
-        :func:`treedec.heads.checkpoint.load_head`.
-        """
-        return load_head(cls, path, target, dtype=dtype, device=device, quantize=quantize)
+        return load_head(path, target=target, dtype=dtype, device=device, quantize=quantize)
 
     def prepare(self, target: Transformer | None = None, quantize: str | None = None) -> "DraftHead":
         """The inference form of a loaded head: q/k/v and gate/up fused into one matmul each (file names
@@ -327,3 +260,6 @@ class DraftHead(nn.Module):
         if quantize == "int8":
             quantize_linears(self, skip=("_lm_",))  # (never the target's LM head, which a bound head may hold)
         return self.bind(target) if target is not None else self
+
+
+__all__ = ["DraftHead", "check_target"]

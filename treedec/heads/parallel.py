@@ -1,4 +1,4 @@
-"""One-pass draft head (P-EAGLE): an EAGLE-3 head that drafts ``block_size`` positions in one forward.
+"""The one-pass draft head (P-EAGLE, kind "parallel"): an EAGLE-3 head that drafts ``block_size`` positions in one forward.
 
 Verified positions are an EAGLE-3 head's: the pair (token x_{t+1}, fc(target features at t)) in the draft cache.
 The root's children come from the head's output at the last verified pair, as for any EAGLE head (depth 1).
@@ -17,13 +17,15 @@ every anchor at depth 1, geometrically fewer deeper (a share max(0.7^j, 0.2)), e
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from treedec.models.cache import KVCache
-from treedec.heads.head import DraftConfig
+from treedec.heads.config import DraftConfig
 from treedec.heads.eagle3 import Eagle3Head
+from treedec.models.cache import KVCache
 from treedec.models.llama import one_row_matmuls, rope_cos_sin
 
 
@@ -63,8 +65,8 @@ def cod_sample(T: int, n_mask: int, uniform, ratio: float = 0.7, floor: float = 
     return torch.cat(anchors), torch.cat(depths)
 
 
-class ParallelHead(Eagle3Head, kind="parallel"):
-    """``DraftHead(DraftConfig(kind="parallel", block_size=K, ...))`` builds one (see :class:`~treedec.heads.head.DraftHead`)."""
+class ParallelHead(Eagle3Head):
+    """P-EAGLE: an EAGLE-3 head with learned mask inputs (``mask_embed``, ``mask_hidden``) for depths 2..K."""
 
     one_pass = True
 
@@ -80,8 +82,6 @@ class ParallelHead(Eagle3Head, kind="parallel"):
     def from_eagle3(cls, head: Eagle3Head, block_size: int) -> "ParallelHead":
         """A parallel head starting from an EAGLE-3 head's weights (its mask inputs fresh), in its dtype and device,
         bound to its target if it is bound: ``train init_from=<an EAGLE-3 head> draft_arch=parallel``."""
-        from dataclasses import replace
-
         if head.config.kind != "eagle3":
             raise ValueError(f"a parallel head starts from an EAGLE-3 head (kind eagle3), not a {head.config.kind!r} one")
         new = ParallelHead(replace(head.config, kind="parallel", block_size=int(block_size)))

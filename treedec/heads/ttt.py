@@ -3,15 +3,14 @@
 At decode time a depth-i draft node reads its parent's *predicted* feature, never the target's. Unrolling
 ``steps`` passes, step i > 0 reads at position t the step-(i-1) prediction at t-1 and attends through
 :func:`ttt_mask`, the visibility the drafter's tree mask gives a depth-i node (HASS / EAGLE-3's training-time
-test). :func:`forward_unrolled` is the EAGLE-1/2 head's (``DraftHead.forward_unrolled``); the EAGLE-3 head's
-is its ``forward_train(steps=)`` (:mod:`treedec.heads.eagle3`). No KV cache: plain SDPA over the steps' keys.
+test). The heads' unrolled passes share :func:`ttt_attend`: the EAGLE-1/2 head's ``forward_unrolled``
+(:mod:`treedec.heads.eagle`), the EAGLE-3 head's ``forward_train(steps=)`` (:mod:`treedec.heads.eagle3`). No KV cache:
+plain SDPA over the steps' keys.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from treedec.models.llama import rope_cos_sin
 
 
 def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
@@ -41,29 +40,4 @@ def ttt_attend(attn, x: torch.Tensor, cos, sin, keys: list, values: list, step: 
     return attn.o_proj(a.transpose(1, 2).reshape(B, T, attn.nh * attn.hd))
 
 
-def forward_unrolled(head, tokens: torch.Tensor, features: torch.Tensor,
-                     steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Training-time test for an EAGLE-1/2 head: (features, logits) of each of ``steps`` unrolled steps.
-
-    Step 0 is ``head.forward_train``. At decode time a depth-i draft reads its parent's *predicted*
-    feature, never the target's; step i > 0 reads at position t the step-(i-1) prediction at t-1 and
-    attends through :func:`ttt_mask` (what the drafter's tree mask shows a depth-i node), so the head
-    learns to continue from its own features (HASS / EAGLE-3's training-time test). Positions t < i of
-    step i have no parent: ignore them.
-    """
-    t, attn, layer = head.target, head.layer.self_attn, head.layer
-    B, T = tokens.shape
-    emb = t.model.embed_tokens(tokens)
-    cos, sin = rope_cos_sin(torch.arange(T, device=tokens.device)[None].expand(B, T), head.inv_freq)
-    feat, keys, values, out = features.to(head.dtype), [], [], []
-    for i in range(steps):
-        if i:
-            feat = F.pad(feat[:, :-1], (0, 0, 1, 0))
-        x = head.fc(torch.cat((emb, feat), dim=-1))
-        x = x + ttt_attend(attn, layer.input_layernorm(x), cos, sin, keys, values, i)
-        feat = x + layer.mlp(layer.post_attention_layernorm(x))
-        out.append((feat, t.lm_head(feat.to(t.lm_head.weight.dtype))))
-    return out
-
-
-__all__ = ["forward_unrolled", "ttt_attend", "ttt_mask"]
+__all__ = ["ttt_attend", "ttt_mask"]

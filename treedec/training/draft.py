@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from treedec.conf_defaults import shipped_defaults
-from treedec.heads.head import DraftConfig, DraftHead
+from treedec.heads import DraftConfig, DraftHead, ParallelHead, build_head
+from treedec.heads.parallel import cod_sample
 from treedec.training.lm import _plain
 from treedec.training.schedule import WallTimeScheduled
 
@@ -102,14 +103,12 @@ class DraftModule(WallTimeScheduled):
             self.head.config.target = str(target_path)  # (a published head's names its own directory)
             want, block = (draft or {}).get("kind"), int((draft or {}).get("block_size") or 0)
             if want == "parallel" and self.head.config.kind != "parallel":  # P-EAGLE from an EAGLE-3 head
-                from treedec.heads.parallel import ParallelHead
-
                 self.head = ParallelHead.from_eagle3(self.head, block)
             elif want == "parallel" and block:  # every mask position shares one input pair: K is the config's alone
                 self.head.config.block_size = block  # (draft_arch.block_size, as the saved config says)
         else:
             cfg = DraftConfig.for_target(target.config, target=str(target_path), **(draft or {}))
-            self.head = DraftHead(cfg).bind(target)
+            self.head = build_head(cfg).bind(target)
         if self.head.config.kind in ("eagle3", "parallel") and not init_from:
             self.head.init_from_target()  # start the output layer from the target's (set_draft_vocab redoes it)
         if unroll is not None and int(unroll) < 1:
@@ -224,8 +223,6 @@ class DraftModule(WallTimeScheduled):
         :func:`~treedec.heads.parallel.cod_sample` draws (from the module's own generator, so a resumed run draws the
         same ones), with no weight per depth: deeper depths weigh less only by being sampled less. ``ce``/``top1_acc``:
         depth 1; ``ce_i``/``top1_acc_i``: depth i + 1."""
-        from treedec.heads.parallel import cod_sample
-
         feats, logits = self.target_features(ids)
         head, tokens = self.head, ids[:, 1:]
         T = tokens.shape[1]
@@ -322,7 +319,7 @@ class SpeculativeEvalCallback(L.Callback):
 
         target = module.target
         # A bf16 copy, as inference runs; casting the trained fp32 weights in place would round them.
-        head = DraftHead(module.head.config)
+        head = build_head(module.head.config)
         head.load_state_dict(module.head.state_dict())
         head = head.to(device=target.device, dtype=target.dtype).eval().bind(target)
         default = BestFirstPolicy(24, head.block_size) if head.one_pass else DynamicPolicy(24, 5, 6)

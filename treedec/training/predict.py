@@ -35,7 +35,7 @@ from treedec.decoding.prompt_checks import check_slots
 from treedec.decoding.stats import DecodeStats
 from treedec.sampling import RowSeededGenerator, SamplingParams
 from treedec.decoding.speculative import CompactingDecoder, SpeculativeDecoder
-from treedec.heads.head import DraftHead
+from treedec.heads import DraftHead
 from treedec.models.llama import Transformer
 from treedec.tree.policies.base import TreePolicy
 

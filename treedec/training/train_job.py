@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from treedec.atomic import atomic_dir, write_json
 from treedec.data.datasets import frequent_tokens
 from treedec.data.prompts import heldout_prompts
-from treedec.heads.head import DraftHead
+from treedec.heads import build_head
 from treedec.models.checkpoint import resolve_dtype, resolve_path
 from treedec.models.paths import bundled_dir, export_path
 from treedec.models.tokenizer import load_tokenizer
@@ -104,7 +104,7 @@ def _finish(cfg: DictConfig, run_dir: Path, trainer, module, dm, after, *, expor
     after.commit()  # a SIGTERM since fit stops the job here, before anything is written
     if export is not None:
         # A copy bound to the target (its fingerprint is saved), cast, then filled straight from the fp32 weights.
-        head = DraftHead(module.head.config).bind(module.target).to(resolve_dtype(cfg.export_dtype))
+        head = build_head(module.head.config).bind(module.target).to(resolve_dtype(cfg.export_dtype))
         head.load_state_dict(module.head.state_dict())
         head.config.target = str(cfg.model.path)
         if int(cfg.draft_vocab_size) and kind == "eagle":

@@ -234,7 +234,7 @@ def resolve(calibration, draft_path=None) -> Calibration | None:
         return load_calibration(calibration)
     if draft_path is None:
         return None
-    from treedec.heads.head import BUNDLED_DRAFTS
+    from treedec.heads import BUNDLED_DRAFTS
 
     head_dir = BUNDLED_DRAFTS.get(str(draft_path), Path(str(draft_path)).expanduser())
     f = head_dir / "calibration.yaml"

@@ -1,7 +1,7 @@
-"""config.json fields against the weights, for every published head reader (:mod:`treedec.heads.formats.published`,
-:mod:`treedec.heads.formats.peagle`): a field that fixes a tensor's shape is checked against that tensor before
-anything is built from either, so a mistake in one names the field, what it says and what the weights say (never a
-later complaint about a derived tensor, nor torch's several-line size mismatch)."""
+"""config.json fields every published layout shares (the head layer's config, integers and flags), and the fields
+against the weights: a field that fixes a tensor's shape is checked against that tensor before anything is built from
+either, so a mistake in one names the field, what it says and what the weights say (never a later complaint about a
+derived tensor, nor torch's several-line size mismatch). A layout's own fields are checked in its file."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,6 +9,39 @@ from pathlib import Path
 import torch
 
 from treedec.models.config import LlamaConfig
+
+
+def flag(raw: dict, key: str, default: bool, path: Path) -> bool:
+    """A true/false key of a head's config.json: a string such as "false" is an error, never truthy."""
+    value = raw.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{path / 'config.json'}: \"{key}\" must be true or false (JSON booleans), got {value!r}")
+    return value
+
+
+def as_int(value, what: str, path: Path) -> int:
+    """``value`` as an int where it is one (a JSON integer): a float or a string is an error, never truncated."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{path / 'config.json'}: {what} must be integers, got {value!r}")
+    return value
+
+
+def layer_config(raw: dict, path: Path) -> LlamaConfig:
+    """The head layer's LlamaConfig (Qwen2 layers: q/k/v biases; Qwen3 layers: q/k norms); the head's own RoPE."""
+    archs, model_type = " ".join(raw.get("architectures") or []), raw.get("model_type")
+    arch = "Qwen3ForCausalLM" if "Qwen3" in archs or model_type == "qwen3" else \
+        "Qwen2ForCausalLM" if "Qwen2" in archs or model_type == "qwen2" else "LlamaForCausalLM"
+    d = {k: v for k, v in raw.items() if k not in ("architectures", "num_hidden_layers")}
+    d.setdefault("rope_theta", 10000.0)  # EAGLE's rotary default: never the target's theta
+    try:
+        cfg = LlamaConfig.from_hf({**d, "architectures": [arch], "num_hidden_layers": 1})
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path / 'config.json'}: {e}") from e
+    if raw.get("qkv_bias") is not None:  # some EAGLE Qwen2 heads say so explicitly
+        cfg.qkv_bias = flag(raw, "qkv_bias", cfg.qkv_bias, path)
+    return cfg
 
 
 def config_int(raw: dict, key: str, cfg_file: Path, field: str | None = None, weights: str | None = None) -> int | None:
@@ -52,4 +85,4 @@ def check_shapes(lc: LlamaConfig, draft_vocab: int | None, src: dict[str, torch.
                          f"config.json published with these weights)")
 
 
-__all__ = ["check_shapes", "config_int"]
+__all__ = ["as_int", "check_shapes", "config_int", "flag", "layer_config"]

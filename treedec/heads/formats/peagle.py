@@ -1,6 +1,6 @@
-"""Published P-EAGLE heads -> treedec ``ParallelHead`` (kind "parallel"); DFlash drafters are refused.
+"""Published P-EAGLE heads -> treedec ``ParallelHead`` (kind "parallel").
 
-:mod:`treedec.heads.formats.published` calls these for a ``config.json`` that :func:`is_peagle` recognises. Two dialects:
+:mod:`treedec.heads.formats.read` calls these for a ``config.json`` that :func:`is_peagle` recognises. Two dialects:
 
 * vLLM's flat EAGLE-3 config (``LlamaForCausalLMEagle3`` / ``Eagle3LlamaForCausalLM`` / ``PEagleDraftModel`` /
   ``PeagleLlamaForCausalLM``, a LlamaConfig at top level): the mask token id in ``ptd_token_id`` (older vLLM) or
@@ -17,8 +17,7 @@ the target's). K (``block_size``) is ``num_speculative_tokens``, the speculators
 ``num_depths`` or ``para_depths``, in that order.
 
 Refused, each with a one-line error: several decoder layers (treedec's heads have one), no mask token id, no K,
-``norm_before_fc`` / ``fc_norm`` heads, and DFlash drafters (target features enter every layer as extra keys and
-values and the block attends non-causally: not a head kind treedec loads).
+and ``norm_before_fc`` / ``fc_norm`` heads (DFlash drafters: :mod:`treedec.heads.formats.dflash`).
 """
 from __future__ import annotations
 
@@ -31,24 +30,6 @@ from treedec.heads.formats.fields import config_int
 MASK_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")  # + dflash_config.mask_token_id (newer vLLM reads it)
 K_KEYS = ("num_speculative_tokens", "num_depths", "para_depths")
 _ARCH = ("peagle", "ptd")  # (case-insensitive) in an architecture name: PEagleDraftModel, PeagleLlamaForCausalLM
-
-
-def refuse_dflash(raw: dict, keys: set[str], path: Path) -> None:
-    """A one-line error for a DFlash drafter (z-lab's ``DFlashDraftModel``, speculators' ``dflash``, or tensors laid
-    out as one: a top-level ``hidden_norm`` and no ``lm_head``); nothing for anything else."""
-    archs = [a for a in raw.get("architectures") or [] if isinstance(a, str)]
-    auto = " ".join(str(v) for v in (raw.get("auto_map") or {}).values()) if isinstance(raw.get("auto_map"), dict) else ""
-    named = str(raw.get("speculators_model_type", "")).lower().startswith("dflash") or \
-        any("dflash" in a.lower() for a in archs) or "dflash" in auto.lower() or \
-        ("dflash_config" in raw and not any(k in raw for k in MASK_KEYS[1:]))
-    laid_out = "hidden_norm.weight" in keys and "lm_head.weight" not in keys
-    if named or laid_out:
-        what = f"architectures {archs}" if archs else f"speculators_model_type {raw.get('speculators_model_type')!r}" \
-            if "speculators_model_type" in raw else "tensors hidden_norm.weight without lm_head.weight"
-        raise ValueError(f"{path / 'config.json'} is a DFlash drafter ({what}); DFlash drafters are not a head kind "
-                         "treedec loads: the target's features enter every layer as extra keys/values and a block is "
-                         "drafted with non-causal attention, where a treedec head is one causal EAGLE layer fed the "
-                         "features through fc")
 
 
 def is_peagle(raw: dict) -> bool:
@@ -159,4 +140,4 @@ def mask_tensors(src: dict[str, torch.Tensor], raw: dict, vocab: int, hidden: in
     return {"mask_embed": mask_embed, "mask_hidden": hidden_h}, embed
 
 
-__all__ = ["block_size", "is_peagle", "layer_raw", "mask_tensors", "mask_token_id", "refuse_dflash"]
+__all__ = ["MASK_KEYS", "block_size", "is_peagle", "layer_raw", "mask_tensors", "mask_token_id"]
