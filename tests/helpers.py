@@ -209,6 +209,23 @@ class OraclePolicy(TreePolicy):
         return tree.with_tokens(tokens)
 
 
+def random_calibration(seed: int, depth: int = 4, map: str = "isotonic"):
+    """Random non-decreasing per-depth tables, including flat stretches at 1 and at the floor, and random power maps
+    (scale e^a up to e: saturating at 1 from some q on; exponent 0.3-2); ``map`` says which one applies."""
+    from treedec.tree.calibration import FLOOR, GRID, Calibration
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(depth):
+        v = torch.rand(len(GRID), generator=g).sort().values
+        v[: int(torch.randint(0, 3, (1,), generator=g))] = FLOOR
+        v[len(GRID) - int(torch.randint(0, 4, (1,), generator=g)):] = 1.0
+        rows.append(v.clamp(FLOOR, 1.0).tolist())
+    power = [[float(torch.rand(1, generator=g)) * 1.5 - 0.5, 0.3 + 1.7 * float(torch.rand(1, generator=g))]
+             for _ in range(depth)]
+    return Calibration(rows, power=power, map=map)
+
+
 def save_tiny_stack(root: Path, tokenizer_dir, seed: int = 0) -> Transformer:
     """A random tiny target (context 256) in ``root / "target"`` with ``tokenizer_dir``'s tokenizer and an untrained
     head for it in ``root / "draft"``: the checkpoint pair the CLI tests (generate, regenerate, bench) load."""

@@ -140,13 +140,6 @@ def _run(inner: str, seed: int, tokens: int = 10):
 
 
 @pytest.mark.parametrize("inner", list(INNER))
-@pytest.mark.parametrize("seed", range(5))
-def test_lookup_is_lossless_greedy_fp32(inner, seed):
-    refs, out = _run(inner, seed)
-    assert out.tokens == refs  # a ragged batch of three prompts
-
-
-@pytest.mark.parametrize("inner", list(INNER))
 def test_copies_are_accepted_past_the_inner_trees_depth(inner):
     """Random tiny models fall into loops, where a copy of the context is right for many tokens: such paths are
     accepted beyond the inner tree's depth (with seed 0 the loops are longer than every inner tree here)."""
