@@ -13,7 +13,7 @@ import importlib
 
 _EXPORTS: dict[str, str] = {  # name -> the module that defines it
     "load_model": "treedec.models",
-    "DraftHead": "treedec.heads",
+    "load_head": "treedec.heads",
     "load_tokenizer": "treedec.models.tokenizer",
     "SpeculativeDecoder": "treedec.decoding.speculative",
     "VanillaDecoder": "treedec.decoding.vanilla",
