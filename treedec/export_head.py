@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 import treedec.config.schema  # noqa: F401  (registers the structured schema before Hydra composes)
 from treedec.cli import entry, launch
+from treedec.config import instantiate_checked, validate
 from treedec.heads.export import check_kind, check_out, export_head
 from treedec.models.checkpoint import resolve_dtype
 
@@ -30,7 +31,6 @@ log = logging.getLogger(__name__)
 
 def run(cfg: DictConfig) -> Path:
     """Export ``draft`` as ``format`` to ``out``; ``out`` and the head's kind are checked before its weights load."""
-    from treedec.config import instantiate_checked, validate
 
     validate(cfg, "export_head")
     check_out(Path(cfg.out).expanduser())  # before loading anything
