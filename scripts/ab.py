@@ -73,7 +73,7 @@ def policy_knobs(spec: str) -> tuple[str, dict]:
     if not spec.endswith("}") or "{" not in spec:
         return spec, {}
     spec, _, body = spec[:-1].partition("{")
-    number = lambda v: int(v) if v.strip().lstrip("-").isdigit() else float(v)  # noqa: E731
+    number = lambda v: int(v) if v.strip().lstrip("-").isdigit() else float(v)
     try:
         return spec, {k.strip(): number(v) for k, v in (kv.split("=") for kv in body.split(",") if kv.strip())}
     except ValueError:
@@ -107,12 +107,13 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
     ``serve``: through ``Decoder.serve`` (vanilla's finished rows leave the batch too), the batch a queue for
     ``slots`` rows (None: all at once); else ``generate`` (what an older REV has). ``head_dirs``: NAME -> the
     head directory a method's ``+NAME`` loads. ``temperature``: sampled decoding (top-p 0.95), every call seeded alike."""
-    mod = lambda m: importlib.import_module(f"{pkg}.{m}")  # noqa: E731
+    mod = lambda m: importlib.import_module(f"{pkg}.{m}")
     models, vanilla = mod("models"), mod("decoding.vanilla")
     try:
-        DraftHead = mod("heads").DraftHead
-    except ModuleNotFoundError:  # an older REV kept it in models.draft
-        DraftHead = mod("models.draft").DraftHead
+        heads_mod = mod("heads")
+    except ModuleNotFoundError:  # an older REV kept the head in models.draft
+        heads_mod = mod("models.draft")
+    load_head = getattr(heads_mod, "load_head", None) or heads_mod.DraftHead.load  # (an older REV: DraftHead.load)
     CompactingDecoder = getattr(mod("decoding.speculative"), "CompactingDecoder", None) or mod(
         "training.predict").CompactingDecoder  # (an older REV kept it there)
     target = models.load_model("tiny-code", dtype=torch.bfloat16)
@@ -140,18 +141,18 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
         dtype = dtype or "auto"
         if (dtype, head) not in heads:
             q = dtype == "int8"
-            heads[dtype, head] = DraftHead.load(head, target=target, dtype="auto" if q else dtype,
-                                                **({"quantize": "int8"} if q else {}))
+            heads[dtype, head] = load_head(head, target=target, dtype="auto" if q else dtype,
+                                           **({"quantize": "int8"} if q else {}))
         try:
             pol = policy(kind, arg, mod("tree.policies"), head, knobs)
         except TypeError as e:
             raise SystemExit(f"{name_as_given}: {e} (the keys of conf/tree/auto.yaml)") from None
         if fresh:  # a new policy (and decoder) for every call: what a process decoding one request sees
-            make = lambda h=heads[dtype, head], k=kind, a=arg, n=head, kn=knobs: CompactingDecoder(  # noqa: E731
+            make = lambda h=heads[dtype, head], k=kind, a=arg, n=head, kn=knobs: CompactingDecoder(
                 target, h, policy(k, a, mod("tree.policies"), n, kn), *([sampling] if sampling else []))
         else:
-            make = lambda dec=CompactingDecoder(target, heads[dtype, head], pol,  # noqa: E731
-                                                *([sampling] if sampling else [])): dec
+            dec = CompactingDecoder(target, heads[dtype, head], pol, *([sampling] if sampling else []))
+            make = lambda dec=dec: dec  # one decoder for every call
         runs[name_as_given + tag] = (lambda rows, make=make: make().serve(rows, tokens, slots)) if serve else (
             lambda rows, make=make: gen(make().generate, rows))
     return runs

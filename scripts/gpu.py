@@ -157,12 +157,12 @@ def environment() -> dict:
         if torch.cuda.is_available():
             env["gpu"] = torch.cuda.get_device_name(0)
             env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-    except Exception as exc:  # noqa: BLE001 - the summary records whatever went wrong
+    except Exception as exc:
         env["torch_error"] = repr(exc)
     for mod in ("triton", "transformers"):
         try:
             env[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
+        except Exception:
             env[mod] = None
     if shutil.which("nvidia-smi"):
         try:
@@ -179,12 +179,12 @@ def random_stack(work: Path) -> tuple[str, str]:
     import torch
     from omegaconf import OmegaConf
 
-    from treedec.models.checkpoint import save_pretrained
-    from treedec.models.config import LlamaConfig
-    from treedec.heads import DraftConfig, build_head
-    from treedec.models.llama import Transformer
     from treedec.data.corpus import split_files, stdlib_root
     from treedec.data.tokenizer_train import train_tokenizer
+    from treedec.heads import DraftConfig, build_head
+    from treedec.models.checkpoint import save_pretrained
+    from treedec.models.config import LlamaConfig
+    from treedec.models.llama import Transformer
 
     corpus = work / "tok_corpus"
     root = stdlib_root()
@@ -265,18 +265,18 @@ def main(argv: list[str] | None = None) -> int:
     model, draft, random_model = args.model, args.draft, False
     if want & {"bench_triton", "bench_sdpa"}:
         try:
-            from treedec.models.checkpoint import resolve_path
             from treedec.heads import BUNDLED_DRAFTS
+            from treedec.models.checkpoint import resolve_path
 
             resolve_path(model)
             if not (Path(str(BUNDLED_DRAFTS.get(draft, draft))) / "draft_config.json").is_file():
                 raise FileNotFoundError(f"no draft head at {draft}")
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             r.note(f"bundled model/draft unavailable ({exc}); benches run on a random model of the same shape")
             try:
                 model, draft = random_stack(work)
                 random_model = True
-            except Exception as exc2:  # noqa: BLE001
+            except Exception as exc2:
                 r.note(f"could not build a random model: {type(exc2).__name__}: {exc2}")
         summary["bench_model"] = {"model": model, "draft": draft, "random_weights": random_model}
 
@@ -337,7 +337,7 @@ def summary_md(summary: dict, out: Path) -> str:
                 from treedec.bench.report import markdown
 
                 lines += ["", f"## bench, kernel={k}", "", markdown(json.loads(f.read_text()))]
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 lines += ["", f"## bench, kernel={k}: could not render ({exc})"]
     for name in ("kernel", "kernel_tiny"):
         f = out / f"{name}.json"
@@ -349,7 +349,7 @@ def summary_md(summary: dict, out: Path) -> str:
                 c = res["config"]
                 lines += ["", f"## {name}: B={c['batch']} Hq={c['heads']} Hkv={c['kv_heads']} D={c['head_dim']} "
                           f"{c['dtype']}", "", kmd(res)]
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 lines += ["", f"## {name}: could not render ({exc})"]
     return "\n".join(lines) + "\n"
 

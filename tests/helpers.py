@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from treedec.models import LlamaConfig, Transformer
 from treedec.heads import DraftConfig, build_head
+from treedec.models import LlamaConfig, Transformer
 from treedec.tree import Tree
 from treedec.tree.policies.base import TreePolicy
 

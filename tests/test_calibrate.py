@@ -72,11 +72,10 @@ def test_calibrate_then_generate_with_learned_tree(stack, tmp_path, corpus, caps
 def test_probe_recovers_oracle_acceptance():
     """With an oracle that makes each drafted child correct with probability 0.7 (independently), the probe
     measures p[rank] ~ 0.7 at every rank, and the DP's expected tau for the probe tree matches the run's."""
+    from tests.helpers import OraclePolicy, greedy_reference, make_pair
     from treedec.probe.acceptance import probe_acceptance
     from treedec.sampling import SamplingParams
     from treedec.tree.sequoia import AcceptanceCounts, comb_probe, expected_accepted
-
-    from tests.helpers import OraclePolicy, greedy_reference, make_pair
 
     target, draft = make_pair(seed=3)
     total = AcceptanceCounts()

@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from tests.helpers import compose_config, local_config
 from treedec.atomic import write_text_atomic
 from treedec.cli import entry
 from treedec.config import ConfigError
-
-from tests.helpers import compose_config, local_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -29,9 +29,9 @@ ENTRY_SCHEMAS = {**schema.SCHEMAS, "train": train_schema.TrainSchema, "pretrain"
 SCHEMA_GROUPS = ("tree", "sampling", "model", "draft", "kernel")
 # Python-API defaults that deliberately differ from the configs', each with why (a callable a user calls directly).
 PYTHON_API = {
-    ("DraftHead.load", "dtype"): "None: the head's dtype as saved (README's DraftHead.load(name, target=...)); "
+    ("load_head", "dtype"): "None: the head's dtype as saved (README's load_head(name, target=...)); "
                                  "the configs ask for auto",
-    ("DraftHead.load", "quantize"): "None: full precision, as saved; the configs ask for auto",
+    ("load_head", "quantize"): "None: full precision, as saved; the configs ask for auto",
 }
 
 

@@ -81,7 +81,7 @@ def test_every_other_option_composes_and_validates(group):
             if group == "kernel":  # kernel=NAME sets the target's attention backend
                 assert cfg.model.attn_backend == option and "kernel" not in cfg
             if group in ("model", "draft"):  # each names its loader
-                assert cfg[group]._target_ in ("treedec.models.load_model", "treedec.heads.DraftHead.load")
+                assert cfg[group]._target_ in ("treedec.models.load_model", "treedec.heads.load_head")
 
 
 def test_calibrate_config_probe_instantiates():

@@ -12,10 +12,9 @@ import pytest
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from tests.helpers import compose_config
 from treedec.config import instantiate_checked, validate
 from treedec.models.paths import ASSETS
-
-from tests.helpers import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LEARNED = ASSETS / "tiny-code-eagle" / "learned_tree.yaml"

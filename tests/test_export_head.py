@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from tests.helpers import randomize_, tiny_model
-from treedec.heads import DraftConfig, DraftHead, build_head
+from treedec.heads import DraftConfig, build_head, load_head
 from treedec.heads.export import export_head
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_head(target, seed, **kw):
-    """A random head, fused as ``DraftHead.load`` fuses it (so that logits compare bit for bit)."""
+    """A random head, fused as ``load_head`` fuses it (so that logits compare bit for bit)."""
     torch.manual_seed(seed)
     head = randomize_(build_head(DraftConfig.for_target(target.config, **kw)), seed).eval()
     head.layer.fuse()
@@ -50,7 +50,7 @@ def test_eagle_round_trip(variant, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen2ForCausalLM" if variant == "qkv_bias" else "LlamaForCausalLM"]
     assert cfg["bias"] == (variant != "no_fc_bias") and cfg["num_hidden_layers"] == 1
-    again = DraftHead.load(out, target=target)
+    again = load_head(out, target=target)
     assert again.config.kind == "eagle" and (again.fc.bias is None) == (variant == "no_fc_bias")
     torch.testing.assert_close(head_logits(again, 3), head_logits(head, 3), atol=0, rtol=0)
     prompt = list(range(3, 14))
@@ -75,7 +75,7 @@ def test_restricted_vocab_eagle_head_warns(tmp_path):
     head = make_head(target, 5).restrict_vocab(torch.arange(0, 97, 2))
     with pytest.warns(UserWarning, match="no draft vocabulary"):
         out = export_head(head, tmp_path / "out", "eagle")
-    again = DraftHead.load(out, target=target)
+    again = load_head(out, target=target)
     assert again.config.draft_vocab_size == 0
     prompt = list(range(5, 12))
     assert decode(target, again, prompt)[0] == decode(target, head, prompt)[0]  # lossless either way
@@ -91,7 +91,7 @@ def test_eagle3_round_trip(nbr, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 40
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3] and cfg["rope_theta"] == 5e5
-    again = DraftHead.load(out, target=target)
+    again = load_head(out, target=target)
     assert again.config.feature_layers == [0, 1, 3] and torch.equal(again.vocab_ids, head.vocab_ids)
     assert cfg["norm_before_residual"] == nbr == again.config.norm_before_residual
     torch.testing.assert_close(head_logits(again, 9), head_logits(head, 9), atol=0, rtol=0)
@@ -124,14 +124,14 @@ def test_out_directory_rules(tmp_path):
 @pytest.mark.slow
 def test_cli_exports(tmp_path):
     out = tmp_path / "exported"
-    run = lambda *a: subprocess.run([sys.executable, "-m", "treedec.export_head", *a,  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "treedec.export_head", *a,
                                      f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True,
                                     timeout=180, cwd=ROOT)
     done = run("draft.path=tiny-code-eagle", "format=eagle", f"out={out}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
-    bundled = DraftHead.load("tiny-code-eagle")
-    again = DraftHead.load(out)
+    bundled = load_head("tiny-code-eagle")
+    again = load_head(out)
     for k, v in again.state_dict().items():
         if k != "vocab_ids":
             torch.testing.assert_close(v, bundled.state_dict()[k], atol=0, rtol=0)
@@ -142,7 +142,7 @@ def test_config_is_checked_before_loading():
 
     from treedec.config import ConfigError, validate
 
-    ok = dict(draft={"_target_": "treedec.heads.DraftHead.load", "path": "tiny-code-eagle"}, format="eagle",
+    ok = dict(draft={"_target_": "treedec.heads.load_head", "path": "tiny-code-eagle"}, format="eagle",
               out="x", dtype=None)
     validate(OmegaConf.create(ok), "export_head")
     for bad, needle in ((dict(format="medusa"), "format='medusa'"), (dict(dtype="int8"), "invalid dtype"),
@@ -162,7 +162,7 @@ def test_a_second_export_keeps_what_the_user_added(tmp_path, caplog):
         export_head(make_head(target, 3), out, "eagle", dtype=torch.bfloat16)
     assert (out / "README.md").read_text() == "# my head\n" and (out / "tokenizer.json").read_text() == "{}"
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    again = DraftHead.load(out, target=target)
+    again = load_head(out, target=target)
     assert again.dtype == torch.bfloat16
     torch.testing.assert_close(again.fc.weight.float(), make_head(target, 3).fc.weight.bfloat16().float())
     assert "kept README.md, tokenizer.json" in caplog.text and "replaced model.safetensors, config.json" in caplog.text
@@ -213,14 +213,14 @@ def test_stale_work_directories_of_killed_exports_are_cleaned(tmp_path):
 @pytest.mark.filterwarnings("ignore:the EAGLE-1/2 layout has no draft vocabulary")
 def test_a_killed_export_is_cleaned_up_by_the_next(tmp_path):
     code = ("import os, sys, warnings; import treedec.heads.export as e; "
-            "from treedec.heads import DraftHead; real = e.save_file; warnings.simplefilter('ignore'); "
+            "from treedec.heads import load_head; real = e.save_file; warnings.simplefilter('ignore'); "
             "e.save_file = lambda *a, **k: (real(*a, **k), os._exit(9)); "  # killed once the weights are written
-            "e.export_head(DraftHead.load('tiny-code-eagle'), sys.argv[1], 'eagle')")
+            "e.export_head(load_head('tiny-code-eagle'), sys.argv[1], 'eagle')")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], cwd=ROOT, timeout=180)
     assert done.returncode == 9
     left = [p.name for p in tmp_path.iterdir()]
     assert len(left) == 1 and left[0].startswith(".out.treedec-export-tmp.")  # what a kill leaves
-    export_head(DraftHead.load("tiny-code-eagle"), tmp_path / "out", "eagle")
+    export_head(load_head("tiny-code-eagle"), tmp_path / "out", "eagle")
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
@@ -236,11 +236,11 @@ def test_export_records_the_target_fingerprint_and_loading_warns_on_another(tmp_
     assert cfg["treedec"]["target_fingerprint"] == target_fingerprint(target)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        DraftHead.load(out, target=target)  # its own target: silent
+        load_head(out, target=target)  # its own target: silent
     with pytest.warns(UserWarning, match=rf"fingerprint {target_fingerprint(target)}.*different target.*"
                                          rf"fingerprint {target_fingerprint(other)}"):
-        DraftHead.load(out, target=other)
-    unbound = DraftHead.load("tiny-code-eagle")  # not bound: the fingerprint its draft_config.json recorded
+        load_head(out, target=other)
+    unbound = load_head("tiny-code-eagle")  # not bound: the fingerprint its draft_config.json recorded
     out = export_head(unbound, tmp_path / "bundled", "eagle")
     assert json.loads((out / "config.json").read_text())["treedec"] == {
         "target": "tiny-code", "target_fingerprint": unbound.config.target_fingerprint}
@@ -258,7 +258,7 @@ def test_a_one_pass_head_is_refused_naming_what_works(fmt, tmp_path):
     head_dir = tmp_path / "one-pass"  # its config alone: refused before any weights would be read
     head_dir.mkdir()
     (head_dir / DRAFT_CONFIG).write_bytes((BUNDLED_DRAFTS["tiny-code-parallel"] / DRAFT_CONFIG).read_bytes())
-    cfg = OmegaConf.create(dict(draft={"_target_": "treedec.heads.DraftHead.load", "path": str(head_dir)},
+    cfg = OmegaConf.create(dict(draft={"_target_": "treedec.heads.load_head", "path": str(head_dir)},
                                 format=fmt, out=str(tmp_path / "out"), dtype=None))
     with pytest.raises(ValueError) as err:
         run(cfg)

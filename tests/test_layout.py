@@ -114,7 +114,7 @@ def test_the_graph_sees_lazy_and_relative_imports(tmp_path):
 
 def packages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """The graph between treedec's packages and top-level modules (``treedec.tree.policies.auto`` -> ``treedec.tree``)."""
-    top = lambda m: ".".join(m.split(".")[:2])  # noqa: E731
+    top = lambda m: ".".join(m.split(".")[:2])
     out: dict[str, set[str]] = {top(m): set() for m in graph if m != "treedec"}
     for a, bs in graph.items():
         if a != "treedec":
@@ -159,6 +159,6 @@ if __name__ == "__main__":
         print("cycle:", " <-> ".join(sorted(c)))
         for e in _edges({a: g.get(a, set()) & c for a in c}, tuple(c), tuple(c)):
             print("   ", e)
-    top = lambda m: ".".join(m.split(".")[:2])  # noqa: E731
+    top = lambda m: ".".join(m.split(".")[:2])
     pairs = sorted({(top(a), top(b)) for a, bs in g.items() for b in bs if top(a) != top(b)})
     print("\n".join(f"{a} -> {b}" for a, b in pairs))

@@ -8,9 +8,8 @@ import sys
 
 import pytest
 
-from treedec.cli import entry
-
 from tests.helpers import compose_config, entry_module, local_config
+from treedec.cli import entry
 
 
 def entry_run(name: str):

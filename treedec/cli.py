@@ -178,7 +178,7 @@ def load_stack(cfg: Any):
     """(target, tokenizer, draft head) from a config's ``model`` and ``draft`` groups, in eval mode.
 
     Each group names its loader with ``_target_`` (``treedec.models.load_model``,
-    ``treedec.heads.DraftHead.load``), so a checkpoint format of your own is a config, not a code change.
+    ``treedec.heads.load_head``), so a checkpoint format of your own is a config, not a code change.
     """
     from treedec.models.tokenizer import load_tokenizer
 

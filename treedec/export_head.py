@@ -2,7 +2,7 @@
 
 Writes ``config.json`` + ``model.safetensors`` in the layout the public EAGLE-1/2 or EAGLE-3
 (SpecForge / SGLang, which vLLM also reads) heads use (treedec/heads/formats/), so
-a head trained here serves there, and ``DraftHead.load(DIR)`` reads it back unchanged.
+a head trained here serves there, and ``load_head(DIR)`` reads it back unchanged.
 config.json's ``"treedec"`` key records the target's fingerprint (a warning when the head
 meets another target). A new directory appears whole or not at all (written beside it,
 then renamed); an existing non-empty directory is never written into, unless an earlier

@@ -78,7 +78,7 @@ def make_case(B=1, Hq=2, Hkv=1, T=5, D=16, prefix_lens=(7,), parents="random", d
     k = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
     v = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
     pl = torch.tensor(prefix_lens, dtype=torch.long)
-    to = lambda t: t.to(device)  # noqa: E731
+    to = lambda t: t.to(device)
     return SimpleNamespace(q=to(q), k=to(k), v=to(v), bits=to(bits), prefix_lens=to(pl), parents=rows, T=T)
 
 

@@ -172,8 +172,8 @@ def test_trusted_calls_match_and_read_nothing(attn_cases, backend):
 
     Same result as the validated call, and no host read (validation reads prefix_lens)."""
     from treedec.attention import tree_dense_mask
-    from treedec.profiling import count_ops
     from treedec.attention.layout import unpack_bits
+    from treedec.profiling import count_ops
 
     case = attn_cases.make(B=3, Hq=4, Hkv=2, T=9, prefix_lens=(0, 6, 13), per_row=True, extra=0, device=DEVICE)
     want = run(case, backend)

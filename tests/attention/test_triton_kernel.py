@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import NO_TRITON  # noqa: E402
+from tests.helpers import NO_TRITON
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
-from treedec.attention import tree_attention  # noqa: E402
-from treedec.attention import triton_kernel as tk  # noqa: E402
+from treedec.attention import tree_attention
+from treedec.attention import triton_kernel as tk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -5,10 +5,9 @@ import json
 
 import pytest
 
+from tests.bench.configs import bench_cfg
 from treedec.bench import batched, harness
 from treedec.bench.methods import Prompt
-
-from tests.bench.configs import bench_cfg
 
 
 def test_batches_are_full_and_take_the_prompts_in_turn():

@@ -3,21 +3,20 @@ from __future__ import annotations
 
 import json
 import runpy
-import time
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.bench.configs import bench_cfg, bench_overrides
+from tests.helpers import TINY_ARCH, compose_config
 from treedec.bench import harness, timing
 from treedec.bench import methods as bm
 from treedec.models.checkpoint import save_pretrained
 from treedec.models.config import LlamaConfig
 from treedec.models.llama import Transformer
-
-from tests.bench.configs import bench_cfg, bench_overrides
-from tests.helpers import TINY_ARCH, compose_config
 
 
 def test_bench_writes_well_formed_metrics(stack, tmp_path):

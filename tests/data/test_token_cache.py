@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from treedec.data.datamodules import EpochSampler
 from treedec.atomic import atomic_file
+from treedec.data.datamodules import EpochSampler
 from treedec.data.token_cache import TokenWriter, open_tokens, tokenize_corpus
 
 

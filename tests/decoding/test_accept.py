@@ -2,9 +2,16 @@
 import pytest
 import torch
 
+from treedec.decoding.verify import (
+    accept_chain,
+    accept_paths,
+    acceptance_counts,
+    add_chain_counts,
+    node_choices,
+    verify_greedy,
+    verify_sampling,
+)
 from treedec.sampling import RowStreams, SamplingParams, settle, target_probs
-from treedec.decoding.verify import (accept_chain, accept_paths, acceptance_counts, add_chain_counts, node_choices,
-                                     verify_greedy, verify_sampling)
 from treedec.tree import Tree
 from treedec.tree.policies.base import ancestry
 

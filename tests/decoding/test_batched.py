@@ -2,13 +2,11 @@
 padding never changes the output: the lossless matrix's dynamic_shared cases, tests/decoding/test_lossless_greedy.py)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from treedec.tree.policies import DynamicPolicy
-
 from tests.decoding.test_policies import primed_drafter
+from treedec.tree.policies import DynamicPolicy
 
 
 def test_row_pad_gives_poor_rows_smaller_trees_under_a_global_cap():

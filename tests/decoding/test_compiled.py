@@ -1,11 +1,10 @@
 """compile=true: greedy output of the compiled paths is the eager output, token for token, in fp32."""
 import pytest
 
+from tests.helpers import OraclePolicy, greedy_reference, make_pair
 from treedec.decoding import vanilla
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.tree.policies import StaticPolicy
-
-from tests.helpers import OraclePolicy, greedy_reference, make_pair
 
 
 @pytest.mark.slow

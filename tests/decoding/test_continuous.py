@@ -7,10 +7,9 @@ from collections import Counter
 import pytest
 import torch
 
-from treedec.sampling import RowSeededGenerator, SamplingParams
-from treedec.decoding.speculative import SpeculativeDecoder
+from treedec.decoding.speculative import CompactingDecoder, SpeculativeDecoder
 from treedec.decoding.vanilla import VanillaDecoder
-from treedec.decoding.speculative import CompactingDecoder
+from treedec.sampling import RowSeededGenerator, SamplingParams
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, LookupPolicy, StaticPolicy
 
 POLICIES = {

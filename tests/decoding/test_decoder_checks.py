@@ -6,9 +6,9 @@ import logging
 import pytest
 import torch
 
-from treedec.sampling import SamplingParams
 from treedec.decoding.speculative import SANE_DEPTH, SpeculativeDecoder
 from treedec.errors import ConfigError
+from treedec.sampling import SamplingParams
 from treedec.tree.policies import ChainPolicy, DynamicPolicy
 from treedec.tree.tree import TreeError
 

@@ -7,13 +7,13 @@ appends many verified positions with their fused layer inputs, which the last te
 import pytest
 import torch
 
-from treedec.sampling import SamplingParams
+from tests.helpers import OraclePolicy, eagle3_pair, greedy_reference
 from treedec.decoding.speculative import SpeculativeDecoder
+from treedec.sampling import SamplingParams
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, LearnedPolicy, StaticPolicy
 from treedec.tree.policies.learned import save_learned
 from treedec.tree.sequoia import solve
 
-from tests.helpers import OraclePolicy, eagle3_pair, greedy_reference
 from .test_lossless_sampling import V, per_position, sample, target_law
 
 

@@ -4,16 +4,15 @@ import math
 import pytest
 import torch
 
+from tests.helpers import OraclePolicy, greedy_reference, host_reads_per_step, make_pair
 from treedec.decoding import vanilla
 from treedec.decoding.loop import DecodeStats
-from treedec.sampling import SamplingParams
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.profiling import count_ops
+from treedec.sampling import SamplingParams
 from treedec.tree import TreeError
-from treedec.tree.policies.auto.cost import StepCost
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, StaticPolicy
-
-from tests.helpers import OraclePolicy, greedy_reference, host_reads_per_step, make_pair
+from treedec.tree.policies.auto.cost import StepCost
 
 POLICIES = {
     "chain": lambda: ChainPolicy(4),
@@ -203,12 +202,12 @@ def test_a_reduced_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(po
 
 
 def test_draft_vocabulary_is_saved_with_the_head(tmp_path):
-    from treedec.heads import DraftHead
+    from treedec.heads import load_head
 
     target, draft = make_pair(9)
     draft.restrict_vocab([5, 1, 7])
     draft.save(tmp_path)
-    back = DraftHead.load(tmp_path, target=target)
+    back = load_head(tmp_path, target=target)
     assert back.vocab_ids.tolist() == [5, 1, 7] and back.logits(torch.zeros(1, 32 * 2)).shape[-1] == 3
     with pytest.raises(ValueError, match="distinct token ids"):
         draft.restrict_vocab([1, 1])

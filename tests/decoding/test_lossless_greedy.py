@@ -14,6 +14,16 @@ import tempfile
 import pytest
 import torch
 
+from tests.helpers import (
+    OraclePolicy,
+    eagle3_pair,
+    greedy_reference,
+    make_pair,
+    needs_triton,
+    parallel_pair,
+    random_calibration,
+    with_cheap_drafts,
+)
 from treedec.bench.harness import logit_gap
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, LearnedPolicy, StaticPolicy
@@ -21,9 +31,6 @@ from treedec.tree.policies.best_first import BestFirstPolicy
 from treedec.tree.policies.learned import save_learned
 from treedec.tree.policies.lookup import LookupPolicy
 from treedec.tree.sequoia import solve
-
-from tests.helpers import (OraclePolicy, eagle3_pair, greedy_reference, make_pair, needs_triton, parallel_pair,
-                           random_calibration, with_cheap_drafts)
 
 
 @functools.lru_cache(1)

@@ -27,17 +27,17 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.helpers import make_pair, parallel_pair
 from treedec.decoding import speculative, vanilla
-from treedec.sampling import SamplingParams, target_probs
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.decoding.verify import Verdict
 from treedec.profiling import count_ops
+from treedec.sampling import SamplingParams, target_probs
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, LearnedPolicy, StaticPolicy
 from treedec.tree.policies.base import TreePolicy
 from treedec.tree.policies.best_first import BestFirstPolicy
 from treedec.tree.policies.learned import save_learned
 
-from tests.helpers import make_pair, parallel_pair
 from .stats import chi2_threshold
 
 V, N, PROMPT = 5, 3000, [1, 2, 3, 4]
@@ -158,7 +158,7 @@ def failing(case: str, policy: TreePolicy | None = None, tmp_path=None) -> list[
 def sample(target, draft, policy: TreePolicy, params: SamplingParams, seed: int = 0) -> tuple[list[tuple], list[int]]:
     """N rows' first ``max_depth + 2`` tokens, and each row's accepted nodes (root included) in the first step."""
     first = []
-    hook = lambda info: first.extend(info.n_accept) if info.index == 1 else None  # noqa: E731
+    hook = lambda info: first.extend(info.n_accept) if info.index == 1 else None
     out = SpeculativeDecoder(target, draft, policy, params).generate(
         [PROMPT] * N, policy.max_depth + 2, generator=torch.Generator().manual_seed(seed), hook=hook)
     return [tuple(t) for t in out.tokens], first

@@ -11,18 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import OraclePolicy, eagle3_pair, make_pair
 from treedec.decoding import vanilla
 from treedec.decoding.drafter import Drafter
-from treedec.sampling import SamplingParams
-from treedec.decoding.speculative import SpeculativeDecoder
+from treedec.decoding.speculative import CompactingDecoder, SpeculativeDecoder
 from treedec.profiling import count_ops
-from treedec.decoding.speculative import CompactingDecoder
+from treedec.sampling import SamplingParams
 from treedec.tree import Tree
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
 from treedec.tree.policies.base import TreePolicy
 
-from tests.helpers import OraclePolicy, eagle3_pair, make_pair
-from .test_lossless_sampling import N, PROMPT, V, per_position, target_law
+from .test_lossless_sampling import PROMPT, N, V, per_position, target_law
 
 LONG_RUN = 2 * Drafter.MAX_PENDING + 3  # (fixed here: an eager run patches MAX_PENDING)
 INNER = {
@@ -229,7 +228,7 @@ def test_a_root_only_step_costs_a_vanilla_step(monkeypatch, batch, params):
     monkeypatch.setattr(type(draft), "forward", counted)
     spec = SpeculativeDecoder(target, draft, MixedPolicy(ChainPolicy(3), pattern="p"), params, eos_ids=[])
     van = vanilla.VanillaDecoder(target, params, eos_ids=[])
-    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    gen = lambda: torch.Generator().manual_seed(0)
     n1, n2 = 4, Drafter.MAX_PENDING - 4  # prompt + steps < MAX_PENDING: no catch-up falls due
     spec_ops, spec_reads, steps = _per_step(lambda n: spec.generate(prompts, n, gen()), n1, n2)
     van_ops, van_reads, _ = _per_step(lambda n: van.generate(prompts, n, gen()), n1, n2)
@@ -260,7 +259,7 @@ def test_compacting_decoder_cuts_pending_catch_up(seed):
     prompts = [p for p in prompts_for(seed, 3)] + [[7, 8]]
     free = vanilla.generate(target, prompts, 60, eos_ids=[]).tokens
     eos = [free[1][7], free[3][20]]
-    mk = lambda: MixedPolicy(INNER["dynamic"](), seed, stay=0.7)  # noqa: E731
+    mk = lambda: MixedPolicy(INNER["dynamic"](), seed, stay=0.7)
     want = vanilla.generate(target, prompts, 60, eos_ids=eos).tokens
     dec = CompactingDecoder(target, draft, mk(), eos_ids=eos)
     got = dec.generate(prompts, 60)

@@ -2,14 +2,13 @@
 import pytest
 import torch
 
+from tests.helpers import make_pair
 from treedec.decoding.drafter import Drafter
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.tree import Tree, TreeError
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
 from treedec.tree.policies.best_first import BestFirstPolicy
 from treedec.tree.shapes import list_shapes, load_shape
-
-from tests.helpers import make_pair
 
 
 def primed_drafter(seed=0, batch=2, prompt_len=(9, 4)):
@@ -148,7 +147,7 @@ def test_dynamic_scores_follow_the_sampling_temperature():
         base = DynamicPolicy(6, 1, 5).draft(d)
         hot = DynamicPolicy(6, 1, 5).draft(d, SamplingParams(2.0))
     assert torch.equal(cold.tokens, base.tokens) and torch.equal(hot.tokens, base.tokens)
-    best = lambda t: t.scores[:, 1:].max(1).values  # noqa: E731
+    best = lambda t: t.scores[:, 1:].max(1).values
     assert bool((best(cold) > best(base)).all()) and bool((best(base) > best(hot)).all())
     want = torch.log_softmax(d.root_logits.float() / 0.2, -1).topk(5).values
     assert torch.allclose(cold.scores[:, 1:].sort(1, descending=True).values, want, atol=1e-4)
@@ -217,7 +216,7 @@ def test_a_top1_chain_drafts_with_fewer_kernels_and_the_same_tokens():
     views = {"aten::select.int", "aten::slice.Tensor", "aten::unsqueeze", "aten::view", "aten::expand",
              "aten::as_strided", "aten::alias", "aten::detach", "aten::detach_", "aten::t", "aten::transpose.int",
              "aten::reshape", "aten::_reshape_alias", "aten::squeeze.dim"}
-    kernels = lambda c: sum(n for op, n in c.ops.items() if op not in views)  # noqa: E731
+    kernels = lambda c: sum(n for op, n in c.ops.items() if op not in views)
     d = primed_drafter(7)
     lean, general = ChainPolicy(5), ChainPolicy(5)
     general.is_chain = False  # the general static plan, for comparison
@@ -263,7 +262,7 @@ def test_a_parallel_chain_costs_one_head_pass_per_step(depth, monkeypatch):
     calls = head_passes(monkeypatch)
     dec = SpeculativeDecoder(target, head, ChainPolicy(depth), eos_ids=[])
     steps, passes = [], []
-    total = lambda: calls["forward"] + calls["forward_block"] + calls["forward_one"]  # noqa: E731
+    total = lambda: calls["forward"] + calls["forward_block"] + calls["forward_one"]
     res = dec.generate([[1, 2, 3, 4], [5, 6]], 30, hook=lambda info: (steps.append(info.tree.size),
                                                                        passes.append(total())))
     assert len(steps) == res.stats.steps > 5 and all(s == depth + 1 for s in steps)
@@ -286,8 +285,8 @@ def test_a_parallel_heads_mask_positions_do_not_stay_in_the_draft_cache(policy):
     """After every step the draft cache (with what is pending) holds exactly the verified prefix, as the target's
     cache does; and at the end the drafter's marginals are those of a fresh drafter that caught up on the whole
     verified sequence at once (so no mask position's key was kept, or seen, where a verified pair now is)."""
-    from treedec.heads.parallel import ParallelHead
     from tests.helpers import parallel_pair
+    from treedec.heads.parallel import ParallelHead
 
     target, head = parallel_pair(3, K=5, sharpen=4.0)
     dec = SpeculativeDecoder(target, head, policy(), eos_ids=[])

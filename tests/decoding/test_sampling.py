@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from treedec import sampling
-from treedec.sampling import (RowStreams, SamplingParams, draw, inverse_cdf, next_token, nucleus, settle,
-                                       target_probs)
+from treedec.sampling import RowStreams, SamplingParams, draw, inverse_cdf, next_token, nucleus, settle, target_probs
 
 from .stats import as_dict, fits, two_sample_fits
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from treedec.decoding.speculative import SpeculativeDecoder
+from treedec.heads import load_head
 from treedec.models import load_model
-from treedec.heads import DraftHead
 from treedec.tree.policies import ChainPolicy
 
 
@@ -21,7 +21,7 @@ def test_a_head_bound_to_a_second_decoder_still_drafts_for_the_first():
     second = load_model("tiny-code")
     with torch.no_grad():  # same shape, another embedding: the head drafts other tokens against it
         second.model.embed_tokens.weight.copy_(second.model.embed_tokens.weight.roll(1, 0))
-    head = DraftHead.load("tiny-code-eagle")
+    head = load_head("tiny-code-eagle")
     prompt = list(range(40, 60))
     ref_first = run(first, copy.deepcopy(head).bind(first), prompt)  # each on a head of its own
     ref_second = run(second, copy.deepcopy(head).bind(second), prompt)

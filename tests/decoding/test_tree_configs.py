@@ -2,10 +2,9 @@
 import pytest
 from hydra.utils import instantiate
 
+from tests.helpers import compose_config
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, StaticPolicy
 from treedec.tree.shapes import SHAPE_DIR, list_shapes
-
-from tests.helpers import compose_config
 
 TREE_DIR = SHAPE_DIR.parent
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from treedec.sampling import SamplingParams, target_probs
 from treedec.decoding.verify import verify_greedy, verify_sampling
+from treedec.sampling import SamplingParams, target_probs
 
 from .stats import as_dict, fits
 

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from treedec.heads import DraftConfig, DraftHead, build_head, target_fingerprint
+from treedec.heads import DraftConfig, build_head, load_head, target_fingerprint
 from treedec.heads.config import DRAFT_CONFIG, DRAFT_WEIGHTS
 from treedec.models import LlamaConfig, Transformer
 from treedec.models.packed import PackedLinear
@@ -32,8 +32,8 @@ def test_head_shares_target_embedding_and_lm_head(tmp_path):
     head.save(tmp_path)
     saved = json.loads((tmp_path / DRAFT_CONFIG).read_text())
     assert saved["target"] == "small" and saved["target_fingerprint"] == target_fingerprint(target)
-    loaded = DraftHead.load(tmp_path, target=target)
-    run = lambda h: h.logits(h(torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 32), h.new_cache(1, 16), torch.arange(3)[None]))  # noqa: E731
+    loaded = load_head(tmp_path, target=target)
+    run = lambda h: h.logits(h(torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 32), h.new_cache(1, 16), torch.arange(3)[None]))
     assert torch.allclose(run(loaded), run(head))
 
 
@@ -43,10 +43,10 @@ def test_head_trained_for_another_target_warns_naming_both(tmp_path):
     build_head(DraftConfig.for_target(trained_for.config, target="small-a")).bind(trained_for).save(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        DraftHead.load(tmp_path, target=trained_for)  # its own target: silent
+        load_head(tmp_path, target=trained_for)  # its own target: silent
     other = small_target()  # same shapes, other weights
     with pytest.warns(UserWarning, match=r"small-a.*fingerprint " + target_fingerprint(trained_for)) as rec:
-        DraftHead.load(tmp_path, target=other)
+        load_head(tmp_path, target=other)
     assert target_fingerprint(other) in str(rec[0].message)
 
 
@@ -78,15 +78,15 @@ def test_auto_dtype_is_the_faster_of_fp32_and_packed_bf16_on_a_cpu(tmp_path, mon
 
     target = small_target().to(torch.bfloat16)
     build_head(DraftConfig.for_target(target.config)).to(torch.bfloat16).bind(target).save(tmp_path)
-    assert DraftHead.load(tmp_path, target=target).fc.weight.dtype == torch.bfloat16  # None: the file's dtype
+    assert load_head(tmp_path, target=target).fc.weight.dtype == torch.bfloat16  # None: the file's dtype
     for faster, dtype in ((False, torch.float32), (True, torch.bfloat16)):
         monkeypatch.setattr(draft_dtype, "packed_bf16_is_faster", lambda shapes, rows=4, f=faster: f)
-        head = DraftHead.load(tmp_path, target=target, dtype="auto")
+        head = load_head(tmp_path, target=target, dtype="auto")
         lm = target.lm_head.weight if head._lm_weight is None else head._lm_weight  # (the target's own, shared)
         assert head.fc.weight.dtype == dtype and lm.dtype == dtype
         assert (head._lm_packed is not None) == (dtype == torch.bfloat16) == isinstance(head.fc, PackedLinear)
-    assert DraftHead.load(tmp_path, target=target.float(), dtype="auto").fc.weight.dtype == torch.float32
-    assert DraftHead.load(tmp_path, target=target, dtype="bf16").fc.weight.dtype == torch.bfloat16
+    assert load_head(tmp_path, target=target.float(), dtype="auto").fc.weight.dtype == torch.float32
+    assert load_head(tmp_path, target=target, dtype="bf16").fc.weight.dtype == torch.bfloat16
 
 
 def test_a_packed_bf16_head_drafts_what_the_unpacked_one_does():
@@ -131,15 +131,15 @@ def test_mismatched_target_is_a_clear_error():
 
 def test_missing_and_corrupt_checkpoints(tmp_path):
     with pytest.raises(FileNotFoundError, match="train"):
-        DraftHead.load(tmp_path / "nowhere")
+        load_head(tmp_path / "nowhere")
     head = build_head(DraftConfig.for_target(small_target().config))
     head.save(tmp_path)
     (tmp_path / DRAFT_WEIGHTS).write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="cannot read draft weights"):
-        DraftHead.load(tmp_path)
+        load_head(tmp_path)
     (tmp_path / DRAFT_CONFIG).write_text("{broken")
     with pytest.raises(ValueError, match="corrupt"):
-        DraftHead.load(tmp_path)
+        load_head(tmp_path)
 
 
 def test_unbound_head_says_how_to_fix():
@@ -164,9 +164,9 @@ def test_rope_frequencies_stay_fp32_in_a_bf16_head():
 def test_load_refuses_a_target_given_by_name(tmp_path):
     build_head(DraftConfig.for_target(small_target().config)).save(tmp_path)
     with pytest.raises(TypeError, match=r"a loaded model \(treedec.models.load_model\('tiny-code'\)\), not str"):
-        DraftHead.load(tmp_path, target="tiny-code")
+        load_head(tmp_path, target="tiny-code")
     with pytest.raises(TypeError, match="not str"):
-        DraftHead.load("tiny-code-eagle", target="tiny-code")  # a bundled head, read before binding
+        load_head("tiny-code-eagle", target="tiny-code")  # a bundled head, read before binding
 
 
 def test_non_finite_head_weights_are_refused(tmp_path):
@@ -177,4 +177,4 @@ def test_non_finite_head_weights_are_refused(tmp_path):
         head.layer.mlp.down_proj.weight[1, 2] = float("-inf")
     head.save(tmp_path)
     with pytest.raises(CheckpointError, match=rf"{DRAFT_WEIGHTS}: tensor 'layer.mlp.down_proj.weight' holds NaN or Inf"):
-        DraftHead.load(tmp_path)
+        load_head(tmp_path)

@@ -7,8 +7,8 @@ import torch
 from tests.helpers import eagle3_pair, make_pair
 from treedec.decoding.speculative import CompactingDecoder
 from treedec.decoding.vanilla import VanillaDecoder
-from treedec.heads import DraftHead
 from treedec.heads import dtype as draft_dtype
+from treedec.heads import load_head
 from treedec.models.packed import PackedLinear
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy
 
@@ -18,7 +18,7 @@ def test_auto_dtype_gives_an_fp32_head_a_bf16_copy_from_the_measured_batch(tmp_p
     target = target.to(torch.bfloat16)
     head.bind(target).save(tmp_path)
     monkeypatch.setattr(draft_dtype, "packed_bf16_is_faster", lambda shapes, rows=4: rows >= 16)
-    loaded = DraftHead.load(tmp_path, target=target, dtype="auto")
+    loaded = load_head(tmp_path, target=target, dtype="auto")
     assert loaded.dtype == torch.float32
     assert loaded.for_batch(8) is loaded and loaded.for_batch(15) is loaded
     copy = loaded.for_batch(16)
@@ -29,7 +29,7 @@ def test_auto_dtype_gives_an_fp32_head_a_bf16_copy_from_the_measured_batch(tmp_p
         assert torch.equal(a.to(torch.bfloat16), b), name
     assert not any("wide" in k for k in loaded.state_dict())
     loaded.save(tmp_path / "again")
-    assert DraftHead.load(tmp_path / "again", target=target).dtype == torch.float32
+    assert load_head(tmp_path / "again", target=target).dtype == torch.float32
     # a rebound head rebinds its copy
     other = make_pair(seed=4)[0].to(torch.bfloat16)
     with pytest.warns(UserWarning, match="fingerprint"):
@@ -37,16 +37,16 @@ def test_auto_dtype_gives_an_fp32_head_a_bf16_copy_from_the_measured_batch(tmp_p
     assert loaded.for_batch(16).target is other
     # measured slower at every batch tried, explicit dtypes, fp32 targets: no copy
     monkeypatch.setattr(draft_dtype, "packed_bf16_is_faster", lambda shapes, rows=4: False)
-    assert DraftHead.load(tmp_path, target=target, dtype="auto").for_batch(1024).dtype == torch.float32
+    assert load_head(tmp_path, target=target, dtype="auto").for_batch(1024).dtype == torch.float32
     monkeypatch.setattr(draft_dtype, "packed_bf16_is_faster", lambda shapes, rows=4: rows >= 16)
-    assert DraftHead.load(tmp_path, target=target, dtype="fp32").for_batch(1024).dtype == torch.float32
-    assert DraftHead.load(tmp_path, target=target.float(), dtype="auto").for_batch(1024).dtype == torch.float32
+    assert load_head(tmp_path, target=target, dtype="fp32").for_batch(1024).dtype == torch.float32
+    assert load_head(tmp_path, target=target.float(), dtype="auto").for_batch(1024).dtype == torch.float32
 
 
 def test_a_quantized_head_refuses_a_bf16_copy(tmp_path):
     target, head = make_pair(seed=3)
     head.save(tmp_path)
-    q = DraftHead.load(tmp_path, target=target, quantize="int8")
+    q = load_head(tmp_path, target=target, quantize="int8")
     with pytest.raises(ValueError, match="int8"):
         q.add_bf16_for_wide_batches(2)
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from treedec.decoding.drafter import Drafter
-from treedec.heads import DraftConfig, DraftHead, build_head
+from treedec.heads import DraftConfig, build_head, load_head
 from treedec.heads.eagle3 import Eagle3Head, ttt_mask
 from treedec.models import LlamaConfig, Transformer
 
@@ -31,7 +31,7 @@ def pair(seed=0, layers=6, k=20, vocab=50):
 
 def reference(sd: dict, embed: torch.Tensor, tokens, feats, theta: float, eps=1e-6):
     """Plain torch from the state dict: fc, norms, 2H attention with RoPE and a causal mask, MLP, norm, lm_head."""
-    rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w  # noqa: E731
+    rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
     T = tokens.shape[1]
     h = feats @ sd["fc.weight"].T
     x = torch.cat((rms(embed[tokens], sd["layer.input_layernorm.weight"]), rms(h, sd["layer.hidden_norm.weight"])), -1)
@@ -41,7 +41,7 @@ def reference(sd: dict, embed: torch.Tensor, tokens, feats, theta: float, eps=1e
     inv = 1.0 / theta ** (torch.arange(0, HD, 2).float() / HD)
     ang = torch.arange(T).float()[:, None] * inv[None]
     cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
-    rot = lambda t: t * cos + torch.cat((-t[..., HD // 2:], t[..., : HD // 2]), -1) * sin  # noqa: E731
+    rot = lambda t: t * cos + torch.cat((-t[..., HD // 2:], t[..., : HD // 2]), -1) * sin
     q, k = rot(q), rot(k)
     k, v = k.repeat_interleave(NH // NKV, 1), v.repeat_interleave(NH // NKV, 1)
     att = (q @ k.transpose(-1, -2) / math.sqrt(HD)).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -1e30)
@@ -93,7 +93,7 @@ def test_features_are_the_target_layer_inputs_in_order():
 def test_save_load_round_trip_keeps_vocab_and_outputs(tmp_path):
     target, head = pair(seed=1)
     head.save(tmp_path)
-    loaded = DraftHead.load(tmp_path, target=target)
+    loaded = load_head(tmp_path, target=target)
     assert isinstance(loaded, Eagle3Head) and loaded.layer.self_attn.fused
     assert torch.equal(loaded.vocab_ids, head.vocab_ids)
     tokens, feats = torch.randint(0, 50, (1, 6)), torch.randn(1, 6, 3 * H)

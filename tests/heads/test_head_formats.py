@@ -1,4 +1,4 @@
-"""Published head layouts (EAGLE-1/2, EAGLE-3 / SpecForge, vLLM speculators, P-EAGLE) load through ``DraftHead.load``.
+"""Published head layouts (EAGLE-1/2, EAGLE-3 / SpecForge, vLLM speculators, P-EAGLE) load through ``load_head``.
 
 Each layout is written here from its published key names with random weights, and its draft
 logits are checked against a reference forward of that layout written below in plain torch
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from tests.helpers import tiny_model
-from treedec.heads import DraftHead
+from treedec.heads import load_head
 from treedec.models.checkpoint import CheckpointError
 
 V, H, NH, NKV, I = 97, 64, 4, 2, 112
@@ -38,7 +38,7 @@ def rope(x, theta):
 
 def ref_attn(sd, p, x, theta):
     T = x.shape[1]
-    lin = lambda n: F.linear(x, sd[f"{p}self_attn.{n}_proj.weight"], sd.get(f"{p}self_attn.{n}_proj.bias"))  # noqa: E731
+    lin = lambda n: F.linear(x, sd[f"{p}self_attn.{n}_proj.weight"], sd.get(f"{p}self_attn.{n}_proj.bias"))
     q = lin("q").view(1, T, NH, HD).transpose(1, 2)
     k = lin("k").view(1, T, NKV, HD).transpose(1, 2).repeat_interleave(NH // NKV, 1)
     if f"{p}self_attn.q_norm.weight" in sd:  # Qwen3 layers: each head's q and k RMS-normed before RoPE
@@ -173,7 +173,7 @@ def draft_logits(head, tokens, feats):
 def test_published_eagle_matches_reference(variant, target, tmp_path):
     path, sd = eagle_dir(tmp_path / "h", seed=1, bias=variant != "no_bias", qwen2=variant == "qwen2_bias",
                          bin_file=variant == "bin")
-    head = DraftHead.load(path, target=target)
+    head = load_head(path, target=target)
     assert head.config.kind == "eagle" and head.config.rope_theta == 10000.0
     assert (head.fc.bias is None) == (variant == "no_bias")  # no bias: none at all, not a zero one
     assert head.layer.self_attn.qkv_proj.bias is not None if variant == "qwen2_bias" else \
@@ -187,16 +187,16 @@ def test_fc_bias_matters(target, tmp_path):
     """The bias really is applied: dropping it from the reference changes the logits."""
     path, sd = eagle_dir(tmp_path / "h", seed=5)
     tokens, feats = inputs(3)
-    got = draft_logits(DraftHead.load(path, target=target), tokens, feats)
+    got = draft_logits(load_head(path, target=target), tokens, feats)
     assert (got - ref_eagle({**sd, "fc.bias": torch.zeros(H)}, target, tokens, feats)).abs().max() > 1e-3
 
 
 def test_embedding_copy_is_checked(target, tmp_path):
     eagle_dir(tmp_path / "same", embed=target.model.embed_tokens.weight.detach().clone())
-    DraftHead.load(tmp_path / "same", target=target)  # equal to the target's: silent
+    load_head(tmp_path / "same", target=target)  # equal to the target's: silent
     eagle_dir(tmp_path / "other", embed=torch.randn(V, H))
     with pytest.warns(UserWarning, match="embedding that differs"):
-        DraftHead.load(tmp_path / "other", target=target)
+        load_head(tmp_path / "other", target=target)
 
 
 # ------------------------------------------------------------------ EAGLE-3 / SpecForge / speculators
@@ -208,7 +208,7 @@ def test_published_eagle3_matches_reference(layout, deep_target, tmp_path):
     kw = dict(eagle_aux_hidden_state_layer_ids=[1, 3, 6], norm_before_residual=nbr, qwen3=layout.endswith("qwen3")) \
         if spec else {}
     path, sd, ids = eagle3_dir(tmp_path / "h", seed=6, prefix=prefix, speculators=spec, **kw)
-    head = DraftHead.load(path, target=deep_target)
+    head = load_head(path, target=deep_target)
     c = head.config
     assert c.kind == "eagle3" and c.rope_theta == 10000.0 and c.draft_vocab_size == 40
     assert c.feature_layers == ([1, 3, 6] if spec else [2, 4, 5]) and c.norm_before_residual == nbr
@@ -227,7 +227,7 @@ def test_published_eagle3_matches_reference(layout, deep_target, tmp_path):
 
 def test_eagle3_rope_is_the_heads_own(deep_target, tmp_path):
     path, sd, _ = eagle3_dir(tmp_path / "h", seed=8, rope_theta=5e5)
-    head = DraftHead.load(path, target=deep_target)
+    head = load_head(path, target=deep_target)
     assert head.config.rope_theta == 5e5
     tokens, lmh = inputs(9, width=3 * H)
     with torch.inference_mode():
@@ -241,32 +241,32 @@ def test_wrong_hidden_size_names_both(tmp_path):
     path, _ = eagle_dir(tmp_path / "h")
     small = tiny_model(seed=0, hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
     with pytest.raises(ValueError, match=r"hidden 64.*does not fit.*hidden 32"):
-        DraftHead.load(path, target=small)
+        load_head(path, target=small)
 
 
 def test_wrong_vocab_names_both(tmp_path):
     path, _ = eagle_dir(tmp_path / "h")
     with pytest.raises(ValueError, match=r"vocab 97.*vocab 50"):
-        DraftHead.load(path, target=tiny_model(seed=0, vocab_size=50))
+        load_head(path, target=tiny_model(seed=0, vocab_size=50))
 
 
 def test_layer_ids_beyond_the_target(target, deep_target, tmp_path):
     path, _, _ = eagle3_dir(tmp_path / "ids", speculators=True, eagle_aux_hidden_state_layer_ids=[2, 4, 9])
     with pytest.raises(ValueError, match=r"reads target layers \[2, 4, 9\].*8 layers"):
-        DraftHead.load(path, target=deep_target)
+        load_head(path, target=deep_target)
     path, _, _ = eagle3_dir(tmp_path / "default")
     with pytest.raises(ValueError, match="load it with its target"):
-        DraftHead.load(path)  # EAGLE-3's default layers need the target's depth
+        load_head(path)  # EAGLE-3's default layers need the target's depth
 
 
 def test_pickle_only_file_refused(tmp_path):
     path, sd = eagle_dir(tmp_path / "h", bin_file=True)
     torch.save({**sd, "extra": Unpicklable()}, path / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="never unpickles"):
-        DraftHead.load(path)
+        load_head(path)
     (path / "pytorch_model.bin").rename(path / "model.pt")
     with pytest.raises(FileNotFoundError, match="model.pt"):
-        DraftHead.load(path)
+        load_head(path)
 
 
 class Unpicklable:
@@ -277,11 +277,11 @@ def test_missing_and_unexpected_keys_listed(target, tmp_path):
     path, sd = eagle_dir(tmp_path / "missing")
     save_file({k: v for k, v in sd.items() if "down_proj" not in k}, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing \['layer.mlp.down_proj.weight'\]"):
-        DraftHead.load(path, target=target)
+        load_head(path, target=target)
     path, sd = eagle_dir(tmp_path / "bias", bias=False)
     save_file({**sd, "fc.bias": torch.zeros(H)}, str(path / "model.safetensors"))  # config says "bias": false
     with pytest.raises(ValueError, match=r"unexpected tensors \['fc.bias'\]"):
-        DraftHead.load(path, target=target)
+        load_head(path, target=target)
 
 
 def test_t2d_must_agree_with_d2t(deep_target, tmp_path):
@@ -290,7 +290,7 @@ def test_t2d_must_agree_with_d2t(deep_target, tmp_path):
     t2d[int((~t2d).nonzero()[0])] = True
     save_file({**sd, "t2d": t2d}, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="t2d"):
-        DraftHead.load(path, target=deep_target)
+        load_head(path, target=deep_target)
 
 
 def test_target_directory_is_not_a_head(tmp_path):
@@ -298,7 +298,7 @@ def test_target_directory_is_not_a_head(tmp_path):
 
     save_pretrained(tiny_model(seed=0), tmp_path)
     with pytest.raises(ValueError, match="2-layer model, not a 1-layer EAGLE head"):
-        DraftHead.load(tmp_path)
+        load_head(tmp_path)
 
 
 @pytest.mark.parametrize("change,needle", [
@@ -310,7 +310,7 @@ def test_unsupported_variants_are_named(change, needle, deep_target, tmp_path):
     cfg = {**json.loads((path / "config.json").read_text()), **change}
     (path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
     with pytest.raises(ValueError, match=needle):
-        DraftHead.load(path, target=deep_target)
+        load_head(path, target=deep_target)
 
 
 def test_speculators_norm_before_residual_defaults_to_vllms(deep_target, tmp_path):
@@ -318,7 +318,7 @@ def test_speculators_norm_before_residual_defaults_to_vllms(deep_target, tmp_pat
     cfg = json.loads((path / "config.json").read_text())
     del cfg["norm_before_residual"]
     (path / "config.json").write_text(json.dumps(cfg))
-    assert DraftHead.load(path, target=deep_target).config.norm_before_residual  # as vLLM reads such a config
+    assert load_head(path, target=deep_target).config.norm_before_residual  # as vLLM reads such a config
 
 
 # ------------------------------------------------------------------ malformed published heads (issue 39)
@@ -367,7 +367,7 @@ def test_malformed_heads_name_path_and_problem(case, target, deep_target, tmp_pa
         path, sd = eagle_dir(tmp_path / "h")
     spoil(path, sd)
     with pytest.raises(ValueError, match=needle) as err:
-        DraftHead.load(path, target=deep_target if eagle3 else target)
+        load_head(path, target=deep_target if eagle3 else target)
     msg = str(err.value)
     assert str(path) in msg and "\n" not in msg, msg
 
@@ -390,7 +390,7 @@ def test_corrupt_bin_says_corrupt(damage, tmp_path):
     payload = {"truncated": good[: len(good) // 2], "random": os.urandom(300), "empty": b""}[damage]
     path = _bin_dir(tmp_path / "h", payload)
     with pytest.raises(CheckpointError, match=r"pytorch_model.bin is corrupt") as err:
-        DraftHead.load(path)
+        load_head(path)
     assert "more than plain tensors" not in str(err.value) and "\n" not in str(err.value)
 
 
@@ -416,7 +416,7 @@ def test_malicious_bin_is_refused_naming_the_global(how, tmp_path):
         payload = pickle.dumps({"x": RunsCode()}, protocol=4)
     path = _bin_dir(tmp_path / "h", payload)
     with pytest.raises(CheckpointError, match=r"refused.*posix\.system.*could run code") as err:
-        DraftHead.load(path)
+        load_head(path)
     msg = str(err.value)
     assert "weights_only=False" not in msg and "corrupt" not in msg and "\n" not in msg, msg
 
@@ -432,7 +432,7 @@ def test_non_finite_published_weights_are_refused(where, target, tmp_path):
         _resave(path, sd, **{"layers.0.mlp.up_proj.weight": bad})
     with pytest.raises(CheckpointError, match=r"h/(model.safetensors|pytorch_model.bin).*'layers.0.mlp.up_proj.weight'"
                                               r".*NaN or Inf"):
-        DraftHead.load(path, target=target)
+        load_head(path, target=target)
 
 
 # ------------------------------------------------------------------ P-EAGLE (vLLM flat and speculators dialects)
@@ -500,7 +500,7 @@ def test_published_peagle_matches_reference(case, deep_target, tmp_path):
     if case == "vllm_mask_hidden_h":  # already in the H space (vLLM's buffer without aux hidden states): used as is
         _resave(path, sd, mask_hidden=F.linear(sd["mask_hidden"], sd["fc.weight"]))
     p = "layers.0." if spec or case == "vllm_pard_layers0" else "midlayer."
-    head = DraftHead.load(path, target=deep_target)
+    head = load_head(path, target=deep_target)
     c = head.config
     assert c.kind == "parallel" and c.block_size == BLOCK and c.norm_before_residual == spec
     assert c.feature_layers == [1, 3, 6] and c.draft_vocab_size == 40
@@ -519,12 +519,12 @@ def test_peagle_trained_embedding_is_checked_against_the_targets(deep_target, tm
     path, sd = peagle_dir(tmp_path / "h", deep_target)
     _resave(path, sd, **{"embed_tokens.weight": torch.randn(V, H)})
     with pytest.warns(UserWarning, match="embedding that differs"):
-        DraftHead.load(path, target=deep_target)
+        load_head(path, target=deep_target)
 
 
 def _one_line_error(path, target=None):
     with pytest.raises(ValueError) as err:
-        DraftHead.load(path, target=target)
+        load_head(path, target=target)
     assert "\n" not in str(err.value)
     return str(err.value)
 
@@ -587,7 +587,7 @@ def test_peagle_refusals_name_what_is_missing(case, deep_target, tmp_path):
                          "(num_speculative_tokens, speculators_config.proposal_methods[].speculative_tokens, num_depths "
                          "or para_depths); add \"num_speculative_tokens\": K, at most the depths it was trained for",
         "no_embed_no_target": f"{path}: a P-EAGLE head without embed_tokens.weight reads its mask token's ({MASK_ID}) "
-                              "embedding from the target's table: load it with its target (DraftHead.load(path, "
+                              "embedding from the target's table: load it with its target (load_head(path, "
                               "target=model))",
         "mask_id_outside": f"{cj}: ptd_token_id={V} is outside the vocabulary (0..{V - 1})",
         "mask_ids_disagree": f"{cj}: the mask token ids disagree ({{'pard_token': {MASK_ID + 1}, 'ptd_token_id': "

@@ -5,7 +5,7 @@ import torch
 
 from tests.helpers import eagle3_pair, parallel_pair
 from treedec.decoding.drafter import Drafter
-from treedec.heads import DraftConfig, DraftHead, build_head
+from treedec.heads import DraftConfig, build_head, load_head
 from treedec.heads.parallel import ParallelHead, block_mask, cod_sample
 
 
@@ -74,7 +74,7 @@ def test_ragged_rows_get_each_rows_own_marginals():
 def test_save_load_round_trip_and_conversion_keeps_the_eagle3_weights(tmp_path):
     target, head = parallel_pair(4)
     head.save(tmp_path / "p")
-    back = DraftHead.load(tmp_path / "p", target=target)
+    back = load_head(tmp_path / "p", target=target)
     assert isinstance(back, ParallelHead) and back.block_size == head.block_size
     torch.testing.assert_close(back.mask_hidden, head.mask_hidden)
     ids = torch.randint(0, 64, (1, 9))

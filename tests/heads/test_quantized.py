@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from tests.helpers import greedy_reference, make_pair
 from treedec.decoding.speculative import SpeculativeDecoder
-from treedec.heads import DraftHead, build_head
+from treedec.heads import build_head, load_head
 from treedec.heads.quantized import Int8Linear, int8_is_faster, is_quantized, quantize_linears
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, StaticPolicy
 
@@ -85,9 +85,9 @@ def test_a_quantized_head_is_not_saved_and_bad_values_are_named(tmp_path):
     assert not (tmp_path / "q").exists()
     full.save(tmp_path / "full")
     with pytest.raises(ValueError, match="draft.quantize='int4'.*auto or int8"):
-        DraftHead.load(tmp_path / "full", target=target, quantize="int4")
-    assert isinstance(DraftHead.load(tmp_path / "full", target=target, quantize="int8").fc, Int8Linear)
-    auto = DraftHead.load(tmp_path / "full", target=target, quantize="auto")
+        load_head(tmp_path / "full", target=target, quantize="int4")
+    assert isinstance(load_head(tmp_path / "full", target=target, quantize="int8").fc, Int8Linear)
+    auto = load_head(tmp_path / "full", target=target, quantize="auto")
     assert is_quantized(auto) == int8_is_faster(auto._linear_shapes(), auto.dtype)
 
 

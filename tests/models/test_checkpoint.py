@@ -13,7 +13,7 @@ import treedec.models.checkpoint as ckpt
 from tests.helpers import full_logits, tiny_model
 from treedec.models import SUPPORTED_ARCHITECTURES, load_model
 from treedec.models.checkpoint import CheckpointError, save_pretrained
-from treedec.models.tokenizer import Tokenizer, load_tokenizer, save_tokenizer
+from treedec.models.tokenizer import load_tokenizer, save_tokenizer
 
 
 @pytest.fixture

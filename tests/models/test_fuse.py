@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.helpers import full_logits, tiny_config, tiny_model
-from treedec.heads import DraftConfig, DraftHead, build_head
+from treedec.heads import DraftConfig, build_head, load_head
 from treedec.models import load_model
 from treedec.models.checkpoint import save_pretrained
 
@@ -70,7 +70,7 @@ def test_draft_head_with_fused_layer_keeps_its_file_format(tmp_path):
     want = {k: v.clone() for k, v in head.state_dict().items()}
     head.layer.fuse()
     head.save(tmp_path)
-    loaded = DraftHead.load(tmp_path)  # strict=False load into an unfused head: nothing missing or unexpected
+    loaded = load_head(tmp_path)  # strict=False load into an unfused head: nothing missing or unexpected
     assert all(torch.equal(loaded.state_dict()[k], want[k]) for k in want)
     again = build_head(cfg)
     again.layer.fuse()

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tests.helpers import full_logits, needs_triton, tiny_model
-from treedec.tree import Tree
 from treedec.attention.layout import pack_bits
+from treedec.tree import Tree
 
 ATOL = 2e-5
 

@@ -66,7 +66,7 @@ def test_load_model_packs_bf16_on_cpu_only_and_keeps_the_state_dict():
     bf = load_model("tiny-code", dtype="bf16")
     fp = load_model("tiny-code", dtype="fp32")
     tr = load_model("tiny-code", dtype="bf16", trainable=True)
-    kinds = lambda m: {type(x) for x in m.modules() if isinstance(x, torch.nn.Linear)}  # noqa: E731
+    kinds = lambda m: {type(x) for x in m.modules() if isinstance(x, torch.nn.Linear)}
     assert kinds(bf) == {PackedLinear} and should_pack(bf)
     assert kinds(fp) == {torch.nn.Linear} and kinds(tr) == {torch.nn.Linear} and not should_pack(fp)
     assert list(bf.state_dict()) == list(tr.state_dict())

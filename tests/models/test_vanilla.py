@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tests.helpers import full_logits, tiny_model
-from treedec.sampling import SamplingParams
 from treedec.decoding.vanilla import generate
+from treedec.sampling import SamplingParams
 
 SAMPLE = SamplingParams(temperature=1.0)
 
@@ -75,7 +75,7 @@ def test_max_new_tokens_exact(model, n):
 
 def test_seeded_sampling(model):
     prompt = [3, 1, 4, 1, 5]
-    run = lambda seed: generate(model, prompt, 40, SAMPLE, eos_ids=[],  # noqa: E731
+    run = lambda seed: generate(model, prompt, 40, SAMPLE, eos_ids=[],
                                 generator=torch.Generator().manual_seed(seed)).tokens
     assert run(0) == run(0)
     assert run(0) != run(1)

@@ -11,7 +11,7 @@ from tests.training.jobs import head_weights, train_cfg, train_overrides
 
 
 def test_train_resume_and_export(target_dir, corpus, tmp_path):
-    from treedec.heads import DraftHead
+    from treedec.heads import load_head
     from treedec.train import run
 
     m = run(train_cfg(target_dir, corpus, tmp_path, 20))
@@ -23,7 +23,7 @@ def test_train_resume_and_export(target_dir, corpus, tmp_path):
     # re-running the same command continues from last.ckpt and ends at the new step count
     m2 = run(train_cfg(target_dir, corpus, tmp_path, 30))
     assert m2["resumed_from"] and m2["steps"] == 30
-    head = DraftHead.load(tmp_path / "draft")
+    head = load_head(tmp_path / "draft")
     assert head.config.target == str(target_dir)
     # the same command once more: the job is finished, its results stay as they are
     files = {p: p.read_bytes() for p in [tmp_path / "run" / "metrics.json", *(tmp_path / "draft").iterdir()]}
@@ -160,7 +160,7 @@ def test_eagle_training_time_test_weights_the_steps_and_every_step_learns(target
 
 @pytest.mark.slow
 def test_eagle3_train_resume_and_export(target_dir, corpus, tmp_path):
-    from treedec.heads import DraftHead
+    from treedec.heads import load_head
     from treedec.heads.eagle3 import Eagle3Head
     from treedec.train import run
 
@@ -169,7 +169,7 @@ def test_eagle3_train_resume_and_export(target_dir, corpus, tmp_path):
     assert m["steps"] == 6 and "val/ce_1" in m["val"] and "val/ce_2" not in m["val"]
     m2 = run(train_cfg(target_dir, corpus, tmp_path, 10, *extra))  # resumed from last.ckpt
     assert m2["resumed_from"] and m2["steps"] == 10
-    head = DraftHead.load(tmp_path / "draft")
+    head = load_head(tmp_path / "draft")
     assert isinstance(head, Eagle3Head) and head.config.feature_layers == [1, 1, 0]
     assert head.lm_head.out_features == 48 and head.vocab_ids.unique().numel() == 48
 
@@ -184,12 +184,11 @@ def test_debug_fdr_runs_one_batch(target_dir, corpus, tmp_path):
 
 def test_init_from_accepts_an_exported_head(target_dir, corpus, tmp_path):
     """init_from= takes what draft.path takes (one loader): here a head exported in EAGLE's layout."""
-    from treedec.config import ConfigError
+    from treedec.config import ConfigError, validate
+    from treedec.heads import DraftConfig, build_head
     from treedec.heads.export import export_head
     from treedec.models import load_model
-    from treedec.heads import DraftConfig, DraftHead, build_head
     from treedec.training.draft import DraftModule
-    from treedec.config import validate
 
     target = load_model(target_dir)
     head = build_head(DraftConfig.for_target(target.config)).bind(target)

@@ -27,7 +27,7 @@ def tiny_pretrain(corpus, tok_path, run_dir, *extra):
 def test_readme_commands_export_into_the_run_dir_and_leave_the_assets_alone(corpus, tokenizer, tmp_path,
                                                                             caplog):
     """`python -m treedec.pretrain` and `python -m treedec.train` with their defaults (tiny settings)."""
-    from treedec.heads import DraftHead
+    from treedec.heads import load_head
     from treedec.models.paths import ASSETS
     from treedec.pretrain import run as pretrain
     from treedec.train import run as train
@@ -49,7 +49,7 @@ def test_readme_commands_export_into_the_run_dir_and_leave_the_assets_alone(corp
         export = tmp_path / "train" / "export"
         assert m["export_dir"] == str(export) and (export / "draft.safetensors").is_file()
         assert f"use it: python -m treedec.generate draft=path draft.path={export}" in caplog.text
-    assert DraftHead.load(export).config.target == "tiny-code"
+    assert load_head(export).config.target == "tiny-code"
     assert tree_hashes(ASSETS) == before  # the shipped model and head are untouched
 
 

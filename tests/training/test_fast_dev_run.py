@@ -8,9 +8,8 @@ import lightning as L
 import pytest
 import torch
 
-from treedec.data.datamodules import JsonlDataModule, StdlibCodeDataModule
-
 from tests.helpers import TINY_ARCH
+from treedec.data.datamodules import JsonlDataModule, StdlibCodeDataModule
 
 
 def fast_dev_trainer(tmp_path, precision="bf16-mixed", callbacks=()):

@@ -15,14 +15,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import compose_config
+from treedec.atomic import atomic_dir
 from treedec.config import ConfigError
 from treedec.data.datamodules import EpochSampler, ResumableLoader
 from treedec.models.paths import export_path
-from treedec.atomic import atomic_dir
 from treedec.training.preemption import ResumeState, rng_states, set_rng_states
 from treedec.training.run_dir import JobError, RunDirLock, finished_metrics
-
-from tests.helpers import compose_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -151,8 +150,8 @@ def test_atomic_dir_keeps_the_old_directory_when_writing_fails(tmp_path):
 
 @pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
 def test_exports_follow_the_umask(tmp_path, umask, file_mode, dir_mode):
-    from treedec.models.config import LlamaConfig
     from treedec.heads import DraftConfig, build_head
+    from treedec.models.config import LlamaConfig
     from treedec.models.llama import Transformer
 
     target = Transformer(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

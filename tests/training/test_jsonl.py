@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treedec.models.tokenizer import Tokenizer
+from tests.helpers import TINY_ARCH, compose_config
+from tests.training.jobs import conversation, write_jsonl
 from treedec.data.chat import ChatRenderer, spans_to_mask
 from treedec.data.corpus import parse_record
 from treedec.data.datamodules import JsonlDataModule
 from treedec.data.token_cache import tokenize_jsonl
-
-from tests.helpers import TINY_ARCH, compose_config
-from tests.training.jobs import conversation, write_jsonl
+from treedec.models.tokenizer import Tokenizer
 
 CHATML = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
           "{% if add_generation_prompt %}<|endoftext|>assistant\n{% endif %}")

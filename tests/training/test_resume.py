@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from treedec.training.run_dir import JobError, find_resume_checkpoint
-
 from tests.helpers import TINY_ARCH, compose_config
 from tests.training.jobs import train_cfg
+from treedec.training.run_dir import JobError, find_resume_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -157,9 +156,8 @@ def test_requeue_has_exactly_one_owner(monkeypatch):
 
 
 def test_slurm_launcher_config_keys_run_dirs_by_job_name():
-    from omegaconf import OmegaConf
-
     import hydra_plugins.hydra_submitit_launcher  # noqa: F401  (the slurm extra is a test dependency: no skip)
+    from omegaconf import OmegaConf
     cfg = compose_config("train", ["hydra/launcher=slurm", "hydra.job.name=my-head", "trainer=ddp"], hydra=True,
                          job_name="train")
     launcher = cfg.hydra.launcher

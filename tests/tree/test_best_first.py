@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from tests.helpers import eagle3_pair, greedy_reference, host_reads_per_step, make_pair, parallel_pair
 from treedec.decoding.drafter import Drafter
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.profiling import count_ops
@@ -19,8 +20,6 @@ from treedec.tree.policies.base import topk_logp
 from treedec.tree.policies.best_first import BestFirstPolicy
 from treedec.tree.policies.learned import save_learned
 from treedec.tree.policies.lookup import LookupPolicy
-
-from tests.helpers import eagle3_pair, greedy_reference, host_reads_per_step, make_pair, parallel_pair
 
 
 class FakeDrafter:

@@ -6,13 +6,22 @@ import pytest
 import torch
 import yaml
 
-from treedec.tree import Tree, TreeError
-from treedec.tree.calibration import FLOOR, GRID, Calibration, Reliability, fit, fit_power, isotonic, load_calibration, \
-    resolve, save_calibration
-from treedec.tree.policies import AutoPolicy, DynamicPolicy
-
-from tests.helpers import random_calibration
 from tests.decoding.test_policies import primed_drafter
+from tests.helpers import random_calibration
+from treedec.tree import Tree, TreeError
+from treedec.tree.calibration import (
+    FLOOR,
+    GRID,
+    Calibration,
+    Reliability,
+    fit,
+    fit_power,
+    isotonic,
+    load_calibration,
+    resolve,
+    save_calibration,
+)
+from treedec.tree.policies import AutoPolicy, DynamicPolicy
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -179,12 +188,12 @@ def test_bundled_head_calibrated_and_auto_are_lossless_greedy_fp32():
     """The bundled model and head in fp32: the shipped calibration (auto) and the auto budget emit vanilla's tokens."""
     from treedec.decoding.speculative import SpeculativeDecoder
     from treedec.decoding.vanilla import VanillaDecoder
+    from treedec.heads import load_head
     from treedec.models import load_model
-    from treedec.heads import DraftHead
     from treedec.models.tokenizer import load_tokenizer
 
     target = load_model("tiny-code", dtype="float32").eval()
-    draft = DraftHead.load("tiny-code-eagle", target=target, dtype=torch.float32).eval()
+    draft = load_head("tiny-code-eagle", target=target, dtype=torch.float32).eval()
     tok = load_tokenizer("tiny-code")
     prompts = [tok.encode("import os\n\n\ndef walk(root):\n    for name in os.listdir(root):\n"),
                tok.encode("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(")]

@@ -14,7 +14,7 @@ from treedec.decoding.verify import accept_paths, acceptance_counts, verify_gree
 from treedec.tree import Tree, TreeError
 from treedec.tree.policies import LearnedPolicy, StaticPolicy
 from treedec.tree.policies.learned import load_learned, save_learned
-from treedec.tree.sequoia import (AcceptanceCounts, child_probs, choose, comb_choices, expected_accepted, solve)
+from treedec.tree.sequoia import AcceptanceCounts, child_probs, choose, comb_choices, expected_accepted, solve
 
 
 def plane_trees(n: int, max_depth: int, max_width: int):

@@ -1,20 +1,17 @@
 """Prompt lookup beside a draft tree: the n-gram index, the merged tree, and losslessness."""
 import random
 
-import numpy as np
 import pytest
 import torch
 
-from treedec.sampling import SamplingParams
-from treedec.decoding.speculative import SpeculativeDecoder
-from treedec.decoding.vanilla import VanillaDecoder
-from treedec.decoding.speculative import CompactingDecoder
+from tests.helpers import compose_config, greedy_reference, make_pair
 from treedec.attention.layout import ancestor_matrix
+from treedec.decoding.speculative import CompactingDecoder, SpeculativeDecoder
+from treedec.decoding.vanilla import VanillaDecoder
+from treedec.sampling import SamplingParams
 from treedec.tree.policies import ChainPolicy, DynamicPolicy, LookupPolicy, StaticPolicy, TreePolicy
 from treedec.tree.policies.lookup import NgramIndex
 from treedec.tree.tree import Tree, TreeError
-
-from tests.helpers import compose_config, greedy_reference, make_pair
 
 
 def test_ngram_index_copies_what_followed_the_latest_earlier_occurrence():
@@ -58,7 +55,7 @@ class Fixed(TreePolicy):
 def _inner_tree(B: int, shape: str) -> Tree:
     t = Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]) if shape == "bushy" else Tree.chain(4)
     T = t.size
-    rep = lambda x: x.expand(B, T)  # noqa: E731
+    rep = lambda x: x.expand(B, T)
     return Tree(rep(t.parents), rep(t.depth), rep(t.rank), torch.arange(B * T).view(B, T) + 100,
                 torch.zeros(B, T), anc=t.ancestors())
 

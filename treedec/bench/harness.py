@@ -44,14 +44,28 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from treedec.atomic import write_text_atomic
+from treedec.bench import batched, report
+from treedec.bench import peers as peer_mod
+from treedec.bench.heads import check_compared, head_configs, head_info, head_name, load_heads, rejects
 from treedec.bench.machine import machine_info
 from treedec.bench.methods import (
-    Method, Prompt, RunOutput, SWEEP_STAR, build_methods, build_policies, method_names,
-    load_prompts, prompt_source_name, resolve_auto, sweep_methods, temperature_key,
+    SWEEP_STAR,
+    Method,
+    Prompt,
+    RunOutput,
+    build_methods,
+    build_policies,
+    load_prompts,
+    method_names,
+    prompt_source_name,
+    resolve_auto,
+    sweep_methods,
+    temperature_key,
 )
-from treedec.bench.heads import check_compared, head_configs, head_info, head_name, load_heads, rejects
 from treedec.bench.timing import time_methods
-
+from treedec.cli import load_stack
+from treedec.config import validate
 
 log = logging.getLogger("treedec.bench")
 
@@ -227,12 +241,6 @@ def group_sampled(table: dict, methods: list[Method]) -> tuple[dict, dict]:
 # --------------------------------------------------------------------------- entry
 def run(cfg: DictConfig) -> dict:
     """Run the benchmark described by a composed ``bench`` config; write metrics.json, results.md, plots."""
-    from treedec.bench import peers as peer_mod
-    from treedec.bench import report
-    from treedec.atomic import write_text_atomic
-    from treedec.cli import load_stack
-    from treedec.config import validate
-
     validate(cfg, "bench")
     bench = cfg.bench
     why = resolve_auto(cfg)  # bench.learned_path / assistant_path = auto -> what they mean here
@@ -307,7 +315,6 @@ def run(cfg: DictConfig) -> dict:
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     if bench.get("batch_sizes"):  # throughput at several batch sizes (treedec/bench/batched.py)
-        from treedec.bench import batched
         usable = {n: p for n, p in policies.items() if not rejects(p, draft)}  # with the (first) head
         metrics["batched"] = batched.run(cfg, target, draft, eos_ids, prompts, usable)
         failures += metrics["batched"]["failures"]

@@ -5,6 +5,12 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
+from treedec.config import instantiate_checked
+from treedec.config.bench import draft_head_entry
+from treedec.errors import ConfigError
+from treedec.models.paths import CONF
+from treedec.tree.tree import TreeError
+
 log = logging.getLogger("treedec.bench")
 
 
@@ -15,9 +21,6 @@ def head_configs(cfg: DictConfig) -> dict[str, DictConfig] | None:
     name (``conf/draft/path.yaml`` with that path: short name the directory's name). The ``draft`` group's
     ``dtype`` and ``quantize`` apply to every head.
     """
-    from treedec.config.bench import draft_head_entry
-    from treedec.models.paths import CONF
-
     heads = cfg.bench.get("draft_heads")
     if heads is None:
         return None
@@ -37,8 +40,6 @@ def head_configs(cfg: DictConfig) -> dict[str, DictConfig] | None:
 def load_heads(cfg: DictConfig, target, draft) -> dict[str, object] | None:
     """The heads of ``bench.draft_heads`` bound to ``target`` (None when it is null); ``draft``, the head load_stack
     loaded from the first entry, is reused."""
-    from treedec.config import instantiate_checked
-
     nodes = head_configs(cfg)
     if nodes is None:
         return None
@@ -61,8 +62,6 @@ def head_info(heads: dict[str, object], nodes: dict[str, DictConfig]) -> dict[st
 
 def rejects(policy, head) -> str | None:
     """Why ``policy`` cannot draft from ``head`` (its ``check_head``'s TreeError), or None."""
-    from treedec.tree.tree import TreeError
-
     try:
         policy.check_head(head)
     except TreeError as exc:
@@ -75,8 +74,6 @@ def check_compared(cfg: DictConfig, names: list[str], methods: list, skipped: di
     """A bench whose every requested tree method (of ``names``) was skipped compares nothing but vanilla with itself:
     one error, before any timing, naming each skipped pair and why, and the methods of ``bench.trees`` each head can
     draft."""
-    from treedec.errors import ConfigError
-
     if all(n == "vanilla" for n in names) or any(m.policy is not None for m in methods):
         return
     why = "; ".join(f"{row} ({reason.split(': use ')[0]})" for row, reason in skipped.items())
@@ -88,13 +85,11 @@ def check_compared(cfg: DictConfig, names: list[str], methods: list, skipped: di
 
 def usable_methods(cfg: DictConfig, head) -> list[str]:
     """The methods of ``bench.trees`` whose tree ``head`` can feed (those that do not build here are left out)."""
-    from treedec.config import instantiate_checked
-
     out = []
     for name in cfg.bench.trees:
         try:
             policy = instantiate_checked(cfg.bench.trees[name], f"bench.trees.{name}")
-        except Exception:  # noqa: BLE001 - e.g. learned without a shape file: not a method to offer
+        except Exception:  # e.g. learned without a shape file: not a method to offer
             continue
         if rejects(policy, head) is None:
             out.append(name)

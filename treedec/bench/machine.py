@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -63,10 +64,8 @@ def machine_info(target, draft=None) -> dict:
     if dev.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(dev)
         info["cuda"] = torch.version.cuda
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
+    try:  # the installed version, read without importing transformers (seconds)
+        info["transformers"] = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
         info["transformers"] = None
     return info

@@ -2,14 +2,24 @@
 one run's output, and how treedec's methods are built from the config (below harness.py and peers.py)."""
 from __future__ import annotations
 
+import copy
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from treedec.bench.heads import head_name, rejects
+from treedec.config import bundled, instantiate_checked
+from treedec.data.chat import chat_prompt_ids
+from treedec.data.prompts import load_prompt_set, read_prompt_file
+from treedec.decoding import vanilla
+from treedec.decoding.speculative import SpeculativeDecoder
+from treedec.errors import ConfigError
+from treedec.profiling import count_ops
+from treedec.sampling import SamplingParams
 
 log = logging.getLogger("treedec.bench")
 
@@ -31,9 +41,6 @@ def prompt_source_name(bench: DictConfig) -> str:
 
 def load_prompts(bench: DictConfig, tokenizer) -> list[Prompt]:
     """The prompt set: ``bench.prompts`` (a file) or ``bench.n_prompts`` prompts of ``bench.prompt_source``."""
-    from treedec.data.chat import chat_prompt_ids
-    from treedec.data.prompts import load_prompt_set, read_prompt_file
-
     if bench.prompts:
         texts = read_prompt_file(bench.prompts, "bench.prompts")
     else:
@@ -111,8 +118,6 @@ def measure_ops(call: Callable[..., object]) -> dict:
     last, divided by the steps between (the prefill, the first step and the end-of-run read are in
     the totals only). With a single step it is the whole call.
     """
-    from treedec.profiling import count_ops
-
     marks: list[tuple[int, int]] = []
     with count_ops() as c:
         res = call(hook=lambda _info: marks.append((c.aten_ops, c.host_reads)))
@@ -145,8 +150,6 @@ def _reference(sampling) -> str:
 
 def vanilla_method(name: str, target, max_new_tokens: int, sampling, eos_ids, compile: bool = False,
                    reference: str | None = None) -> Method:
-    from treedec.decoding import vanilla
-
     # Compiled: one decoder for every call, so its context-sized cache (and, on CUDA, the graphs' static
     # addresses) is reused; eager: vanilla.generate, a new cache per call like the speculative decoder's.
     dec = vanilla.VanillaDecoder(target, sampling, eos_ids, compile=True) if compile else None
@@ -175,8 +178,6 @@ def vanilla_fp32_method(target, max_new_tokens: int, sampling, eos_ids) -> Metho
     """Vanilla decoding of an fp32 copy of the target: the honest baseline on CPUs, where one-token steps run
     faster in fp32 than in bf16 (bf16 matmuls pay a fixed cost per call). Its tokens may differ from the
     bf16 model's (another dtype rounds differently), so it is reported, never a lossless check."""
-    import copy
-
     fp32 = copy.deepcopy(target).float()
     m = vanilla_method("vanilla_fp32", fp32, max_new_tokens, sampling, eos_ids)
     m.lossless, m.info["dtype"] = False, "float32"
@@ -185,8 +186,6 @@ def vanilla_fp32_method(target, max_new_tokens: int, sampling, eos_ids) -> Metho
 
 def speculative_method(name: str, target, draft, policy, max_new_tokens: int, sampling, eos_ids,
                        compile: bool = False, reference: str | None = None, head: str | None = None) -> Method:
-    from treedec.decoding.speculative import SpeculativeDecoder
-
     dec = SpeculativeDecoder(target, draft, policy, sampling, eos_ids=eos_ids, compile=compile)
 
     def call(p: Prompt, seed: int, **kw):
@@ -210,10 +209,6 @@ def _sampling_dict(s) -> dict:
 def sample_settings(cfg: DictConfig) -> list:
     """The SamplingParams of the sampled rows: one per ``bench.sample_temperatures`` (null: the group's own
     temperature), with the ``sampling`` group's top-k and top-p; empty when ``bench.sampling`` is false."""
-    from dataclasses import replace
-
-    from treedec.config import instantiate_checked
-
     if not cfg.bench.sampling:
         return []
     base = instantiate_checked(cfg.sampling, "sampling")
@@ -262,8 +257,6 @@ def method_names(bench: DictConfig) -> list[str]:
 
 def tree_config(bench: DictConfig, name: str):
     """The tree config of method ``name``: ``bench.trees[name]``, or for ``<tree>_T<n>`` (a sweep) that tree at T=n."""
-    from treedec.errors import ConfigError
-
     sweep = parse_sweep(name) if name not in bench.trees else None
     if sweep:
         base, n = sweep
@@ -280,8 +273,6 @@ def resolve_auto(cfg: DictConfig) -> dict[str, str]:
     log and for ``skipped`` when one resolves to null (a second call finds them resolved: keep the
     first call's reasons).
     """
-    from treedec.config import bundled
-
     bench = cfg.bench
     learned, why_learned = bundled.learned_path(bench.get("learned_path"), OmegaConf.select(cfg, "draft.path"))
     assistant, why_assistant = bundled.assistant_path(bench.get("assistant_path"), OmegaConf.select(cfg, "model.path"))
@@ -291,8 +282,6 @@ def resolve_auto(cfg: DictConfig) -> dict[str, str]:
 
 def build_policies(cfg: DictConfig) -> dict:
     """The tree policy of every speculative method that will run (no model needed: errors come before loading)."""
-    from treedec.config import instantiate_checked
-
     resolve_auto(cfg)
     bench = cfg.bench
     out = {}
@@ -311,11 +300,6 @@ def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None
     ``METHOD@HEAD``, the first head with ``policies``' own objects (batched.py shares them), the others with
     new ones; vanilla runs once. A (method, head) pair whose policy rejects the head (``check_head``) is skipped.
     """
-    from treedec.bench.heads import head_name, rejects
-
-    from treedec.config import instantiate_checked
-    from treedec.sampling import SamplingParams
-
     why = {**resolve_auto(cfg), **(why or {})}  # the reasons of the first resolution, when given
     bench = cfg.bench
     n = int(bench.max_new_tokens)

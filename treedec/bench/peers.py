@@ -17,9 +17,12 @@ The target's directory is loaded with ``AutoModelForCausalLM.from_pretrained`` i
 dtype and on the same device as treedec's model (the bundled ``tiny-code`` is a Hugging Face
 directory), and every call passes treedec's EOS ids, so a peer stops where treedec stops.
 τ of a peer is its new tokens per target forward (counted with a forward hook on the target).
+
+transformers (a test dependency, not the package's, and seconds to import) is imported where a peer runs.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import warnings
 
@@ -27,6 +30,8 @@ import torch
 from omegaconf import DictConfig
 
 from treedec.bench.methods import Method, Prompt, RunOutput, sample_settings, sampled_name
+from treedec.config.bundled import assistant_path
+from treedec.models.paths import resolve_path
 
 log = logging.getLogger("treedec.bench")
 
@@ -132,16 +137,13 @@ def build_peers(cfg: DictConfig, target, eos_ids: list[int],
         log.info("hf_sample runs only with bench.sampling=true (one row per bench.sample_temperatures)")
     if not names:
         return [], skipped
-    try:
-        import transformers  # noqa: F401
+    try:  # every peer runs on transformers: without it they are all skipped
+        importlib.import_module("transformers")
     except ImportError:
         for n in names:
             skipped[n] = "transformers is not installed (pip install transformers)"
         log.warning("skipping peers %s: transformers is not installed", names)
         return [], skipped
-    from treedec.config.bundled import assistant_path
-    from treedec.models.checkpoint import resolve_path
-
     assistant = None
     if "hf_assisted" in names:
         value, why = assistant_path(bench.get("assistant_path"), cfg.model.path)
@@ -188,8 +190,6 @@ def build_peers(cfg: DictConfig, target, eos_ids: list[int],
 
 def _assistant_dir(value: str, skipped: dict[str, str]):
     """The assistant's directory, or None with the reason in ``skipped`` (a bundled one not trained yet)."""
-    from treedec.models.checkpoint import resolve_path
-
     try:
         return resolve_path(value)
     except FileNotFoundError as exc:

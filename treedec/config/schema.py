@@ -41,7 +41,7 @@ class ModelSchema:  # conf/model: the target checkpoint to load (its loader is _
 
 @dataclass
 class DraftSchema:  # conf/draft: the draft head to load
-    _target_: str = MISSING  # treedec.heads.DraftHead.load
+    _target_: str = MISSING  # treedec.heads.load_head
     path: str = MISSING  # "tiny-code-eagle" or a draft head directory
     dtype: Optional[str] = MISSING  # auto: fp32 on a CPU (its small matmuls are faster), else the target's | float32 | bfloat16
     quantize: Optional[str] = MISSING  # auto: int8 weights on a CPU where they measure faster | int8 | null (full precision)

@@ -176,7 +176,7 @@ class Drafter:
     def keep_rows(self, idx: torch.Tensor, rows: Sequence[int]) -> None:
         """Keep only batch rows ``rows`` (``idx``, their device copy) of the root state and the pending
         catch-up; the caller cuts :attr:`cache` to the same rows."""
-        pick = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
+        pick = lambda t: None if t is None else t.index_select(0, idx)
         self._pending = [_Pending(pick(p.tokens), pick(p.features), pick(p.n_valid), [p.n_host[r] for r in rows])
                          for p in self._pending]
         self.root_tokens, self._feat, self._logits = pick(self.root_tokens), pick(self._feat), pick(self._logits)

@@ -25,13 +25,21 @@ from treedec.decoding.drafter import Drafter
 from treedec.decoding.loop import Decoder
 from treedec.decoding.prompt_checks import normalize_eos, pad_prompts, static_room
 from treedec.decoding.stats import DecodeStats, StepInfo, Timer
-from treedec.sampling import RowStreams, SamplingParams, as_sampling, next_token, settle
 from treedec.decoding.vanilla import pick
-from treedec.decoding.verify import (Acceptance, accept_chain, accept_paths, acceptance_counts, add_chain_counts,
-                                     emitted, node_choices, verify_sampling)
+from treedec.decoding.verify import (
+    Acceptance,
+    accept_chain,
+    accept_paths,
+    acceptance_counts,
+    add_chain_counts,
+    emitted,
+    node_choices,
+    verify_sampling,
+)
 from treedec.errors import ConfigError
 from treedec.heads import DraftHead
 from treedec.models.llama import Transformer
+from treedec.sampling import RowStreams, SamplingParams, as_sampling, next_token, settle
 from treedec.tree.policies.base import TreePolicy
 from treedec.tree.tree import Tree
 

@@ -3,7 +3,7 @@
 through :data:`~treedec.heads.kinds.HEAD_KINDS`; :func:`head_summary` reads what a config check needs of a head
 without its weights. Never unpickles.
 
-``DraftHead.load`` (the ``_target_`` of conf/draft/*.yaml) is :func:`load_head`.
+``load_head`` (the ``_target_`` of conf/draft/*.yaml) is :func:`load_head`.
 """
 from __future__ import annotations
 

@@ -93,7 +93,7 @@ def target_fingerprint(target: "Transformer") -> str:
 
 def head_dir(path: str | os.PathLike) -> Path:
     """The directory of the draft head ``path`` names (a bundled name, or a directory holding a treedec head or a
-    published EAGLE / EAGLE-3 one): what ``DraftHead.load`` reads, so a config check (``init_from=``) accepts
+    published EAGLE / EAGLE-3 one): what ``load_head`` reads, so a config check (``init_from=``) accepts
     exactly the heads ``draft.path`` does, before anything is loaded."""
     d = BUNDLED_DRAFTS.get(str(path), Path(path).expanduser())
     if not (d / DRAFT_CONFIG).is_file() and not (d / "config.json").is_file():

@@ -1,7 +1,7 @@
 """Which dtype a draft head drafts in on this machine: its own, chosen at load, and a bf16 copy for wide batches.
 
 A head runs a handful of rows per matmul, and which dtype is cheaper there is the machine's (oneDNN's bf16 call
-has a fixed cost, fp32 a cost per row). ``DraftHead.load(..., dtype="auto")`` takes :func:`inference_dtype`'s
+has a fixed cost, fp32 a cost per row). ``load_head(..., dtype="auto")`` takes :func:`inference_dtype`'s
 choice at 4 rows; an fp32 head bound to a bf16 CPU target then also keeps a packed bf16 copy of itself
 (:func:`bf16_copy`) that drafts batches from :func:`wide_batch_rows` rows up (``DraftHead.for_batch``).
 Both are measured once per process (:func:`~treedec.models.packed.packed_bf16_is_faster`).

@@ -8,9 +8,8 @@ builds its layers and computes ``forward`` and ``logits``; here is what they all
 draft vocabulary, dtype and device, the bf16 copy for wide batches, the cache, saving, and the inference form
 (:meth:`~DraftHead.prepare`).
 
-:meth:`DraftHead.load` is :func:`treedec.heads.checkpoint.load_head`, which builds a head of its file's kind through the
-kind table; the table imports the kinds, which import this module, so ``load`` imports it when called (the one
-import inside a function here, to break that cycle).
+A head is loaded with :func:`treedec.heads.load_head` (heads/checkpoint.py), which builds one of its file's kind
+through the kind table; that table sits above this module, so the base has no ``load`` of its own.
 """
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ class DraftHead(nn.Module):
     """The base of every head kind; ``bind(target)`` attaches the target's shared embedding (and LM head).
 
     A head of a config's kind is ``build_head(cfg)`` (:mod:`treedec.heads.kinds`), one from a file
-    ``DraftHead.load(path)``; this class itself builds none.
+    ``load_head(path)``; this class itself builds none.
     """
 
     one_pass = False  # drafts per-position marginals in one pass (kind "parallel") instead of one pass per depth
@@ -238,15 +237,6 @@ class DraftHead(nn.Module):
         (path / DRAFT_CONFIG).write_text(json.dumps(asdict(self.config), indent=2))
         save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(path / DRAFT_WEIGHTS))
         follow_umask(path / DRAFT_WEIGHTS)
-
-    @classmethod
-    def load(cls, path: str | Path, target: Transformer | None = None, dtype=None, device=None,
-             quantize: str | None = None) -> "DraftHead":
-        """:func:`treedec.heads.checkpoint.load_head`: a head of its file's kind from a bundled name
-        ("tiny-code-eagle", "tiny-code-eagle3", "tiny-code-parallel") or a directory (treedec's or a published layout)."""
-        from treedec.heads.checkpoint import load_head  # (the kind table is above this module: see its docstring)
-
-        return load_head(path, target=target, dtype=dtype, device=device, quantize=quantize)
 
     def prepare(self, target: Transformer | None = None, quantize: str | None = None) -> "DraftHead":
         """The inference form of a loaded head: q/k/v and gate/up fused into one matmul each (file names

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from treedec.models.packed import packed_weight, second_is_faster
 
-QUANTIZE = ("auto", "int8")  # what ``DraftHead.load(quantize=...)`` accepts (None: full precision)
+QUANTIZE = ("auto", "int8")  # what ``load_head(quantize=...)`` accepts (None: full precision)
 AVAILABLE = hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
@@ -63,7 +63,7 @@ class Int8Linear(nn.Module):
             return self.dense(x)
         if x.device.type != "cpu":  # the int8 kernel is the CPU's; elsewhere the dequantized weight (same values)
             return F.linear(x, self.dequantized(x.dtype), self.bias)
-        same = lambda t: t if t.dtype == x.dtype else t.to(x.dtype)  # noqa: E731 (no cast op where none is needed)
+        same = lambda t: t if t.dtype == x.dtype else t.to(x.dtype)
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features), self.qweight, same(self.scale))
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + same(self.bias)
@@ -99,7 +99,7 @@ def int8_is_faster(shapes: tuple[tuple[int, int], ...], dtype: torch.dtype, rows
     full = [packed_weight(w) or (lambda x, w=w: F.linear(x, w)) for w in ws]
     int8 = [Int8Linear(w) for w in ws]
     xs = [x for r in rows for x in (torch.randn(r, i, generator=g).to(dtype) for i, _ in shapes)]
-    run = lambda mods: lambda: [m(x) for m, x in zip(mods * len(rows), xs)]  # noqa: E731
+    run = lambda mods: lambda: [m(x) for m, x in zip(mods * len(rows), xs)]
     return second_is_faster(run(full), run(int8), calls=1)
 
 

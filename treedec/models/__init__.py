@@ -10,7 +10,8 @@ def load_model(path, **kw):
     model cannot compute in (``torch.int8``) is a ValueError naming the allowed ones, before anything is read."""
     import torch
 
-    from treedec.models.checkpoint import _DTYPES, load_model as _load
+    from treedec.models.checkpoint import _DTYPES
+    from treedec.models.checkpoint import load_model as _load
 
     dtype = kw.get("dtype")
     if isinstance(dtype, torch.dtype) and dtype not in _DTYPES.values():

@@ -8,9 +8,8 @@ Parameter names follow Hugging Face's, so checkpoints load without renaming.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch

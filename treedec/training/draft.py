@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from treedec.conf_defaults import shipped_defaults
-from treedec.heads import DraftConfig, DraftHead, ParallelHead, build_head
+from treedec.heads import DraftConfig, ParallelHead, build_head, load_head
 from treedec.heads.parallel import cod_sample
 from treedec.training.lm import _plain
 from treedec.training.schedule import WallTimeScheduled
@@ -98,8 +98,8 @@ class DraftModule(WallTimeScheduled):
         torch.manual_seed(seed)
         target = load_model(target_path, dtype=target_dtype).eval().requires_grad_(False)
         self._target = (target,)  # a tuple keeps the frozen target out of parameters and checkpoints
-        if init_from:  # any head DraftHead.load reads: treedec's, exported or published (EAGLE / EAGLE-3)
-            self.head = DraftHead.load(init_from, target=target, dtype=torch.float32)
+        if init_from:  # any head load_head reads: treedec's, exported or published (EAGLE / EAGLE-3)
+            self.head = load_head(init_from, target=target, dtype=torch.float32)
             self.head.config.target = str(target_path)  # (a published head's names its own directory)
             want, block = (draft or {}).get("kind"), int((draft or {}).get("block_size") or 0)
             if want == "parallel" and self.head.config.kind != "parallel":  # P-EAGLE from an EAGLE-3 head

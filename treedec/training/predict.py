@@ -29,14 +29,13 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import lightning as L
-import torch
 
 from treedec.decoding.prompt_checks import check_slots
-from treedec.decoding.stats import DecodeStats
-from treedec.sampling import RowSeededGenerator, SamplingParams
 from treedec.decoding.speculative import CompactingDecoder, SpeculativeDecoder
+from treedec.decoding.stats import DecodeStats
 from treedec.heads import DraftHead
 from treedec.models.llama import Transformer
+from treedec.sampling import RowSeededGenerator, SamplingParams
 from treedec.tree.policies.base import TreePolicy
 
 

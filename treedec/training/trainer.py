@@ -41,10 +41,15 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 
 from treedec.config import validate
-from treedec.training.preemption import (ResumeState, SaveOnSigterm, await_submitit_requeue,
-                                         ignore_sigterm_once_complete, preempted_status, requeue_plugins)
-from treedec.training.run_dir import (JobError, RunDirLock, SameShapeAsResumed, find_resume_checkpoint,
-                                     finished_metrics)
+from treedec.training.preemption import (
+    ResumeState,
+    SaveOnSigterm,
+    await_submitit_requeue,
+    ignore_sigterm_once_complete,
+    preempted_status,
+    requeue_plugins,
+)
+from treedec.training.run_dir import RunDirLock, SameShapeAsResumed, find_resume_checkpoint, finished_metrics
 
 log = logging.getLogger("treedec.training")
 

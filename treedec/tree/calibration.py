@@ -158,7 +158,7 @@ class Calibration:
             b = torch.zeros_like(v)
             b[:, 1:] = (v[:, 1:] - v[:, :-1]) / (g[1:] - g[:-1])
             a = v - b * g
-            pad = lambda t: torch.cat([t[:, 1:2], t[:, 1:], t[:, -1:]], 1).float().to(device)  # noqa: E731
+            pad = lambda t: torch.cat([t[:, 1:2], t[:, 1:], t[:, -1:]], 1).float().to(device)
             a, b = pad(a), pad(b)
             self._dev[key] = (g.float().to(device), a, b, list(zip(a.unbind(0), b.unbind(0))))
         return self._dev[key]

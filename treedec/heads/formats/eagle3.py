@@ -27,7 +27,7 @@ def _feature_layers(raw: dict, target: Transformer | None, path: Path) -> list[i
     if ids is None:
         if target is None:
             raise ValueError(f"{path} is an EAGLE-3 head whose config does not name its feature layers: load it with "
-                             "its target (DraftHead.load(path, target=model)) to use EAGLE-3's [2, L//2, L-3]")
+                             "its target (load_head(path, target=model)) to use EAGLE-3's [2, L//2, L-3]")
         L = target.config.num_hidden_layers
         ids = [2, L // 2, L - 3]
     if not isinstance(ids, list) or len(ids) != 3:

@@ -136,7 +136,7 @@ def mask_tensors(src: dict[str, torch.Tensor], raw: dict, vocab: int, hidden: in
         mask_embed = target.model.embed_tokens.weight[mid].detach().float().cpu().clone()
     else:
         raise ValueError(f"{path}: a P-EAGLE head without embed_tokens.weight reads its mask token's ({mid}) embedding "
-                         "from the target's table: load it with its target (DraftHead.load(path, target=model))")
+                         "from the target's table: load it with its target (load_head(path, target=model))")
     return {"mask_embed": mask_embed, "mask_hidden": hidden_h}, embed
 
 

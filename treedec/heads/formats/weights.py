@@ -79,7 +79,7 @@ def _pickle_global(file: Path) -> str | None:
                 continue
             if not name.startswith(("torch.", "collections.OrderedDict")):
                 return name
-    except Exception:  # noqa: BLE001 - not a pickle: corrupt
+    except Exception:
         return None
     return None
 

@@ -192,7 +192,7 @@ class LookupPolicy(TreePolicy):
             pad = torch.tensor([[j >= len(c) for j in range(L)] for c in copies])
             par, dep = torch.where(pad, 0, par), torch.where(pad, 1, dep)  # a padding node: a leaf under the root
             anc = torch.where(pad[:, :, None], anc_pad, anc)  # that sees only itself
-        to = lambda t: t.to(dev, non_blocking=True)  # noqa: E731
+        to = lambda t: t.to(dev, non_blocking=True)
         A = torch.zeros(B, T + L, T + L, dtype=torch.bool, device=dev)
         A[:, :T, :T] = tree.ancestors()
         A[:, T:] = to(anc)

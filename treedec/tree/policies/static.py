@@ -83,7 +83,7 @@ class StaticPolicy(TreePolicy):
         key = (str(device), batch)
         if key not in self._on:
             steps = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in st.items()} for st in self.steps]
-            rep = lambda t: t[None].expand(batch, -1).to(device)  # noqa: E731
+            rep = lambda t: t[None].expand(batch, -1).to(device)
             shape = dict(parents=rep(self.shape.parents), depth=rep(self.shape.depth), rank=rep(self.shape.rank),
                          anc=self.shape.ancestors().to(device))
             self._on = {key: (steps, shape)}  # one device/batch at a time
