@@ -107,7 +107,7 @@ def test_draft_tree_equals_draft_branches(policy, monkeypatch):
     with torch.inference_mode():
         policy().draft(d)
         inputs = []  # per forest node: (token [B], parent forest index [B] or -1, logp)
-        for tokens, anc, n_prev, feat, logp in calls:
+        for tokens, anc, n_prev, _feat, logp in calls:
             anc = anc if anc.dim() == 3 else anc[None].expand(2, -1, -1)
             for j in range(tokens.shape[1]):
                 seen = anc[:, j, : n_prev + j].clone()  # ancestors before the node itself: the parent is the latest
@@ -116,7 +116,7 @@ def test_draft_tree_equals_draft_branches(policy, monkeypatch):
                 assert bool(anc[:, j, n_prev + j].all())  # a node sees itself
                 inputs.append((tokens[:, j], par, logp[:, j]))
         for b in range(2):
-            for i, (tok, par, logp) in enumerate(inputs):
+            for i, (_tok, _par, logp) in enumerate(inputs):
                 chain, node = [], i  # walk up the forest to build this node's branch
                 while node >= 0:
                     chain.append(node)

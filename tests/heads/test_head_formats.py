@@ -18,7 +18,7 @@ from tests.helpers import tiny_model
 from treedec.heads import load_head
 from treedec.models.checkpoint import CheckpointError
 
-V, H, NH, NKV, I = 97, 64, 4, 2, 112
+V, H, NH, NKV, FF = 97, 64, 4, 2, 112  # FF: the MLP width (intermediate_size)
 HD = H // NH
 
 
@@ -84,8 +84,8 @@ def rnd(*shape, g, scale=0.08):
 def layer_sd(p, g, width, qkv_bias=False, eagle3=False, qk_norm=False):
     sd = {f"{p}self_attn.q_proj.weight": rnd(NH * HD, width, g=g), f"{p}self_attn.k_proj.weight": rnd(NKV * HD, width, g=g),
           f"{p}self_attn.v_proj.weight": rnd(NKV * HD, width, g=g), f"{p}self_attn.o_proj.weight": rnd(H, NH * HD, g=g),
-          f"{p}mlp.gate_proj.weight": rnd(I, H, g=g), f"{p}mlp.up_proj.weight": rnd(I, H, g=g),
-          f"{p}mlp.down_proj.weight": rnd(H, I, g=g), f"{p}post_attention_layernorm.weight": 1 + rnd(H, g=g, scale=0.2)}
+          f"{p}mlp.gate_proj.weight": rnd(FF, H, g=g), f"{p}mlp.up_proj.weight": rnd(FF, H, g=g),
+          f"{p}mlp.down_proj.weight": rnd(H, FF, g=g), f"{p}post_attention_layernorm.weight": 1 + rnd(H, g=g, scale=0.2)}
     if qkv_bias:
         sd.update({f"{p}self_attn.{n}_proj.bias": rnd(w, g=g, scale=0.1) for n, w in (("q", NH * HD), ("k", NKV * HD),
                                                                                        ("v", NKV * HD))})
@@ -97,7 +97,7 @@ def layer_sd(p, g, width, qkv_bias=False, eagle3=False, qk_norm=False):
 
 
 def layer_cfg(**kw):
-    return dict(hidden_size=H, intermediate_size=I, num_attention_heads=NH, num_key_value_heads=NKV, vocab_size=V,
+    return dict(hidden_size=H, intermediate_size=FF, num_attention_heads=NH, num_key_value_heads=NKV, vocab_size=V,
                 max_position_embeddings=512, rms_norm_eps=1e-5, hidden_act="silu", num_hidden_layers=1, **kw)
 
 
@@ -619,8 +619,8 @@ FIELD_VS_WEIGHTS = [  # (dialect, the layer config's change, the error after "<c
                                              f"{H} (fc.weight has shape ({H}, {3 * H}))"),
     ("vllm", dict(vocab_size=V + 1), f"vocab_size is {V + 1}, but the weights say {V} (embed_tokens.weight has shape "
                                      f"({V}, {H}))"),
-    ("vllm", dict(intermediate_size=I + 1), f"intermediate_size is {I + 1}, but the weights say {I} "
-                                            f"(midlayer.mlp.gate_proj.weight has shape ({I}, {H}))"),
+    ("vllm", dict(intermediate_size=FF + 1), f"intermediate_size is {FF + 1}, but the weights say {FF} "
+                                            f"(midlayer.mlp.gate_proj.weight has shape ({FF}, {H}))"),
     ("vllm", dict(num_key_value_heads=NH), f"num_key_value_heads x head_dim ({NH} x {HD}) is {NH * HD}, but the weights "
                                            f"say {NKV * HD} (midlayer.self_attn.k_proj.weight has shape "
                                            f"({NKV * HD}, {2 * H}))"),

@@ -40,7 +40,6 @@ def test_training_pass_equals_the_drafters_marginals(seed):
         out = target.forward_train(ids, layer_inputs=head.feature_layers_needed)
         feats = head.features(out).float()
         tokens = ids[:, 1:]
-        T = tokens.shape[1]
         anchors, K = [2, 5, 9], head.block_size
         anchor = torch.tensor([a for a in anchors for _ in range(1, K)])
         depth = torch.tensor([j for _ in anchors for j in range(1, K)])

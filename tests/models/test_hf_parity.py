@@ -95,11 +95,11 @@ def test_config_fields_mapped(tmp_path):
     hf_model("llama3-rope").save_pretrained(tmp_path / "l")
     hf_model("mistral").save_pretrained(tmp_path / "m")
     hf_model("qwen3").save_pretrained(tmp_path / "w")
-    q, l, m, w = (load_model(tmp_path / n).config for n in "qlmw")
+    q, ll, m, w = (load_model(tmp_path / n).config for n in "qlmw")
     assert q.architecture == "Qwen2ForCausalLM" and q.qkv_bias and not q.o_bias and q.rope_theta == 1e6
-    assert not q.qk_norm and not l.qk_norm
+    assert not q.qk_norm and not ll.qk_norm
     assert w.architecture == "Qwen3ForCausalLM" and w.qk_norm and w.head_dim == 24 and not w.qkv_bias
-    assert l.rope_theta == 500000.0 and l.rope_scaling["rope_type"] == "llama3" and l.rope_scaling["factor"] == 8.0
+    assert ll.rope_theta == 500000.0 and ll.rope_scaling["rope_type"] == "llama3" and ll.rope_scaling["factor"] == 8.0
     assert m.architecture == "MistralForCausalLM" and m.context_length == 4096
 
 

@@ -74,7 +74,7 @@ def check_tree_equals_branches(model, prefix: list[int], tree: Tree, tokens: lis
     for node in range(T):
         branch = prefix + [tokens[j] for j in tree.path_to(node)]
         want = full_logits(model, [branch])[0, -1]
-        torch.testing.assert_close(out[node], want, atol=atol, rtol=1e-4, msg=lambda m: f"node {node}: {m}")
+        torch.testing.assert_close(out[node], want, atol=atol, rtol=1e-4, msg=lambda m, node=node: f"node {node}: {m}")
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
@@ -163,7 +163,7 @@ def test_kv_commit_equals_vanilla(backend, seed):
     with torch.inference_mode():
         model(torch.tensor([seq]), cache, logits="none")
         cache.advance(len(seq))
-        for step in range(6):
+        for _ in range(6):
             T = int(torch.randint(1, 25, (1,), generator=gen))
             tree = random_tree(T, gen)
             toks = rand_ids(T, gen)
@@ -196,7 +196,7 @@ def test_kv_commit_ragged_rows(backend):
     with torch.inference_mode():
         model(padded, cache, logits="none")
         cache.rollback(lens)
-        for step in range(5):
+        for _ in range(5):
             trees = [random_tree(T, gen) for _ in range(B)]
             toks = [rand_ids(T, gen) for _ in range(B)]
             bits = torch.stack([t.ancestor_bits() for t in trees])

@@ -78,7 +78,7 @@ def test_export_dir_bundled_replaces_the_asset_atomically(corpus, tokenizer, tmp
     real = ckpt.save_pretrained
 
     def dies_mid_save(model, path, **kw):
-        out = real(model, path, **kw)
+        real(model, path, **kw)
         weights = Path(path) / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:100])  # half a file, then the process goes down
         raise OSError(28, "No space left on device")

@@ -117,7 +117,7 @@ def test_compacting_decoder_drops_finished_rows_and_decodes_the_same(tiny_target
     sampling = SamplingParams(temperature=temperature)
     for seed in range(3):
         prompts = ragged_prompts(20 + seed, (4, 9, 2, 6))
-        gen = lambda: RowSeededGenerator([seed * 10 + b for b in range(4)])
+        gen = lambda seed=seed: RowSeededGenerator([seed * 10 + b for b in range(4)])
         free = SpeculativeDecoder(tiny_target, tiny_head, policy, sampling, eos_ids=[]).generate(prompts, 12, gen())
         eos = [free.tokens[1][2], free.tokens[3][5]]  # rows 1 and 3 stop early, the others may too
         want = SpeculativeDecoder(tiny_target, tiny_head, policy, sampling, eos_ids=eos).generate(prompts, 12, gen())

@@ -112,7 +112,7 @@ def test_no_shape_is_locked_out(kind):
     while they keep losing, but at least every MAX_GAP steps."""
     pol = policy(lambda rows, k, d, t: 1.0 + 0.5 * d, max_depth=4, top_k=1)
     played = []
-    for step in range(600):
+    for _ in range(600):
         i = pol.choose(1)
         played.append(i)
         k, d, t = pol.shapes[i]
