@@ -13,11 +13,11 @@ import inspect
 import typing
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 import treedec.config.schema as schema
+from tests.helpers import compose_config
 from treedec.conf_defaults import HYDRA_KEYS
 from treedec.config import job_schema as train_schema
 from treedec.models.paths import CONF
@@ -41,8 +41,7 @@ def _composed(name: str, overrides=(), yaml_only: bool = False) -> DictConfig:
     repo = ConfigStore.instance().repo
     saved = repo.pop("schema") if yaml_only else None
     try:
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            return compose(config_name=name, overrides=list(overrides))
+        return compose_config(name, overrides, config_dir=CONF if yaml_only else None)  # (no import while popped)
     finally:
         if saved is not None:
             repo["schema"] = saved

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import treedec.config as checks
 import treedec.config.schema as schema
+from tests.helpers import compose_config
 from treedec.sampling import SamplingParams
 from treedec.tree.policies import AutoPolicy, ChainPolicy, DynamicPolicy, LearnedPolicy, LookupPolicy, StaticPolicy
 from treedec.tree.policies.best_first import BestFirstPolicy
@@ -30,8 +30,7 @@ def learned_file(tmp_path_factory):
 
 
 def gen(overrides=(), name="generate"):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name=name, overrides=list(overrides))
+    return compose_config(name, overrides)
 
 
 def test_group_options_exist():
@@ -117,8 +116,7 @@ def test_validate_errors_name_the_key(override, needle):
 
 def test_optuna_search_composes():
     """The Optuna sweep (conf/hparams_search/optuna_tree.yaml; the optuna extra, a test dependency) composes."""
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="generate", overrides=["hparams_search=optuna_tree"], return_hydra_config=True)
+    cfg = compose_config("generate", ["hparams_search=optuna_tree"], hydra=True)
     assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper") and cfg.optimized_metric == "tokens_per_s"
     assert set(cfg.hydra.sweeper.params) == {"tree.total_tokens", "tree.depth", "tree.top_k"}
     checks.validate(cfg, "generate")

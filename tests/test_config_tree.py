@@ -7,18 +7,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
+from tests.helpers import compose_config
 from treedec.config import ConfigError, validate
-from treedec.models.paths import CONF
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRIES = ("generate", "calibrate", "bench", "regenerate", "export_head", "train", "pretrain")
 
 
 def composed(name: str, overrides=(), hydra: bool = False):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name=name, overrides=list(overrides), return_hydra_config=hydra)
+    return compose_config(name, overrides, hydra=hydra)
 
 
 def test_one_run_dir_pattern_and_a_sweep_dir_per_entry():
