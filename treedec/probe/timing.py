@@ -45,8 +45,8 @@ def time_hardware(target, draft, table, budgets, depth_limit: int, prefix_len: i
             toks = torch.randint(0, V, (1, n), generator=gen).to(dev)
             pos = cache.lengths[:, None] + tree.depth.to(dev)[None]
             anc = tree.ancestors().to(dev)
-            verify[n] = _median_time(lambda: target(toks, cache, position_ids=pos, tree_mask=anc),  # noqa: B023
-                                     repeats, warmup, sync)
+            verify[n] = _median_time(lambda toks=toks, pos=pos, anc=anc: target(toks, cache, position_ids=pos,
+                                                                             tree_mask=anc), repeats, warmup, sync)
         head = draft.bind(target)
         drafter = Drafter(head, 1, prefix_len + width + 4)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)
