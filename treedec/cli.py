@@ -17,9 +17,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import runpy
 import sys
 from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
+import hydra._internal.hydra as hydra_app
+import hydra._internal.utils as hydra_utils
 from omegaconf.errors import MissingMandatoryValue
 
 from treedec.atomic import DISK_FULL
@@ -28,6 +31,7 @@ from treedec.config.checks import group_choices, required_error
 from treedec.config.compose_errors import composition_message, yaml_message
 from treedec.config.renamed import check_overrides
 from treedec.errors import USER_ERRORS, ConfigError  # (ConfigError, CheckpointError, TreeError are ValueErrors)
+from treedec.models.tokenizer import load_tokenizer
 
 F = TypeVar("F", bound=Callable)
 
@@ -105,9 +109,6 @@ def composition_errors_as_one_line(name: str) -> Iterator[None]:
     Hydra composes inside its own ``run_and_report``, which prints such an error in several lines (or a stripped
     traceback) and exits before any code of ours runs; that one function is wrapped here, so every mode (run,
     multirun, ``--cfg``) is covered and anything else (a bug in a task) is still reported by Hydra itself."""
-    import hydra._internal.hydra as hydra_app
-    import hydra._internal.utils as hydra_utils
-
     report = hydra_utils.run_and_report
 
     def one_line(func: Callable[[], Any]) -> Any:
@@ -160,8 +161,6 @@ def split_args(text: str) -> list[str]:
 def run_module(module: str, args: str) -> None:
     """``python -m <module>`` with the overrides of one string (make's ARGS), split by :func:`split_args`: the
     shell's own quote removal would turn ``prompt='def f(x):'`` into an override Hydra cannot read."""
-    import runpy
-
     sys.argv = [module, *split_args(args)]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
@@ -180,8 +179,6 @@ def load_stack(cfg: Any):
     Each group names its loader with ``_target_`` (``treedec.models.load_model``,
     ``treedec.heads.load_head``), so a checkpoint format of your own is a config, not a code change.
     """
-    from treedec.models.tokenizer import load_tokenizer
-
     target = instantiate_checked(cfg.model).eval()
     tok = load_tokenizer(cfg.model.path)
     dtype = cfg.draft.get("dtype") or target.dtype  # the draft group's dtype (auto: fp32 on a CPU), else the target's

@@ -18,6 +18,7 @@ The schemas declare keys and types only: every value, default included, is writt
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -153,8 +154,6 @@ def tree_schema(target: Any) -> type | None:
     """The schema of a tree-policy ``_target_``, looked up by the class (or function) it names, so every import
     path of one class (``treedec.tree.policies.StaticPolicy``, ``...policies.static.StaticPolicy``) finds it;
     None for a target of your own (left alone) or one that does not import (instantiating it says why)."""
-    import importlib
-
     module, _, name = str(target).rpartition(".")
     try:
         obj = getattr(importlib.import_module(module), name)

@@ -138,7 +138,7 @@ class Drafter:
     def _block_layout(self, pos: torch.Tensor, n_valid: torch.Tensor, n_host: list[int], n: int):
         """(positions [B, w + n], dense mask) of a catch-up of ``w`` columns followed by ``n`` mask positions: row b's
         mask positions sit at RoPE positions after its ``n_host[b]`` valid columns and see those, not its padding."""
-        B, w, dev = self.batch, pos.shape[1], pos.device
+        w, dev = pos.shape[1], pos.device
         j = torch.arange(n, device=dev)
         pos = torch.cat([pos, (self.cache.lengths + n_valid)[:, None] + j], 1)
         cols = torch.arange(w + n, device=dev)

@@ -38,6 +38,7 @@ from treedec.decoding.verify import (
 )
 from treedec.errors import ConfigError
 from treedec.heads import DraftHead
+from treedec.models.compile import compile_forward
 from treedec.models.llama import Transformer
 from treedec.sampling import RowStreams, SamplingParams, as_sampling, next_token, settle
 from treedec.tree.policies.base import TreePolicy
@@ -106,8 +107,6 @@ class SpeculativeDecoder(Decoder):
         if self.compile:  # cache lengths in buckets that only grow, so the compiled verify compiles rarely
             room = self._room = max(static_room(room, tgt.config.context_length + pol.max_depth + 2), self._room)
             if self._verify is None:
-                from treedec.models.compile import compile_forward
-
                 self._verify = compile_forward(tgt)
         self.cache = tgt.new_cache(B, room + pol.max_size)
         # the head for this batch (an fp32 head's bf16 twin drafts wide batches faster on some CPUs); admitted

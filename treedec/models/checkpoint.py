@@ -19,12 +19,15 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from treedec.atomic import follow_umask
 from treedec.models.config import SUPPORTED_ARCHITECTURES, LlamaConfig
 from treedec.models.llama import Transformer, rope_inv_freq
 from treedec.models.packed import should_pack
 from treedec.models.paths import BUNDLED, resolve_path  # noqa: F401 - BUNDLED: tests patch checkpoint.BUNDLED
+from treedec.models.tokenizer import save_tokenizer
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -144,8 +147,6 @@ def _weight_map(path: Path) -> dict[str, Path]:
 
 
 def _open(file: Path):
-    from safetensors import safe_open
-
     if not file.is_file():
         raise FileNotFoundError(f"weight file {file} is missing (listed in {INDEX}); re-download or re-save the checkpoint")
     try:
@@ -284,8 +285,6 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, tokenizer=None,
     ``tokenizer``: a :class:`treedec.models.tokenizer.Tokenizer`, a ``tokenizers.Tokenizer``
     or the path of a tokenizer.json. ``dtype`` converts the saved weights (default: as they are).
     """
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     dtype = resolve_dtype(dtype) if dtype is not None else None
@@ -299,8 +298,6 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, tokenizer=None,
     cfg["torch_dtype"] = str(saved).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
-        from treedec.models.tokenizer import save_tokenizer
-
         save_tokenizer(tokenizer, path, config=model.config)
     return path
 

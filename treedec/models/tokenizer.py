@@ -5,6 +5,8 @@ present, ``tokenizer_config.json`` (BOS policy, special tokens, chat template),
 ``chat_template.jinja``, ``generation_config.json`` and ``config.json`` (EOS ids).
 Chat templates are rendered with jinja2 in a sandbox, the way ``transformers`` does, so a
 chat model sees exactly the prompt format it was trained on.
+
+jinja2 is imported on the first chat template only: it is no dependency of treedec's (a plain prompt needs none).
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import os
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
+
+from tokenizers import Tokenizer as HFTokenizer
 
 from treedec.models.paths import resolve_path
 
@@ -73,8 +77,6 @@ class Tokenizer:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_dir(cls, name_or_path: str | os.PathLike) -> "Tokenizer":
-        from tokenizers import Tokenizer as HFTokenizer
-
         path = resolve_path(name_or_path)
         file = path / TOKENIZER_FILE
         if not file.is_file():
@@ -131,7 +133,10 @@ class Tokenizer:
                 return [self.tk.encode(texts[0], add_special_tokens=add_special_tokens)]
             return self.tk.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         except TypeError as exc:  # tokenizers' answer to a str that is not UTF-8: a lone surrogate ("\ud800")
-            raise _surrogate_error(texts) or exc
+            err = _surrogate_error(texts)
+            if err is None:
+                raise
+            raise err from exc
         finally:
             self.tk.encode_special_tokens = previous
 
@@ -271,8 +276,6 @@ def save_tokenizer(tokenizer, path: str | os.PathLike, config=None) -> None:
 
     ``tokenizer``: a :class:`Tokenizer`, a ``tokenizers.Tokenizer`` or a path to a tokenizer.json.
     """
-    from tokenizers import Tokenizer as HFTokenizer
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if isinstance(tokenizer, (str, os.PathLike)):

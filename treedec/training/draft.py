@@ -31,15 +31,20 @@ drop-token sample of anchors, one soft-CE mean over them all.
 """
 from __future__ import annotations
 
+import logging
+
 import lightning as L
 import torch
 import torch.nn.functional as F
 
 from treedec.conf_defaults import shipped_defaults
+from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.heads import DraftConfig, ParallelHead, build_head, load_head
 from treedec.heads.parallel import cod_sample
+from treedec.models import load_model
 from treedec.training.lm import _plain
 from treedec.training.schedule import WallTimeScheduled
+from treedec.tree.policies import BestFirstPolicy, DynamicPolicy
 
 # train's optimiser settings, written once in conf/train.yaml (the job passes optim.* as these arguments;
 # time_budget_s reaches the module resolved to seconds, so its default here is None: steps only)
@@ -93,8 +98,6 @@ class DraftModule(WallTimeScheduled):
             "time_budget_s": float(time_budget_s) if time_budget_s else None, "init_from": init_from,
             "unroll": int(unroll) if unroll is not None else None,
         })
-        from treedec.models import load_model
-
         torch.manual_seed(seed)
         target = load_model(target_path, dtype=target_dtype).eval().requires_grad_(False)
         self._target = (target,)  # a tuple keeps the frozen target out of parameters and checkpoints
@@ -314,9 +317,6 @@ class SpeculativeEvalCallback(L.Callback):
         self.history = [(int(s), float(t)) for s, t in state_dict.get("history", [])]
 
     def measure(self, module: DraftModule) -> float:
-        from treedec.decoding.speculative import SpeculativeDecoder
-        from treedec.tree.policies import BestFirstPolicy, DynamicPolicy
-
         target = module.target
         # A bf16 copy, as inference runs; casting the trained fp32 weights in place would round them.
         head = build_head(module.head.config)
@@ -334,8 +334,6 @@ class SpeculativeEvalCallback(L.Callback):
         self.history.append((trainer.global_step, tau))
         for lg in trainer.loggers:
             lg.log_metrics({"val/tau": tau}, step=trainer.global_step)
-        import logging
-
         logging.getLogger(__name__).info("step %d  speculative tau %.3f", trainer.global_step, tau)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:

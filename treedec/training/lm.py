@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from treedec.conf_defaults import shipped_defaults
 from treedec.models.config import LlamaConfig
@@ -26,13 +27,8 @@ _OPTIM = shipped_defaults("pretrain", "optim")
 
 def _plain(x: Any) -> Any:
     """OmegaConf containers -> dict/list, recursively; leaves plain data as it is."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(x, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(x, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
+    if isinstance(x, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(x, resolve=True)
     if isinstance(x, dict):
         return {k: _plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):

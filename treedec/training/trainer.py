@@ -36,11 +36,14 @@ from typing import Callable, Iterator
 
 import hydra
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, Timer
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from treedec.config import validate
+from treedec.data.datamodules import process_rank
 from treedec.training.preemption import (
     ResumeState,
     SaveOnSigterm,
@@ -95,8 +98,6 @@ class LogProgress(L.Callback):
 
 def stop_reason(trainer: L.Trainer) -> str:
     """Why ``fit`` returned: ``max_steps``, ``max_time`` or ``other`` (max_epochs, early stopping, ...)."""
-    from lightning.pytorch.callbacks import Timer
-
     if trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps:
         return "max_steps"
     timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
@@ -107,8 +108,6 @@ def stop_reason(trainer: L.Trainer) -> str:
 
 def run_job(cfg: DictConfig, name: str, body: Callable[[DictConfig, Path], dict]) -> dict:
     """Check every option, hold the run dir, and run ``body(cfg, run_dir)`` unless the job there already finished."""
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
     validate(cfg, name)  # every key and value (and a GPU trainer without a GPU), before anything loads
     with job(cfg) as run_dir:
         done = finished_metrics(run_dir, cfg.trainer)
@@ -171,10 +170,6 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *callbacks: L.Callback) -> tup
 @contextlib.contextmanager
 def job(cfg: DictConfig) -> Iterator[Path]:
     """Threads, seeds, the run dir and (on rank 0) its lock, for the duration of a training job."""
-    import torch
-
-    from treedec.data.datamodules import process_rank
-
     torch.set_num_threads(int(cfg.num_threads))
     L.seed_everything(int(cfg.seed), workers=True)
     run_dir = Path(cfg.paths.run_dir)

@@ -22,6 +22,9 @@ On the bundled head both keep the same trees to within 2 % of τ (docs/benchmark
 map made the calibrated tree faster than the raw one. Either is batched, with no host reads, and
 clamped to [``FLOOR``, 1], so log-acceptance is finite and never positive: a child's path score never
 exceeds its parent's.
+
+The YAML helpers of :mod:`treedec.tree.policies.learned` are imported where a file is read or written: the
+``treedec.tree.policies`` package imports this module (its dynamic and auto policies), so a top-level import is a cycle.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ from typing import Any, Mapping, Sequence
 import torch
 import yaml
 
+from treedec.atomic import write_text_atomic
+from treedec.heads import BUNDLED_DRAFTS
 from treedec.tree.tree import TreeError
 
 GRID = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
@@ -89,7 +94,7 @@ def fit_power(conf_sum, label_sum, count, prior_strength: float = 2.0,
     slope <= 0, gets the identity ``[0, 1]`` (the raw draft probability)."""
     out = []
     for cs, ls, n in zip(conf_sum, label_sum, count):
-        pts = [(c / k, (l + prior_strength * c / k) / (k + prior_strength), k) for c, l, k in zip(cs, ls, n)
+        pts = [(c / k, (hits + prior_strength * c / k) / (k + prior_strength), k) for c, hits, k in zip(cs, ls, n)
                if k > 0 and c / k >= qmin]
         ab = [0.0, 1.0]
         if len(pts) >= 2:
@@ -202,7 +207,6 @@ class Calibration:
 
 def save_calibration(path: str | Path, cal: Calibration) -> Path:
     """Write ``cal`` as YAML (atomic: temp file + rename)."""
-    from treedec.atomic import write_text_atomic
     from treedec.tree.policies.learned import _Dumper
 
     return write_text_atomic(path, HEADER + yaml.dump(cal.to_dict(), Dumper=_Dumper, sort_keys=False, width=140))
@@ -234,8 +238,6 @@ def resolve(calibration, draft_path=None) -> Calibration | None:
         return load_calibration(calibration)
     if draft_path is None:
         return None
-    from treedec.heads import BUNDLED_DRAFTS
-
     head_dir = BUNDLED_DRAFTS.get(str(draft_path), Path(str(draft_path)).expanduser())
     f = head_dir / "calibration.yaml"
     return load_calibration(f) if f.is_file() else None

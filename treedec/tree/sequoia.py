@@ -34,6 +34,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from treedec.conf_defaults import shipped_defaults
+from treedec.tree.policies.static import StaticPolicy
 from treedec.tree.tree import Tree, TreeError
 
 _PROBE = shipped_defaults("calibrate", "probe")  # calibrate's probe (conf/calibrate.yaml), written once there
@@ -349,6 +350,4 @@ class AcceptanceCounts:
 
 def comb_probe(top_k: int = _PROBE["top_k"], depth: int = _PROBE["depth"]):
     """The calibration probe policy: a static tree of :func:`comb_choices` (``conf/calibrate.yaml: probe``)."""
-    from treedec.tree.policies.static import StaticPolicy
-
     return StaticPolicy(choices=comb_choices(top_k, depth), scores=True)  # calibration reads Tree.scores
