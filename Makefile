@@ -24,7 +24,9 @@ run: setup
 	$(PY) -c "import sys; from treedec.cli import run_module; run_module('treedec.generate', sys.argv[1])" \
 	  '$(subst ','\'',$(ARGS))'
 
-# pytest's "no tests collected" (exit 5) is a failure, never a silent pass
+# the lint first (pyproject.toml [tool.ruff]); the tests on two workers (pytest-xdist: many tests wait on a
+# subprocess, so two overlap on two cores); pytest's "no tests collected" (exit 5) is a failure, never a silent pass
 test: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(ARGS); rc=$$?; \
+	$(VENV)/bin/ruff check --quiet .
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 $(ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
