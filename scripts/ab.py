@@ -113,7 +113,7 @@ def build_runs(pkg: str, methods: list[str], tokens: int, tag: str = "", slots: 
         heads_mod = mod("heads")
     except ModuleNotFoundError:  # an older REV kept the head in models.draft
         heads_mod = mod("models.draft")
-    load_head = getattr(heads_mod, "load_head", None) or heads_mod.DraftHead.load  # (an older REV: DraftHead.load)
+    load_head = getattr(heads_mod.DraftHead, "load", None) or heads_mod.load_head  # (an older REV: DraftHead.load)
     CompactingDecoder = getattr(mod("decoding.speculative"), "CompactingDecoder", None) or mod(
         "training.predict").CompactingDecoder  # (an older REV kept it there)
     target = models.load_model("tiny-code", dtype=torch.bfloat16)
