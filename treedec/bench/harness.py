@@ -172,9 +172,14 @@ STEP_PHASES = ("draft", "verify", "accept", "commit", "other")
 
 
 def step_split(time_split: dict) -> dict[str, float]:
-    """The decode time's split (wall time less the prefill) as shares, by phase: where a decoding step's time goes."""
+    """The decode time's split (wall time less the prefill) as shares, by phase: where a decoding step's time goes.
+    ``other`` is the rest of that wall time (the decoder's own other plus the call around it, which grows with the
+    machine's load), so the shares sum to 1."""
     decode = time_split.get("total", 0.0) - time_split.get("prefill", 0.0)
-    return {p: time_split.get(p, 0.0) / decode for p in STEP_PHASES} if decode > 0 else {}
+    if decode <= 0:
+        return {}
+    named = {p: time_split.get(p, 0.0) for p in STEP_PHASES if p != "other"}
+    return {**{p: v / decode for p, v in named.items()}, "other": max(decode - sum(named.values()), 0.0) / decode}
 
 
 @torch.inference_mode()
