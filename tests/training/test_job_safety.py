@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from tests.helpers import compose_config
 from treedec.atomic import atomic_dir
@@ -273,4 +274,7 @@ def test_defaults_and_documented_overrides_pass(tmp_path):
                                  "+callbacks.lr={_target_:lightning.pytorch.callbacks.LearningRateMonitor}"]),
                       ("pretrain", ["model_arch=tiny_code_assistant", "paths.tokenizer=tiny-code"]),
                       ("pretrain", ["export_dir=bundled", "+trainer.limit_test_batches=2"])]:
-        validate(compose_config(name, ovr + [run]), name)
+        cfg = compose_config(name, ovr + [run])
+        before = OmegaConf.to_yaml(cfg)
+        validate(cfg, name)  # raises ConfigError on any refusal
+        assert OmegaConf.to_yaml(cfg) == before and cfg.paths.run_dir == str(tmp_path), (name, ovr)  # only read
