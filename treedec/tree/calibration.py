@@ -22,9 +22,6 @@ On the bundled head both keep the same trees to within 2 % of τ (docs/benchmark
 map made the calibrated tree faster than the raw one. Either is batched, with no host reads, and
 clamped to [``FLOOR``, 1], so log-acceptance is finite and never positive: a child's path score never
 exceeds its parent's.
-
-The YAML helpers of :mod:`treedec.tree.policies.learned` are imported where a file is read or written: the
-``treedec.tree.policies`` package imports this module (its dynamic and auto policies), so a top-level import is a cycle.
 """
 from __future__ import annotations
 
@@ -36,8 +33,9 @@ import torch
 import yaml
 
 from treedec.atomic import write_text_atomic
-from treedec.heads import BUNDLED_DRAFTS
+from treedec.heads.config import BUNDLED_DRAFTS
 from treedec.tree.tree import TreeError
+from treedec.tree.yaml_files import Dumper, read_yaml
 
 GRID = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 FLOOR = 1e-4  # smallest acceptance a map returns: log stays finite
@@ -207,14 +205,10 @@ class Calibration:
 
 def save_calibration(path: str | Path, cal: Calibration) -> Path:
     """Write ``cal`` as YAML (atomic: temp file + rename)."""
-    from treedec.tree.policies.learned import _Dumper
-
-    return write_text_atomic(path, HEADER + yaml.dump(cal.to_dict(), Dumper=_Dumper, sort_keys=False, width=140))
+    return write_text_atomic(path, HEADER + yaml.dump(cal.to_dict(), Dumper=Dumper, sort_keys=False, width=140))
 
 
 def load_calibration(path: str | Path) -> Calibration:
-    from treedec.tree.policies.learned import read_yaml
-
     p, data = read_yaml(path, "calibration file", "`python -m treedec.calibrate` writes one (calibration.yaml "
                         "beside learned_tree.yaml); pass tree.calibration=<that file>, auto or null")
     if not isinstance(data, dict) or not isinstance(data.get("values"), list):

@@ -17,34 +17,11 @@ import yaml
 from treedec.conf_defaults import shipped_defaults
 from treedec.tree.policies.static import StaticPolicy
 from treedec.tree.tree import TreeError
+from treedec.tree.yaml_files import Dumper, read_yaml
 
 _D = shipped_defaults("tree/learned")  # the defaults of tree=learned, written once there
 
 HEADER = "# Learned tree shape written by `python -m treedec.calibrate` (Sequoia DP on measured acceptance).\n"
-
-
-class _Dumper(yaml.SafeDumper):
-    """Block mappings; lists of scalars (and lists of such lists, e.g. rate tables rows) in flow style."""
-
-
-def _represent_list(dumper: yaml.SafeDumper, data: list):
-    flat = all(not isinstance(x, (dict, list)) or (isinstance(x, list) and
-               all(not isinstance(y, (dict, list)) for y in x)) for x in data)
-    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flat)
-
-
-_Dumper.add_representer(list, _represent_list)
-
-
-def read_yaml(path: str | Path, what: str, hint: str) -> tuple[Path, Any]:
-    """(path, parsed YAML) of a file calibrate wrote; a missing or unparsable file is a TreeError naming ``what``."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise TreeError(f"{what} {str(p)!r} not found: {hint}")
-    try:
-        return p, yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise TreeError(f"cannot parse {what} {p}: {e}") from e
 
 
 def load_learned(path: str | Path) -> dict[str, Any]:
@@ -64,7 +41,7 @@ def save_learned(path: str | Path, choices: Sequence[Sequence[int]], meta: Mappi
     """
     p = Path(path).expanduser()
     p.parent.mkdir(parents=True, exist_ok=True)
-    body = yaml.dump(dict(meta), Dumper=_Dumper, sort_keys=False, width=120)
+    body = yaml.dump(dict(meta), Dumper=Dumper, sort_keys=False, width=120)
     lines = [HEADER, body, f"choices: {json.dumps([list(map(int, c)) for c in choices])}\n"]
     if trees:
         lines.append("trees:  # the DP's optimal tree for each budget T (root included) at the same depth limit\n")
