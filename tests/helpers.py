@@ -122,6 +122,21 @@ def parallel_pair(seed: int = 0, K: int = 5, k: int = 40, sharpen: float = 1.0, 
     return target, head.eval().bind(target)
 
 
+def dflash_pair(seed: int = 0, K: int = 5, k: int = 40, sharpen: float = 1.0, layers: int = 2, **kw):
+    """A random target of 4 layers and a random DFlash head drafting K depths with ``layers`` layers over ``k`` random
+    draft tokens (0: all), its mask input random; ``sharpen`` scales its final norm (as :func:`parallel_pair`)."""
+    target, _ = make_pair(seed, layers=4, **kw)
+    head = build_head(DraftConfig.for_target(target.config, kind="dflash", block_size=K, draft_layers=layers,
+                                             draft_vocab_size=k))
+    g = torch.Generator().manual_seed(seed)
+    if k:
+        head.restrict_vocab(torch.randperm(target.config.vocab_size, generator=g)[:k])
+    with torch.no_grad():
+        head.mask_embed.normal_(0, 1, generator=g)
+        head.norm.weight.mul_(sharpen)
+    return target, head.eval().bind(target)
+
+
 @torch.inference_mode()
 def host_reads_per_step(dec, seed: int = 0, warm: int = 8, n: int = 50) -> tuple[float, int, object, dict]:
     """Host reads per decoding step of ``dec`` over a two-row batch, after a warm-up call (plans, constants and step

@@ -1,7 +1,7 @@
 """Invariant 1: greedy speculative output is token for token the vanilla greedy output.
 
 The one lossless matrix: policy (fixed, dynamic, auto, learned, calibrated, prompt lookup, per-row padding) x head kind
-(EAGLE, EAGLE-3, one-pass parallel) x attention kernel (eager, sdpa, triton) x batch (one row, a ragged batch of three)
+(EAGLE, EAGLE-3, one-pass parallel and DFlash) x attention kernel (eager, sdpa, triton) x batch (one row, a ragged batch of three)
 x dtype. In fp32 speculative output is vanilla's token for token. In bfloat16 a tree pass and a one-token pass round
 differently, so the two may part at a numerical tie (the target's top two logits within 2 rounding units, the bench's
 ``tie_ulps``) and nowhere else: the first difference must be such a tie. A one-pass head drafts under its own policies
@@ -16,6 +16,7 @@ import torch
 
 from tests.helpers import (
     OraclePolicy,
+    dflash_pair,
     eagle3_pair,
     greedy_reference,
     make_pair,
@@ -89,11 +90,14 @@ HEADS = {
     "eagle3": (range(3), 60, 30, lambda seed, **kw: eagle3_pair(seed, k=0 if seed == 2 else 40, **kw), POLICIES),
     "parallel": (range(3), 150, 30, lambda seed, **kw: parallel_pair(seed, K=5, k=0 if seed == 2 else 40, sharpen=4,
                                                                        **kw), ONE_PASS_POLICIES),
+    "dflash": (range(3), 150, 30, lambda seed, **kw: dflash_pair(seed, K=5, k=0 if seed == 2 else 40, sharpen=4, **kw),
+               ONE_PASS_POLICIES),
 }
-ONE_ROW = [(policy, head, seed) for head, (seeds, *_, pols) in HEADS.items() if head != "parallel"
+ONE_PASS = ("parallel", "dflash")
+ONE_ROW = [(policy, head, seed) for head, (seeds, *_, pols) in HEADS.items() if head not in ONE_PASS
            for policy in pols for seed in (seeds if policy not in FOLDED else seeds[:2] if head == "eagle" else [2])]
 # a one-pass head's cases, each seed only where it adds coverage (seed 2: the whole vocabulary as draft vocabulary)
-ONE_ROW += [(policy, "parallel", seed) for policy, seeds in [
+ONE_ROW += [(policy, head, seed) for head in ONE_PASS for policy, seeds in [
     ("chain", range(3)), ("chain_block", [1]), ("best_first", range(3)), ("best_first_block", [0, 2]),
     ("best_first_flat", [1]), ("best_first_vocab", [0, 2]), ("lookup_chain", [1, 2]),
     ("auto", range(3)), ("best_first_whole_vocab", [2])] for seed in seeds]
@@ -105,7 +109,7 @@ ONE_PASS_POLICIES["best_first_whole_vocab"] = lambda: BestFirstPolicy(total_toke
 BF16 = ([(policy, "eagle", 0) for policy in POLICIES if policy not in FOLDED or policy in ("dynamic_shared",
                                                                                            "lookup_dynamic")]
         + [(policy, "eagle3", 0) for policy in ("chain", "dynamic", "learned")]
-        + [(policy, "parallel", 0) for policy in ("chain", "best_first", "auto")])
+        + [(policy, head, 0) for head in ONE_PASS for policy in ("chain", "best_first", "auto")])
 DTYPES = [(*case, torch.float32) for case in ONE_ROW] + [(*case, torch.bfloat16) for case in BF16]
 
 
@@ -133,7 +137,7 @@ RAGGED = [("eagle", seed, backend) for seed in range(2) for backend in ("eager",
 RAGGED = [(policy, *case) for case in RAGGED for policy in POLICIES
           if policy not in FOLDED or case in [("eagle", 0, "sdpa"), ("eagle3", 0, "sdpa")]]
 # a one-pass head's mask positions over ragged rows (each row's own prefix), through both head attention paths
-RAGGED += [(policy, "parallel", seed, backend) for policy, seed, backend in
+RAGGED += [(policy, head, seed, backend) for head in ONE_PASS for policy, seed, backend in
            [("chain_block", 0, "eager"), ("best_first", 0, "sdpa"), ("lookup_chain", 0, "sdpa"), ("auto", 0, "sdpa")]]
 RAGGED += [pytest.param(policy, "parallel", seed, backend, marks=pytest.mark.slow) for policy, seed, backend in
            [("best_first_block", 1, "eager"), ("best_first_vocab", 1, "sdpa")]]  # ~5 s each
@@ -176,7 +180,8 @@ def test_oracle_draft_matches_vanilla_with_long_accepts(policy, head, seed, back
 @needs_triton
 @pytest.mark.parametrize("head, policy", [("eagle", "chain"), ("eagle", "dynamic"), ("eagle", "auto"),
                                           ("eagle3", "dynamic"),
-                                          pytest.param("parallel", "best_first", marks=pytest.mark.slow)])  # ~5 s
+                                          pytest.param("parallel", "best_first", marks=pytest.mark.slow),  # ~5 s
+                                          pytest.param("dflash", "best_first", marks=pytest.mark.slow)])
 def test_triton_backend_matches_vanilla(head, policy):
     target, draft = HEADS[head][3](3, hidden=32, heads=2, kv_heads=1, backend="triton")
     prompt = list(range(5, 14))

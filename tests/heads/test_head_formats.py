@@ -436,10 +436,12 @@ def test_non_finite_published_weights_are_refused(where, target, tmp_path):
 
 
 # ------------------------------------------------------------------ P-EAGLE (vLLM flat and speculators dialects)
-def ref_peagle(sd, p, table, tokens, low_mid_high, mask_id, K, norm_before_residual):
+def ref_peagle(sd, p, table, tokens, low_mid_high, mask_id, K, norm_before_residual, layers=None):
     """P-EAGLE as vLLM runs it, in the checkpoint's own convention: after the T verified pairs, K - 1 mask positions
-    read the mask token's row of ``table`` and the pre-fc ``mask_hidden`` (3H), at positions T..T+K-2, causal. Draft
-    logits [1, K, Kd] of depths 1..K (the last verified position, then the mask positions)."""
+    read the mask token's row of ``table`` and the pre-fc ``mask_hidden`` (3H), at positions T..T+K-2, causal, through
+    layer 0 (the EAGLE-3 midlayer under ``p``), then the plain Llama layers ``layers.1..`` (``layers``: how many in
+    all; None: every one ``sd`` holds). Draft logits [1, K, Kd] of depths 1..K (the last verified position, then the
+    mask positions)."""
     T = tokens.shape[1]
     emb = torch.cat((table[tokens], table[mask_id].expand(1, K - 1, H)), 1)
     f = F.linear(torch.cat((low_mid_high, sd["mask_hidden"].reshape(1, 1, -1).expand(1, K - 1, -1)), 1), sd["fc.weight"])
@@ -447,15 +449,24 @@ def ref_peagle(sd, p, table, tokens, low_mid_high, mask_id, K, norm_before_resid
     x = (fn if norm_before_residual else f) + ref_attn(sd, p, torch.cat((rms(emb, sd[f"{p}input_layernorm.weight"]), fn),
                                                                          -1), 10000.0)
     x = x + ref_mlp(sd, p, rms(x, sd[f"{p}post_attention_layernorm.weight"]))
+    i = 1
+    while f"layers.{i}.input_layernorm.weight" in sd and (layers is None or i < layers):
+        q = f"layers.{i}."
+        x = x + ref_attn(sd, q, rms(x, sd[q + "input_layernorm.weight"]), 10000.0)
+        x = x + ref_mlp(sd, q, rms(x, sd[q + "post_attention_layernorm.weight"]))
+        i += 1
     return (rms(x, sd["norm.weight"]) @ sd["lm_head.weight"].T)[:, T - 1:]
 
 
 MASK_ID, BLOCK = 91, 4
 
 
-def peagle_dir(path, target, dialect="vllm", seed=10, prefix=None, own_embed=True, layers=1, **cfg_kw):
+def peagle_dir(path, target, dialect="vllm", seed=10, prefix=None, own_embed=True, layers=1, unused_hidden_norm=False,
+               **cfg_kw):
     """A P-EAGLE head as the published code writes it: EAGLE-3 tensors + ``mask_hidden`` [1, 1, 3H] + (trained)
-    ``embed_tokens`` (here the target's table with a mask row of its own), and the dialect's config keys."""
+    ``embed_tokens`` (here the target's table with a mask row of its own), and the dialect's config keys. ``layers``
+    > 1: plain Llama layers ``layers.1..`` after the midlayer (amazon/GPT-OSS-20B-P-EAGLE has 4), each with an
+    unused ``hidden_norm`` with ``unused_hidden_norm`` (vLLM builds one in every layer)."""
     g = torch.Generator().manual_seed(seed)
     prefix = prefix or ("midlayer." if dialect == "vllm" else "layers.0.")
     ids, d2t, t2d = draft_vocab(40, seed)
@@ -466,6 +477,9 @@ def peagle_dir(path, target, dialect="vllm", seed=10, prefix=None, own_embed=Tru
         sd["embed_tokens.weight"][MASK_ID] = rnd(H, g=g, scale=1.0)
     for i in range(1, layers):  # the plain layers after the fused one
         sd.update(layer_sd(f"layers.{i}.", g, H))
+        sd[f"layers.{i}.input_layernorm.weight"] = 1 + rnd(H, g=g, scale=0.2)
+        if unused_hidden_norm:
+            sd[f"layers.{i}.hidden_norm.weight"] = 1 + rnd(H, g=g, scale=0.2)
     common = dict(draft_vocab_size=40, eagle_aux_hidden_state_layer_ids=[1, 3, 6])
     if dialect == "vllm":
         cfg = {**layer_cfg(architectures=["LlamaForCausalLMEagle3"], ptd_token_id=MASK_ID, num_speculative_tokens=BLOCK,
@@ -529,46 +543,210 @@ def _one_line_error(path, target=None):
     return str(err.value)
 
 
-@pytest.mark.parametrize("dialect", ["vllm", "speculators", "vllm_config_silent"])
-def test_multi_layer_peagle_is_refused(dialect, deep_target, tmp_path):
-    path, _ = peagle_dir(tmp_path / "h", deep_target, dialect=dialect[:4] if dialect != "speculators" else dialect,
-                         layers=4)
-    if dialect == "vllm_config_silent":  # no num_hidden_layers: the tensors layers.1..3 tell
+@pytest.mark.parametrize("case", ["vllm_midlayer", "vllm_layers0_hidden_norms", "vllm_config_silent",
+                                  "speculators_layers0", "speculators_midlayer"])
+def test_multi_layer_peagle_matches_reference(case, deep_target, tmp_path):
+    """A 4-layer P-EAGLE drafter (the midlayer, then 3 plain Llama layers): its drafter marginals of depths 1..K are a
+    plain-torch forward of the raw checkpoint through all four layers."""
+    dialect, p = case.split("_")[0], "midlayer." if "midlayer" in case else "layers.0."
+    path, sd = peagle_dir(tmp_path / "h", deep_target, dialect=dialect, prefix=p, layers=4,
+                          unused_hidden_norm=case == "vllm_layers0_hidden_norms")
+    if case == "vllm_config_silent":  # no num_hidden_layers: the tensors layers.1..3 tell
         _edit_cfg(path, num_hidden_layers=None)
-    assert _one_line_error(path, deep_target) == (
-        f"{path / 'config.json'}: num_hidden_layers=4: a 4-layer P-EAGLE drafter; treedec's draft heads have one layer "
-        "(one EAGLE-3 midlayer), so it cannot be loaded")
+    head = load_head(path, target=deep_target)
+    c = head.config
+    assert (c.kind, c.draft_layers, c.block_size, c.norm_before_residual) == ("parallel", 4, BLOCK, dialect != "vllm")
+    tokens, lmh = inputs(12, width=3 * H)
+    got = peagle_marginals(head, tokens, lmh, BLOCK)
+    want = ref_peagle(sd, p, sd["embed_tokens.weight"], tokens, lmh, MASK_ID, BLOCK, dialect != "vllm")
+    assert got.shape == want.shape == (1, BLOCK, 40)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for n in (1, 3):  # every layer counts
+        short = ref_peagle(sd, p, sd["embed_tokens.weight"], tokens, lmh, MASK_ID, BLOCK, dialect != "vllm", layers=n)
+        assert (short - want).abs().max() > 1e-3
 
 
-def dflash_dir(path, how):
-    g = torch.Generator().manual_seed(0)
-    sd = {"fc.weight": rnd(H, 3 * H, g=g), "hidden_norm.weight": torch.ones(H), "norm.weight": torch.ones(H),
-          **layer_sd("layers.0.", g, H, qk_norm=True), **layer_sd("layers.1.", g, H, qk_norm=True)}
+@pytest.mark.parametrize("case", ["no_layer_2", "config_says_3", "speculators_config_says_5", "silent_no_layer_2",
+                                  "layer_2_reads_2h", "layer_2_lacks_up_proj", "layer_3_extra", "layer_0_twice"])
+def test_malformed_multi_layer_peagle_names_what_differs(case, deep_target, tmp_path):
+    dialect = "speculators" if case.startswith("speculators") else "vllm"
+    path, sd = peagle_dir(tmp_path / "h", deep_target, dialect=dialect, layers=4)
+    cj, mid = path / "config.json", "midlayer.*" if dialect == "vllm" else "layers.0.*"
+    if case in ("no_layer_2", "silent_no_layer_2"):
+        _resave(path, {k: v for k, v in sd.items() if not k.startswith("layers.2.")})
+    if case == "silent_no_layer_2":
+        _edit_cfg(path, num_hidden_layers=None)
+    if case == "config_says_3":
+        _edit_layer_cfg(path, num_hidden_layers=3)
+    if case == "speculators_config_says_5":
+        _edit_layer_cfg(path, num_hidden_layers=5)
+    if case == "layer_2_reads_2h":
+        _resave(path, sd, **{"layers.2.self_attn.q_proj.weight": rnd(NH * HD, 2 * H, g=torch.Generator())})
+    if case == "layer_2_lacks_up_proj":
+        _resave(path, {k: v for k, v in sd.items() if k != "layers.2.mlp.up_proj.weight"})
+    if case == "layer_3_extra":
+        _resave(path, sd, **{"layers.3.self_attn.extra.weight": torch.zeros(1)})
+    if case == "layer_0_twice":
+        _resave(path, sd, **{"layers.0." + k[len("midlayer."):]: v.clone() for k, v in sd.items()
+                             if k.startswith("midlayer.")})
+    fix = ": a P-EAGLE drafter's layers are 0 (midlayer.* or layers.0.*) to N-1 (layers.{N-1}.*); correct config.json, " \
+          "or fetch the whole checkpoint"
+    want = {
+        "no_layer_2": f"{cj}: \"num_hidden_layers\" is 4, but the weights hold midlayer.*, layers.1.*, layers.3.* "
+                      f"(no layers.2.*){fix}",
+        "silent_no_layer_2": f"{cj}: \"num_hidden_layers\" is absent and the weights hold midlayer.*, layers.1.*, "
+                             f"layers.3.* (no layers.2.*){fix}",
+        "config_says_3": f"{cj}: \"num_hidden_layers\" is 3, but the weights hold midlayer.*, layers.1.*, layers.2.*, "
+                         f"layers.3.*{fix}",
+        "speculators_config_says_5": f"{cj}: \"transformer_layer_config.num_hidden_layers\" is 5, but the weights hold "
+                                     f"{mid}, layers.1.*, layers.2.*, layers.3.* (no layers.4.*){fix}",
+        "layer_2_reads_2h": f"{path}: layers.2.self_attn.q_proj.weight has shape ({NH * HD}, {2 * H}): a P-EAGLE layer "
+                            f"after the first reads the hidden state ({H} wide), not {2 * H}; treedec serves drafters "
+                            "whose layers 1.. are plain Llama layers",
+        "layer_2_lacks_up_proj": f"{path} (peagle layout): missing tensors ['layers.2.mlp.up_proj.weight']; layer 2 of "
+                                 "a P-EAGLE drafter is a whole Llama decoder layer: fetch the whole checkpoint",
+    }
+    msg = _one_line_error(path, deep_target)
+    if case in ("layer_0_twice", "layer_3_extra"):  # (layer 0 under midlayer.* and layers.0.*: one is left over)
+        assert msg.startswith(f"{path} (peagle layout): unexpected tensors ['layers.{case[6]}.")
+    else:
+        assert msg == want[case]
+
+
+DFLASH_BLOCK = 6  # z-lab's block_size: the root and 5 drafted depths
+
+
+def dflash_dir(path, how="zlab", seed=20, n_ctx=3, **cfg_kw):
+    """A DFlash drafter as z-lab publishes it: 2 Qwen3 layers (q/k norms), fc over 3 target layers' outputs,
+    hidden_norm, norm, no embedding and no LM head."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {"fc.weight": rnd(H, n_ctx * H, g=g), "hidden_norm.weight": 1 + rnd(H, g=g, scale=0.2),
+          "norm.weight": 1 + rnd(H, g=g, scale=0.2)}
     for i in (0, 1):
-        sd[f"layers.{i}.input_layernorm.weight"] = torch.ones(H)
-    if how == "zlab":
-        cfg = {**layer_cfg(model_type="qwen3", head_dim=HD), "num_hidden_layers": 2, "architectures": ["DFlashDraftModel"],
-               "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": 16, "num_target_layers": 8,
+        sd.update(layer_sd(f"layers.{i}.", g, H, qk_norm=True))
+        sd[f"layers.{i}.input_layernorm.weight"] = 1 + rnd(H, g=g, scale=0.2)
+    if how == "speculators":
+        cfg = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"], "block_size": 16,
+               "mask_token_id": MASK_ID, "transformer_layer_config": layer_cfg(model_type="qwen3", head_dim=HD)}
+    elif how == "tensors":  # a config that says nothing: the tensors tell (a top-level hidden_norm, no lm_head)
+        cfg = layer_cfg(architectures=["LlamaForCausalLM"])
+    else:
+        cfg = {**layer_cfg(model_type="qwen3", head_dim=HD, rope_theta=1e5), "num_hidden_layers": 2,
+               "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+               "block_size": DFLASH_BLOCK, "num_target_layers": 8,
                "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": [1, 3, 5]},
                "layer_types": ["full_attention"] * 2}
-    elif how == "speculators":
-        cfg = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"], "block_size": 16,
-               "mask_token_id": MASK_ID, "aux_hidden_state_layer_ids": [1, 3, 5], "draft_vocab_size": V,
-               "transformer_layer_config": {**layer_cfg(model_type="qwen3", head_dim=HD), "num_hidden_layers": 2}}
-    else:  # a config that says nothing: the tensors tell (a top-level hidden_norm, no lm_head)
-        cfg = layer_cfg(architectures=["LlamaForCausalLM"])
-    return write(path, cfg, sd)
+    if how == "model_prefix":  # (some exports keep HF's model. prefix)
+        sd = {"model." + k: v for k, v in sd.items()}
+    cfg.update(cfg_kw)
+    return write(path, {k: v for k, v in cfg.items() if v is not None}, sd), sd
 
 
-@pytest.mark.parametrize("how,what", [("zlab", "architectures ['DFlashDraftModel']"),
-                                      ("speculators", "architectures ['DFlashSpeculator']"),
-                                      ("tensors", "architectures ['LlamaForCausalLM']")])
-def test_dflash_drafter_is_refused(how, what, deep_target, tmp_path):
-    path = dflash_dir(tmp_path / "h", how)
-    assert _one_line_error(path, deep_target) == (
-        f"{path / 'config.json'} is a DFlash drafter ({what}); DFlash drafters are not a head kind treedec loads: the "
-        "target's features enter every layer as extra keys/values and a block is drafted with non-causal attention, "
-        "where a treedec head is one causal EAGLE layer fed the features through fc")
+def rope_at(x, pos, theta):
+    inv = 1.0 / theta ** (torch.arange(0, HD, 2).float() / HD)
+    ang = pos.float()[:, None] * inv
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat((-x2, x1), -1) * sin
+
+
+def ref_dflash(sd, target, prompt, root, layer_ids, mask_id, B, theta=1e5):
+    """z-lab's DFlash forward from the raw tensors: context = hidden_norm(fc(cat of the target's layer *outputs*)); the
+    block [root, mask x (B-1)] at positions P..P+B-1; every layer's keys/values are those of cat(context, block)
+    (k_norm and RoPE on both), queries the block's, no mask; logits = target LM head(norm(out)) at block 1..B-1."""
+    with torch.no_grad():
+        P = prompt.shape[1]
+        outs = target.forward_train(prompt, layer_inputs=tuple(i + 1 for i in layer_ids)).layer_inputs
+        ctx = rms(F.linear(torch.cat([outs[i + 1] for i in layer_ids], -1), sd["fc.weight"]), sd["hidden_norm.weight"])
+        emb = target.model.embed_tokens.weight
+        x = torch.cat([emb[root][None, None], emb[mask_id].expand(1, B - 1, H)], 1)
+        pos_q, pos_k = torch.arange(P, P + B), torch.arange(P + B)
+        heads = lambda t, n: t.view(1, -1, n, HD).transpose(1, 2)
+        for i in range(2):
+            p = f"layers.{i}."
+            h = rms(x, sd[p + "input_layernorm.weight"])
+            lin = lambda n, t, p=p: F.linear(t, sd[f"{p}self_attn.{n}_proj.weight"])
+            q = rope_at(rms(heads(lin("q", h), NH), sd[p + "self_attn.q_norm.weight"]), pos_q, theta)
+            kv_in = torch.cat([ctx, h], 1)
+            k = rope_at(rms(heads(lin("k", kv_in), NKV), sd[p + "self_attn.k_norm.weight"]), pos_k, theta)
+            v = heads(lin("v", kv_in), NKV)
+            k, v = k.repeat_interleave(NH // NKV, 1), v.repeat_interleave(NH // NKV, 1)
+            a = ((q @ k.transpose(-1, -2) / math.sqrt(HD)).softmax(-1) @ v).transpose(1, 2).reshape(1, B, NH * HD)
+            x = x + F.linear(a, sd[p + "self_attn.o_proj.weight"])
+            x = x + ref_mlp(sd, p, rms(x, sd[p + "post_attention_layernorm.weight"]))
+        return rms(x, sd["norm.weight"])[:, 1:] @ target.lm_head.weight.T
+
+
+def dflash_marginals(head, target, prompt, root, depth):
+    from treedec.decoding.drafter import Drafter
+
+    with torch.inference_mode():
+        out = target.forward_train(prompt, layer_inputs=head.feature_layers_needed)
+        d = Drafter(head, 1, 64)
+        nxt = torch.cat([prompt[:, 1:], root.view(1, 1)], 1)
+        d.catch_up(nxt, head.features(out), None, [prompt.shape[1]], root.view(1))
+        return d.marginals(depth)
+
+
+@pytest.mark.parametrize("how", ["zlab", "model_prefix", "default_layer_ids"])
+def test_published_dflash_matches_reference(how, deep_target, tmp_path):
+    default = how == "default_layer_ids"  # DFlash's default: one target layer per drafter layer, [1, 5] of 8
+    kw = dict(n_ctx=2, dflash_config={"mask_token_id": MASK_ID}) if default else {}
+    path, sd = dflash_dir(tmp_path / "h", how, **kw)
+    sd = {k.removeprefix("model."): v for k, v in sd.items()}
+    head = load_head(path, target=deep_target)
+    ids = [1, 5] if default else [1, 3, 5]
+    c = head.config
+    assert (c.kind, c.block_size, c.draft_layers) == ("dflash", DFLASH_BLOCK - 1, 2)
+    assert c.feature_layers == [i + 1 for i in ids]  # treedec's convention: the inputs of the next layers
+    prompt, _ = inputs(21)
+    root = torch.tensor(7)
+    got = dflash_marginals(head, deep_target, prompt, root, DFLASH_BLOCK - 1)
+    want = ref_dflash(sd, deep_target, prompt, root, ids, MASK_ID, DFLASH_BLOCK)
+    assert got.shape == want.shape == (1, DFLASH_BLOCK - 1, V)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # the reference tells the conventions apart: layer outputs (not inputs), the mask token's row, the root's row
+    assert (ref_dflash(sd, deep_target, prompt, root, [i - 1 for i in ids], MASK_ID, DFLASH_BLOCK) - want).abs().max() > 1e-3
+    assert (ref_dflash(sd, deep_target, prompt, root, ids, MASK_ID + 1, DFLASH_BLOCK) - want).abs().max() > 1e-3
+    assert (ref_dflash(sd, deep_target, prompt, torch.tensor(8), ids, MASK_ID, DFLASH_BLOCK) - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("case,expect", [
+    ("speculators", "a speculators DFlash drafter (speculators_model_type 'dflash'); treedec reads z-lab's DFlash "
+                    "layout (DFlashDraftModel, a dflash_config key): convert it to that layout"),
+    ("tensors", "the tensors are a DFlash drafter's (hidden_norm.weight, no lm_head.weight), but the config is not "
+                "(no DFlashDraftModel architecture, no dflash_config): use the config.json published with these weights"),
+    ("no_block", "a DFlash drafter's config names its block_size (e.g. 16); none found"),
+    ("sliding", "this DFlash drafter has sliding-window layers (use_sliding_window / layer_types); treedec's DFlash "
+                "layers attend to the whole context, so it cannot serve them"),
+    ("no_mask_id", "a DFlash drafter's dflash_config names its mask_token_id; none found"),
+    ("mask_outside", f"dflash_config.mask_token_id {V} is outside the vocabulary of {V} tokens"),
+    ("layer_ids_deep", "dflash_config.target_layer_ids [1, 3, 8] reach past the target's 8 layers (ids 0..7): the "
+                       "drafter was trained for a deeper model"),
+    ("fc_disagrees", f"dflash_config.target_layer_ids names 2 layers, so fc.weight should be {(H, 2 * H)}, but it is "
+                     f"{(H, 3 * H)}: the config and the weights disagree"),
+    ("layers_disagree", "num_hidden_layers is 3, but the weights hold layers [0, 1]: the config and the weights disagree"),
+])
+def test_dflash_refusals_name_what_differs(case, expect, deep_target, tmp_path):
+    how = case if case in ("speculators", "tensors") else "zlab"
+    change = {"sliding": dict(use_sliding_window=True, sliding_window=4),
+              "no_mask_id": dict(dflash_config={"target_layer_ids": [1, 3, 5]}),
+              "mask_outside": dict(dflash_config={"mask_token_id": V, "target_layer_ids": [1, 3, 5]}),
+              "layer_ids_deep": dict(dflash_config={"mask_token_id": MASK_ID, "target_layer_ids": [1, 3, 8]}),
+              "fc_disagrees": dict(dflash_config={"mask_token_id": MASK_ID, "target_layer_ids": [1, 3]}),
+              "layers_disagree": dict(num_hidden_layers=3), "no_block": dict(block_size=None)}.get(case, {})
+    path, _ = dflash_dir(tmp_path / "h", how, **change)
+    msg = _one_line_error(path, deep_target)
+    assert expect in msg and str(path) in msg
+
+
+def test_dflash_missing_tensor_and_no_target_are_one_line_errors(deep_target, tmp_path):
+    path, sd = dflash_dir(tmp_path / "h")
+    assert "load it with its target" in _one_line_error(path)
+    _resave(path, {k: v for k, v in sd.items() if k != "layers.1.mlp.up_proj.weight"})
+    assert "missing tensors ['layers.1.mlp.up_proj.weight']" in _one_line_error(path, deep_target)
+    _resave(path, {**sd, "layers.0.self_attn.extra.weight": torch.zeros(1)})
+    assert "unexpected tensors ['layers.0.self_attn.extra.weight']" in _one_line_error(path, deep_target)
 
 
 @pytest.mark.parametrize("case", ["no_mask_key", "eagle3_with_mask_hidden", "no_block_size", "no_embed_no_target",

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from treedec.config.checks import at_least, check_dtype, check_rules, value_at
+from treedec.config.draft_arch import ONE_PASS
 from treedec.data.prompts import read_prompt_file, read_text
 from treedec.errors import ConfigError
 from treedec.heads.checkpoint import head_summary
@@ -67,7 +68,7 @@ def check_calibrate(cfg) -> None:
         raise ConfigError(f"timing.budgets has {bad[0]}: every budget must be in [2, dp.max_budget={top}]")
     path = value_at(cfg, "draft.path")
     if path is not None:
-        refuse_one_pass(head_summary(path)["kind"] == "parallel", path)
+        refuse_one_pass(head_summary(path)["kind"] in ONE_PASS, path)
 
 
 def refuse_one_pass(one_pass: bool, path) -> None:
@@ -75,7 +76,7 @@ def refuse_one_pass(one_pass: bool, path) -> None:
     a one-pass head is refused with what serves it, before the probe tree would refuse it in generate's terms."""
     if not one_pass:
         return
-    raise ConfigError(f"draft.path={path} is a one-pass (P-EAGLE, kind parallel) head: calibrate measures an EAGLE "
+    raise ConfigError(f"draft.path={path} is a one-pass (P-EAGLE or DFlash) head: calibrate measures an EAGLE "
                       f"or EAGLE-3 head's acceptance by depth and sibling rank for tree=learned and tree=dynamic, "
                       f"which a one-pass head cannot draft, and its own trees (tree=chain, tree=best_first, "
                       f"tree=auto in generate) read its raw marginals, so it needs no calibration; calibrate an "

@@ -10,8 +10,10 @@ from treedec.errors import ConfigError
 from treedec.heads.checkpoint import head_summary
 from treedec.models.checkpoint import read_config
 
-KINDS = ("eagle", "eagle3", "parallel")
-HEAD_NAMES = {"eagle": "an EAGLE-1/2", "eagle3": "an EAGLE-3", "parallel": "a one-pass (P-EAGLE, kind parallel)"}
+KINDS = ("eagle", "eagle3", "parallel", "dflash")
+ONE_PASS = ("parallel", "dflash")  # kinds that draft every depth's marginal in one pass of block_size positions
+HEAD_NAMES = {"eagle": "an EAGLE-1/2", "eagle3": "an EAGLE-3", "parallel": "a one-pass (P-EAGLE, kind parallel)",
+              "dflash": "a DFlash (kind dflash)"}
 STARTS = {("eagle3", "parallel")}  # (init_from's kind, draft_arch.kind) pairs that convert: P-EAGLE from EAGLE-3
 
 
@@ -20,16 +22,19 @@ def check_draft_arch(draft: dict, init: str | None, target: str) -> None:
     ``target`` (``model.path``, a resolvable directory or bundled name) make one trainable head."""
     kind = draft.get("kind", "eagle")
     if kind not in KINDS:
-        raise ConfigError(f"draft_arch.kind={kind!r} is not a head kind: draft_arch=eagle, draft_arch=eagle3 or "
-                          f"draft_arch=parallel")
+        raise ConfigError(f"draft_arch.kind={kind!r} is not a head kind: draft_arch=eagle, draft_arch=eagle3, "
+                          f"draft_arch=parallel or draft_arch=dflash")
     block = draft.get("block_size")
-    if kind == "parallel" and not (isinstance(block, int) and not isinstance(block, bool) and block >= 1):
+    if kind in ONE_PASS and not _whole(block):
         raise ConfigError(f"draft_arch.block_size={block!r}: a whole number >= 1 of positions per pass")
+    if (kind == "dflash" or draft.get("draft_layers") is not None) and not _whole(draft.get("draft_layers")):
+        raise ConfigError(f"draft_arch.draft_layers={draft.get('draft_layers')!r}: a whole number >= 1 of decoder "
+                          f"layers (DFlash's drafters have 1 to 8)")
     layers_cfg = _target_config(target)
     head = _init_head(init) if init is not None else None
     if head is not None:
         _check_init_kind(kind, head["kind"], init)
-    if kind == "parallel":
+    if kind in ONE_PASS:
         ctx = layers_cfg.context_length
         if block + 1 > ctx:
             raise ConfigError(f"draft_arch.block_size={block}: a one-pass head drafting {block} positions needs "
@@ -47,7 +52,11 @@ def check_draft_arch(draft: dict, init: str | None, target: str) -> None:
         if not _fit(ids, n):
             raise ConfigError(f"draft_arch.feature_layers={list(ids)}: {HEAD_NAMES[kind]} head reads the inputs of "
                               f"target layers, and model.path={target} has {n} (ids 0..{n - 1}); pass ids in that "
-                              f"range, or draft_arch.feature_layers=null (EAGLE-3's [2, L//2, L-3])")
+                              f"range, or draft_arch.feature_layers=null (the kind's default)")
+
+
+def _whole(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
 def _fit(ids: Any, n: int) -> bool:

@@ -34,6 +34,8 @@ class DraftOptimSchema:
     w_ce: float = MISSING
     time_budget_s: Any = MISSING
     unroll: Optional[int] = MISSING  # training-time test steps (None: 3 for eagle3, 1 for eagle)
+    block_anchors: int = MISSING  # dflash: blocks per training window
+    decay_gamma: Optional[float] = MISSING  # dflash: the loss decay constant (None: half the block)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from treedec.config.draft_arch import check_draft_arch
 from treedec.config.renamed import renamed
 from treedec.data.tokenizer_train import tokenizer_file
 from treedec.errors import ConfigError
-from treedec.heads.config import DraftConfig
+from treedec.heads.config import BUNDLED_HEAD, DraftConfig
 from treedec.models.checkpoint import resolve_path
 from treedec.models.config import LlamaConfig, check_sizes
 from treedec.models.paths import bundled_dir, export_path
@@ -224,8 +224,7 @@ def check_train(cfg: DictConfig) -> None:
     if _get(cfg, "export_dir") == "bundled" and str(target) != "tiny-code":
         raise ConfigError(f"export_dir=bundled replaces the head shipped for tiny-code, but model.path={target}; "
                           f"export a head for another target to a directory of its own")
-    _check_export(cfg, {"eagle3": "tiny-code-eagle3", "parallel": "tiny-code-parallel"}.get(draft.get("kind"),
-                                                                                              "tiny-code-eagle"))
+    _check_export(cfg, BUNDLED_HEAD[draft.get("kind", "eagle")])
 
 
 def check_pretrain(cfg: DictConfig) -> None:

@@ -111,40 +111,74 @@ class Drafter:
         if self._pending:
             self._run_pending()
 
+    def _take_pending(self) -> tuple[_Pending, torch.Tensor, torch.Tensor]:
+        """The recorded catch-up as one chunk, taken: (chunk, its valid counts on the device, its positions [B, w])."""
+        p = self._pending[0] if len(self._pending) == 1 else self._pack(self._pending)
+        self._pending = []
+        dev = p.tokens.device
+        n_valid = p.n_valid if p.n_valid is not None else torch.tensor(p.n_host).to(dev, non_blocking=True)
+        return p, n_valid, self.cache.lengths[:, None] + torch.arange(p.tokens.shape[1], device=dev)
+
     @torch.inference_mode()  # so that state read after ``generate`` (tests, tools) catches up too
     def _run_pending(self, n_mask: int = 0) -> torch.Tensor | None:
         """The catch-up; with ``n_mask`` (a one-pass head) the step's mask positions after it, in the same forward:
-        returns their outputs [B, n_mask, H] (None without)."""
-        p = self._pending[0] if len(self._pending) == 1 else self._pack(self._pending)
-        self._pending = []
-        tokens, n_host, dev = p.tokens, p.n_host, p.tokens.device
-        L, w = self.cache.lengths, tokens.shape[1]
-        if p.n_valid is not None:
-            n_valid = p.n_valid
-        else:
-            n_valid = torch.tensor(n_host).to(dev, non_blocking=True)
-        pos = L[:, None] + torch.arange(w, device=dev)
+        returns their outputs [B, n_mask, H] (None without). A context-only head (DFlash) only writes the context."""
+        p, n_valid, pos = self._take_pending()
+        tokens, n_host, w = p.tokens, p.n_host, p.tokens.shape[1]
+        if self.head.context_only:
+            self.head.forward_block(None, self.head.project(p.features), 0, self.cache, pos, None)
+            self.cache.advance(n_host)
+            return None
         if n_mask:
             out = self.head.forward_block(tokens, self.head.project(p.features), n_mask, self.cache,
                                           *self._block_layout(pos, n_valid, n_host, n_mask))
             feat, masked = out[:, :w], out[:, w:]
         else:
             feat, masked = self.head(tokens, self.head.project(p.features), self.cache, pos), None
-        self._feat = feat[torch.arange(self.batch, device=dev), (n_valid - 1).clamp(min=0)]
+        self._feat = feat[torch.arange(self.batch, device=pos.device), (n_valid - 1).clamp(min=0)]
         self._logits = self.head.logits(self._feat)
         self.cache.advance(n_host)
         return masked
 
-    def _block_layout(self, pos: torch.Tensor, n_valid: torch.Tensor, n_host: list[int], n: int):
-        """(positions [B, w + n], dense mask) of a catch-up of ``w`` columns followed by ``n`` mask positions: row b's
-        mask positions sit at RoPE positions after its ``n_host[b]`` valid columns and see those, not its padding."""
+    @torch.inference_mode()
+    def _block_marginals(self, depth: int) -> torch.Tensor:
+        """A context-only head's (DFlash's) draft logits [B, depth, K]: the pending context written and the block (the
+        root, then ``depth`` mask positions after it) run in one head pass; the block's keys are dropped with the tree."""
+        cache, root = self.cache, self.root_tokens
+        host = list(cache.host_lengths)
+        if self._pending:
+            p, n_valid, pos = self._take_pending()
+            ctx, w, n_host = self.head.project(p.features), p.tokens.shape[1], p.n_host
+        else:
+            ctx, w, n_host = None, 0, None
+        if ctx is None and min(host) == max(host):  # no context to write, rows of one length: the block sees all
+            pos = torch.arange(host[0], host[0] + depth + 1, device=self.device).expand(self.batch, -1)
+            mask = "full"
+        else:
+            if ctx is None:
+                pos, n_valid = cache.lengths[:, None][:, :0], torch.zeros_like(cache.lengths)
+                n_host = [0] * self.batch
+            pos, mask = self._block_layout(pos, n_valid, n_host, depth + 1, causal=False)
+            mask = mask[:, :, w:]  # the block's rows: context positions ask nothing
+        out = self.head.forward_block(root, ctx, depth, cache, pos, mask)
+        if ctx is not None:
+            cache.advance(n_host)
+        return self.head.logits(out)
+
+    def _block_layout(self, pos: torch.Tensor, n_valid: torch.Tensor, n_host: list[int], n: int,
+                      causal: bool = True):
+        """(positions [B, w + n], dense mask) of a catch-up of ``w`` columns followed by ``n`` block positions: row b's
+        block positions sit at RoPE positions after its ``n_host[b]`` valid columns and see those, not its padding;
+        within the block causally, or (``causal=False``, DFlash) every block position sees the whole block."""
         w, dev = pos.shape[1], pos.device
         j = torch.arange(n, device=dev)
         pos = torch.cat([pos, (self.cache.lengths + n_valid)[:, None] + j], 1)
         cols = torch.arange(w + n, device=dev)
-        causal = cols[None, :] <= cols[:, None]  # [w + n, w + n]
+        see = cols[None, :] <= cols[:, None]  # [w + n, w + n]
+        if not causal:
+            see = see | ((cols[None, :] >= w) & (cols[:, None] >= w))
         real_ok = (cols[None, None, :] < n_valid[:, None, None]) | (cols[None, None, :] >= w)  # [B, 1, w + n]
-        anc = causal[None] & (real_ok | (cols[None, :, None] < w))  # real columns: plain causal
+        anc = see[None] & (real_ok | (cols[None, :, None] < w))  # real columns: plain causal
         host = list(self.cache.host_lengths)
         return pos, prefix_tree_mask(anc, self.cache.lengths, max(host) + w + n, host_lens=host)[:, None]
 
@@ -189,7 +223,9 @@ class Drafter:
         self.cache.put_rows(slots, other.cache)
         idx = torch.tensor([int(s) for s in slots], device=self.device)
 
-        def put(mine: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
+        def put(mine: torch.Tensor | None, theirs: torch.Tensor | None) -> torch.Tensor | None:
+            if mine is None:  # (a context-only head keeps no root feature or logits)
+                return None
             out = mine.clone()  # (the old tensor may be another object's, e.g. the last step's bonus tokens)
             out[idx] = theirs.to(out.dtype)
             return out
@@ -208,6 +244,10 @@ class Drafter:
         prefix (:meth:`~treedec.heads.parallel.ParallelHead.forward_mask`), each the distribution of the token that
         far ahead whatever the drafts before it; with a catch-up pending, that catch-up and the mask positions run
         as one forward. Their keys are written past the prefix and dropped with the tree."""
+        if self.head.context_only:
+            if depth > self.head.block_size:
+                raise ValueError(f"this DFlash drafter drafts {self.head.block_size} depths per pass; asked for {depth}")
+            return self._block_marginals(depth)
         n, cache = depth - 1, self.cache
         if n >= self.head.block_size:
             raise ValueError(f"this parallel head drafts {self.head.block_size} positions per pass; asked for {depth}")

@@ -17,8 +17,9 @@ from treedec.models.paths import ASSETS
 if TYPE_CHECKING:
     from treedec.models.llama import Transformer
 
+BUNDLED_HEAD = {"eagle": "tiny-code-eagle", "eagle3": "tiny-code-eagle3", "parallel": "tiny-code-parallel",
+                "dflash": "tiny-code-dflash"}  # the head of each kind shipped for tiny-code (what export_dir=bundled replaces)
 BUNDLED_DRAFTS = {name: ASSETS / name for name in ("tiny-code-eagle", "tiny-code-eagle3", "tiny-code-parallel")}
-#                  heads shipped for tiny-code
 DRAFT_CONFIG = "draft_config.json"
 DRAFT_WEIGHTS = "draft.safetensors"
 
@@ -37,6 +38,7 @@ class DraftConfig:
     rope_scaling: dict | None = None
     kind: str = "eagle"  # "eagle" (EAGLE-1/2) | "eagle3" (fused low/mid/high layer inputs; fc: 3H -> H; own LM head)
     #                      | "parallel" (an EAGLE-3 head drafting block_size positions in one pass: heads/parallel.py)
+    #                      | "dflash" (draft_layers layers reading the target's features as keys/values: heads/dflash.py)
     feature_layers: list[int] = field(default_factory=lambda: [-1])  # eagle: [-1] (final normed hidden); eagle3: layer ids
     target: str = ""  # what it was trained for (informational)
     target_fingerprint: str = ""  # target_fingerprint() of the target it was trained with ("" = unknown)
@@ -46,7 +48,9 @@ class DraftConfig:
     o_bias: bool = False
     qk_norm: bool = False  # the layer's per-head q/k RMSNorms (Qwen3-layer heads)
     norm_before_residual: bool = False  # eagle3: the midlayer's residual is hidden_norm(h), not h (speculators heads)
-    block_size: int = 0  # parallel: positions one head pass drafts (depth 1 from the root, 2..K from mask positions)
+    block_size: int = 0  # parallel, dflash: the depths one head pass drafts (DFlash's own block_size counts the root
+    #                      too: it is this + 1)
+    draft_layers: int = 1  # dflash: decoder layers; parallel: the EAGLE-3 midlayer, then draft_layers - 1 Llama layers
 
     @classmethod
     def for_target(cls, cfg: LlamaConfig, target: str = "", **overrides) -> "DraftConfig":
@@ -62,8 +66,8 @@ class DraftConfig:
         d.update(overrides)
         if d.get("feature_layers") is None:
             L = cfg.num_hidden_layers
-            d["feature_layers"] = [min(2, L - 1), L // 2, max(L - 3, 0)] if d.get("kind") in ("eagle3", "parallel") \
-                else [-1]
+            d["feature_layers"] = dflash_layers(L, d.get("draft_layers", 1)) if d.get("kind") == "dflash" else \
+                [min(2, L - 1), L // 2, max(L - 3, 0)] if d.get("kind") in ("eagle3", "parallel") else [-1]
         return cls(**d)
 
     def layer_config(self) -> LlamaConfig:
@@ -73,6 +77,16 @@ class DraftConfig:
                            head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
                            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
                            qkv_bias=self.qkv_bias, o_bias=self.o_bias, qk_norm=self.qk_norm)
+
+
+def dflash_layers(n_target: int, n_draft: int) -> list[int]:
+    """DFlash's default feature layers for a target of ``n_target`` layers and a drafter of ``n_draft``: as many as the
+    drafter has layers, evenly spread from the output of layer 1 to that of layer L-3, in treedec's convention (the
+    *input* of layer i + 1 is the output of layer i; i + 1 = L names the last layer's output)."""
+    lo, hi = 1, max(n_target - 3, 1)
+    if n_draft == 1:
+        return [n_target // 2 + 1]
+    return [round(lo + i * (hi - lo) / (n_draft - 1)) + 1 for i in range(n_draft)]
 
 
 def target_fingerprint(target: "Transformer") -> str:
@@ -103,5 +117,5 @@ def head_dir(path: str | os.PathLike) -> Path:
     return d
 
 
-__all__ = ["BUNDLED_DRAFTS", "DRAFT_CONFIG", "DRAFT_WEIGHTS", "DraftConfig", "head_dir",
+__all__ = ["BUNDLED_DRAFTS", "BUNDLED_HEAD", "DRAFT_CONFIG", "DRAFT_WEIGHTS", "DraftConfig", "head_dir",
            "target_fingerprint"]

@@ -54,6 +54,9 @@ class Eagle3Head(DraftHead):
     """EAGLE-3: ``fc`` over three target layers' inputs, the 2H-input midlayer, its own norm and LM head."""
 
     def _build(self, cfg: DraftConfig) -> None:
+        if cfg.kind == "eagle3" and cfg.draft_layers != 1:
+            raise ValueError(f"an EAGLE-3 head has one decoder layer (its midlayer); got draft_layers="
+                             f"{cfg.draft_layers}: set draft_layers=1, or kind=parallel for a multi-layer P-EAGLE head")
         H = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.feature_layers) * H, H, bias=False)
         self.layer = Eagle3Layer(cfg.layer_config(), cfg.norm_before_residual)
@@ -97,13 +100,19 @@ class Eagle3Head(DraftHead):
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, cache: KVCache,
                 position_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, T] (one ahead of) head-space features [B, T, H] -> the midlayer's outputs [B, T, H]."""
+        """tokens [B, T] (one ahead of) head-space features [B, T, H] -> the last layer's outputs [B, T, H]."""
         t, dt = self.target, self.dtype
         mask, cos, sin = self._mask_rope(tokens.shape[1], cache, position_ids, mask)
         backend = "eager" if t.attn_backend == "eager" else "sdpa"
         emb = t.model.embed_tokens(tokens).to(dt)
         with one_row_matmuls(emb, tokens.numel() == 1):  # one row: ATen's kernel, as EagleHead.forward
-            return self.layer(emb, features.to(dt), cos, sin, cache, mask, backend)
+            return self.run_layers(emb, features.to(dt), cos, sin, cache, mask, backend)
+
+    def run_layers(self, emb: torch.Tensor, h: torch.Tensor, cos, sin, cache: KVCache, mask,
+                   backend: str) -> torch.Tensor:
+        """The head's decoder layers over (embeddings, head-space features) after the cached prefix: EAGLE-3's one
+        midlayer (cache layer 0); a multi-layer P-EAGLE head runs its plain layers after it."""
+        return self.layer(emb, h, cos, sin, cache, mask, backend)
 
     def logits(self, feat: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(feat.to(self.dtype)))

@@ -46,7 +46,9 @@ class DraftHead(nn.Module):
     ``load_head(path)``; this class itself builds none.
     """
 
-    one_pass = False  # drafts per-position marginals in one pass (kind "parallel") instead of one pass per depth
+    one_pass = False  # drafts per-position marginals in one pass (kinds "parallel", "dflash"), not one pass per depth
+    context_only = False  # the draft cache holds the target's features alone, and every depth comes from the block
+    #                       after the root (kind "dflash"); else verified positions run through the head, giving depth 1
 
     def __init__(self, cfg: DraftConfig):
         if type(self) is DraftHead:
@@ -87,6 +89,10 @@ class DraftHead(nn.Module):
     def _bind_lm_head(self, target: Transformer) -> None:
         """Keep what the kind needs of the target's LM head when bound (``_lm_weight``, ``_lm_packed``, ``_lm_int8``;
         nothing for a head with its own)."""
+
+    def fuse(self) -> None:
+        """Fuse q/k/v and gate/up of the kind's layers into one matmul each (file names unchanged)."""
+        self.layer.fuse()
 
     def forward_one(self, tokens: torch.Tensor, features: torch.Tensor, cache: KVCache, offset: int,
                     position_offset: int) -> torch.Tensor | None:
@@ -204,7 +210,7 @@ class DraftHead(nn.Module):
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
-        return KVCache(1, batch, c.num_key_value_heads, max_len, c.head_dim, self.dtype, self.device)
+        return KVCache(c.draft_layers, batch, c.num_key_value_heads, max_len, c.head_dim, self.dtype, self.device)
 
     @property
     def _n_positions(self) -> int:
@@ -242,7 +248,7 @@ class DraftHead(nn.Module):
         """The inference form of a loaded head: q/k/v and gate/up fused into one matmul each (file names
         unchanged), a bf16 head's weights on a CPU packed once for oneDNN (as the target's are), its linears int8
         for few rows with ``quantize="int8"``, bound to ``target`` when given."""
-        self.layer.fuse()
+        self.fuse()
         if quantize == "auto":
             quantize = "int8" if self.device.type == "cpu" and int8_is_faster(self._linear_shapes(), self.dtype) else None
         if should_pack(self):

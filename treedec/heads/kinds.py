@@ -6,6 +6,7 @@ config checks, the loader and the trainer read the kinds from here.
 from __future__ import annotations
 
 from treedec.heads.config import DraftConfig
+from treedec.heads.dflash import DFlashHead
 from treedec.heads.eagle import EagleHead
 from treedec.heads.eagle3 import Eagle3Head
 from treedec.heads.head import DraftHead
@@ -15,6 +16,7 @@ HEAD_KINDS: dict[str, type[DraftHead]] = {
     "eagle": EagleHead,  # EAGLE-1/2: the target's final hidden state, its LM head
     "eagle3": Eagle3Head,  # EAGLE-3: three target layers' inputs, its own LM head over a draft vocabulary
     "parallel": ParallelHead,  # one-pass (P-EAGLE): an EAGLE-3 head drafting block_size positions in one forward
+    "dflash": DFlashHead,  # one-pass (DFlash): draft_layers layers reading the target's features as keys/values
 }
 KINDS = tuple(HEAD_KINDS)
 

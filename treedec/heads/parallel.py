@@ -9,6 +9,10 @@ within the block), and predicts the marginal distribution of the token at depth 
 depths 1..j turn out to be. So a chain of K costs one head pass, and best-first trees (DDTree) are built from the K
 marginals (:class:`~treedec.tree.policies.best_first.BestFirstPolicy`).
 
+A head may have ``draft_layers`` N > 1 decoder layers, as published P-EAGLE drafters do (4): layer 0 is the EAGLE-3
+midlayer (``layer``), layers 1..N-1 plain Llama layers over its output (``layers_after``; draft-cache layer i is
+layer i). Every path runs them all; the output is the last layer's, before the final norm.
+
 Training (:meth:`ParallelHead.forward_train`) runs every real position causally (depth 1, as EAGLE-3's step 0)
 plus mask elements of blocks anchored at real positions, all in one forward through one attention mask
 (:func:`block_mask`): mask element (a, j) sees real positions <= a and mask elements (a, 1..j), exactly what a mask
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 from treedec.heads.config import DraftConfig
 from treedec.heads.eagle3 import Eagle3Head
 from treedec.models.cache import KVCache
-from treedec.models.llama import one_row_matmuls, rope_cos_sin
+from treedec.models.llama import Attention, DecoderLayer, one_row_matmuls, rope_cos_sin
 
 
 def block_mask(T: int, anchor: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
@@ -65,18 +69,34 @@ def cod_sample(T: int, n_mask: int, uniform, ratio: float = 0.7, floor: float = 
     return torch.cat(anchors), torch.cat(depths)
 
 
+def masked_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """``attn`` over ``x`` [B, T, in] alone (no cache) through a dense visibility ``mask`` [T, T]: the training pass's
+    attention, where mask elements see what they see at decode time (:func:`block_mask`), not a causal prefix."""
+    B, T, _ = x.shape
+    q, k, v = attn._qkv(x, cos, sin)
+    if attn.nkv != attn.nh:
+        k, v = k.repeat_interleave(attn.nh // attn.nkv, 1), v.repeat_interleave(attn.nh // attn.nkv, 1)
+    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return attn.o_proj(a.transpose(1, 2).reshape(B, T, attn.nh * attn.hd))
+
+
 class ParallelHead(Eagle3Head):
-    """P-EAGLE: an EAGLE-3 head with learned mask inputs (``mask_embed``, ``mask_hidden``) for depths 2..K."""
+    """P-EAGLE: an EAGLE-3 head with learned mask inputs (``mask_embed``, ``mask_hidden``) for depths 2..K, and
+    ``draft_layers`` - 1 plain decoder layers after its midlayer."""
 
     one_pass = True
 
     def _build(self, cfg: DraftConfig) -> None:
         if cfg.block_size < 1:
             raise ValueError(f"a parallel draft head drafts block_size >= 1 positions per pass; got {cfg.block_size}")
+        if cfg.draft_layers < 1:
+            raise ValueError(f"a parallel draft head has draft_layers >= 1 decoder layers; got {cfg.draft_layers}")
         super()._build(cfg)
         H = cfg.hidden_size
         self.mask_embed = nn.Parameter(torch.randn(H) * 0.02)  # the token input of every mask position
         self.mask_hidden = nn.Parameter(torch.zeros(H))  # the feature input of every mask position (after fc)
+        self.layers_after = nn.ModuleList(DecoderLayer(cfg.layer_config()) for _ in range(cfg.draft_layers - 1))
 
     @classmethod
     def from_eagle3(cls, head: Eagle3Head, block_size: int) -> "ParallelHead":
@@ -95,6 +115,18 @@ class ParallelHead(Eagle3Head):
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    def fuse(self) -> None:
+        super().fuse()
+        for layer in self.layers_after:
+            layer.fuse()
+
+    def run_layers(self, emb: torch.Tensor, h: torch.Tensor, cos, sin, cache: KVCache, mask,
+                   backend: str) -> torch.Tensor:
+        x = self.layer(emb, h, cos, sin, cache, mask, backend)
+        for i, layer in enumerate(self.layers_after, 1):
+            x = layer(x, cos, sin, cache, i, None, mask, backend)
+        return x
 
     def forward_mask(self, n: int, cache: KVCache, position_ids: torch.Tensor,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,7 +148,7 @@ class ParallelHead(Eagle3Head):
         mask, cos, sin = self._mask_rope(emb.shape[1], cache, position_ids, mask)
         backend = "eager" if self.target.attn_backend == "eager" else "sdpa"
         with one_row_matmuls(emb, emb.shape[0] * emb.shape[1] == 1):
-            return self.layer(emb, h, cos, sin, cache, mask, backend)
+            return self.run_layers(emb, h, cos, sin, cache, mask, backend)
 
     def forward_train(self, tokens: torch.Tensor, features: torch.Tensor, anchor: torch.Tensor,
                       depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,14 +165,13 @@ class ParallelHead(Eagle3Head):
         h = torch.cat([self.project(features), self.mask_hidden.to(dt).expand(B, M, -1)], 1)
         pos = torch.cat([torch.arange(T, device=dev), anchor + depth])
         cos, sin = rope_cos_sin(pos[None].expand(B, -1), self.inv_freq)
-        attn = self.layer.self_attn
-        q, k, v = attn._qkv(self.layer.attn_input(emb, h), cos, sin)
-        if attn.nkv != attn.nh:
-            k, v = k.repeat_interleave(attn.nh // attn.nkv, 1), v.repeat_interleave(attn.nh // attn.nkv, 1)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask(T, anchor, depth))
-        out = self.layer.finish(h, attn.o_proj(a.transpose(1, 2).reshape(B, T + M, attn.nh * attn.hd)))
-        logits = self.logits(out)
+        see = block_mask(T, anchor, depth)
+        x = self.layer.finish(h, masked_attention(self.layer.self_attn, self.layer.attn_input(emb, h), cos, sin, see))
+        for layer in self.layers_after:
+            x = x + masked_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, see)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = self.logits(x)
         return logits[:, :T], logits[:, T:]
 
 
-__all__ = ["ParallelHead", "block_mask", "cod_sample"]
+__all__ = ["ParallelHead", "block_mask", "cod_sample", "masked_attention"]

@@ -332,6 +332,8 @@ class Transformer(nn.Module):
                 if i in layer_inputs:
                     saved[i] = x
                 x = layer(x, cos, sin, kv, i, bits, mask, backend)
+        if c.num_hidden_layers in layer_inputs:  # "the input of layer L": the last layer's output, before the norm
+            saved[c.num_hidden_layers] = x
         h = self.model.norm(x)
         return ModelOutput(self._logits(h, logits), h, saved)
 
@@ -388,6 +390,8 @@ class Transformer(nn.Module):
             if i in layer_inputs:
                 saved[i] = x
             x = layer.forward_causal(x, cos, sin)
+        if self.config.num_hidden_layers in layer_inputs:
+            saved[self.config.num_hidden_layers] = x
         h = self.model.norm(x)
         if layer_inputs:
             return ModelOutput(self.lm_head(h), h, saved)

@@ -28,6 +28,9 @@ with loss sum_i 0.8^i · CE(p restricted to the draft vocabulary, q_i); no featu
 A parallel (P-EAGLE) head (``kind="parallel"``) drafts ``block_size`` positions in one pass and trains in one pass
 too (:meth:`DraftModule.parallel_losses`): depth 1 at every position, deeper depths at P-EAGLE's conditional
 drop-token sample of anchors, one soft-CE mean over them all.
+
+A DFlash head (``kind="dflash"``) trains on whole blocks anchored at random positions, all in one pass
+(:meth:`DraftModule.dflash_losses`), each depth's soft CE weighted by DFlash's decay exp(-(j - 1) / gamma).
 """
 from __future__ import annotations
 
@@ -88,7 +91,8 @@ class DraftModule(WallTimeScheduled):
                  min_lr_ratio: float = _OPTIM["min_lr_ratio"], feature_noise: float = _OPTIM["feature_noise"],
                  w_feat: float = _OPTIM["w_feat"], w_ce: float = _OPTIM["w_ce"], target_dtype: str = "bfloat16",
                  seed: int = 0, time_budget_s: float | None = None, init_from: str | None = None,
-                 unroll: int | None = _OPTIM["unroll"]):
+                 unroll: int | None = _OPTIM["unroll"], block_anchors: int = _OPTIM["block_anchors"],
+                 decay_gamma: float | None = _OPTIM["decay_gamma"]):
         super().__init__()
         self.save_hyperparameters({
             "target_path": str(target_path), "draft": _plain(draft or {}), "lr": float(lr),
@@ -96,7 +100,8 @@ class DraftModule(WallTimeScheduled):
             "max_steps": int(max_steps), "min_lr_ratio": float(min_lr_ratio), "feature_noise": float(feature_noise),
             "w_feat": float(w_feat), "w_ce": float(w_ce), "target_dtype": str(target_dtype), "seed": int(seed),
             "time_budget_s": float(time_budget_s) if time_budget_s else None, "init_from": init_from,
-            "unroll": int(unroll) if unroll is not None else None,
+            "unroll": int(unroll) if unroll is not None else None, "block_anchors": int(block_anchors),
+            "decay_gamma": float(decay_gamma) if decay_gamma is not None else None,
         })
         torch.manual_seed(seed)
         target = load_model(target_path, dtype=target_dtype).eval().requires_grad_(False)
@@ -112,7 +117,7 @@ class DraftModule(WallTimeScheduled):
         else:
             cfg = DraftConfig.for_target(target.config, target=str(target_path), **(draft or {}))
             self.head = build_head(cfg).bind(target)
-        if self.head.config.kind in ("eagle3", "parallel") and not init_from:
+        if self.head.config.kind != "eagle" and not init_from:
             self.head.init_from_target()  # start the output layer from the target's (set_draft_vocab redoes it)
         if unroll is not None and int(unroll) < 1:
             raise ValueError(f"optim.unroll={unroll}: unroll at least 1 draft step per batch (null: the default)")
@@ -173,6 +178,8 @@ class DraftModule(WallTimeScheduled):
             return self.eagle3_losses(ids, keep, noise)
         if self.head.config.kind == "parallel":
             return self.parallel_losses(ids, keep, noise)
+        if self.head.config.kind == "dflash":
+            return self.dflash_losses(ids, keep)
         return self.eagle_losses(ids, keep, noise)
 
     def _noisy(self, feats: torch.Tensor, noise: float) -> torch.Tensor:
@@ -248,6 +255,40 @@ class DraftModule(WallTimeScheduled):
             sfx = f"_{i}" if i else ""
             out[f"ce{sfx}"], out[f"top1_acc{sfx}"] = (ce_all * wi).sum() / n, (hit * wi).sum() / n
         return out
+
+    def dflash_losses(self, ids: torch.Tensor, keep: torch.Tensor | None) -> dict:
+        """DFlash's loss: ``block_anchors`` blocks at distinct random positions a >= 1 of the window (the module's own
+        generator: a resumed run draws the same), each the root x_a and ``block_size`` mask positions; mask position j
+        drafts x_{a+j} and is scored by soft CE against the target's distribution there, weighted exp(-(j - 1) / gamma)
+        (DFlash's decay: the first drafts decide how many are accepted; gamma null: half the block). ``ce``/``top1_acc``: depth 1;
+        ``ce_i``/``top1_acc_i``: depth i + 1. No feature noise: the drafter reads the target's features as keys."""
+        feats, logits = self.target_features(ids)
+        head, (B, T), n = self.head, ids.shape, self.head.block_size
+        A = min(self.hparams.block_anchors, T - 2)
+        anchor = (self._uniform(feats.new_empty(T - 2)).argsort()[:A] + 1).sort().values
+        j = torch.arange(1, n + 1, device=ids.device)
+        at = anchor[:, None] + j  # [A, n] the position each mask element drafts
+        ok = at <= T - 1
+        at = at.clamp(max=T - 1)
+        probs = logits[:, at - 1]  # [B, A, n, V]: the target's distribution of each drafted token
+        best = probs.argmax(-1)
+        if head.config.draft_vocab_size:
+            probs = probs[..., head.vocab_ids]
+        w = ok.float().expand(B, -1, -1) * (keep[:, at].float() if keep is not None else 1.0)
+        ce, hit = self._block_ce(head.forward_train(ids, feats, anchor, n), probs.softmax(-1), best)
+        decay = torch.exp(-(j - 1).float() / (self.hparams.decay_gamma or n / 2))
+        out = {"loss": (ce * w * decay).sum() / (w * decay).sum().clamp_min(1.0)}
+        for i in range(n):
+            wi = w[..., i]
+            m = wi.sum().clamp_min(1.0)
+            sfx = f"_{i}" if i else ""
+            out[f"ce{sfx}"], out[f"top1_acc{sfx}"] = (ce[..., i] * wi).sum() / m, (hit[..., i] * wi).sum() / m
+        return out
+
+    def _block_ce(self, draft_logits: torch.Tensor, want_p: torch.Tensor, best: torch.Tensor):
+        """(soft CE [...] against ``want_p``, 1.0 where the draft's best token is the target's ``best``) per element."""
+        ce = -(want_p * draft_logits.float().log_softmax(-1)).sum(-1)
+        return ce, (self.head.to_target_ids(draft_logits.argmax(-1)) == best).float()
 
     def eagle3_losses(self, ids: torch.Tensor, keep: torch.Tensor | None, noise: float) -> dict:
         """EAGLE-3's training-time test: sum_i 0.8^i · soft CE of unrolled step i (``ce``, ``top1_acc``:

@@ -19,6 +19,7 @@ from treedec.atomic import atomic_dir, write_json
 from treedec.data.datasets import frequent_tokens
 from treedec.data.prompts import heldout_prompts
 from treedec.heads import build_head
+from treedec.heads.config import BUNDLED_HEAD
 from treedec.models.checkpoint import resolve_dtype, resolve_path
 from treedec.models.paths import bundled_dir, export_path
 from treedec.models.tokenizer import load_tokenizer
@@ -29,7 +30,6 @@ from treedec.training.trainer import build_trainer, run_job, stop_reason, use_hi
 
 log = logging.getLogger(__name__)
 
-BUNDLED_HEAD = {"eagle": "tiny-code-eagle", "eagle3": "tiny-code-eagle3", "parallel": "tiny-code-parallel"}  # what export_dir=bundled replaces
 
 
 def train_head(cfg: DictConfig) -> dict:
@@ -60,7 +60,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> dict:
 
     optim = time_budget(OmegaConf.to_container(cfg.optim, resolve=True), cfg.trainer)
     draft = OmegaConf.to_container(cfg.draft_arch, resolve=True) or {}
-    k3 = draft_vocab_size(cfg) if kind in ("eagle3", "parallel") else 0
+    k3 = draft_vocab_size(cfg) if kind != "eagle" else 0
     if k3:
         draft["draft_vocab_size"] = k3
     module = hydra.utils.instantiate(cfg.module)(str(target_dir), draft=draft,

@@ -16,8 +16,14 @@ its row of the mask token, the other rows are the target's as for any EAGLE-3 he
 the target's). K (``block_size``) is ``num_speculative_tokens``, the speculators proposal's ``speculative_tokens``,
 ``num_depths`` or ``para_depths``, in that order.
 
-Refused, each with a one-line error: several decoder layers (treedec's heads have one), no mask token id, no K,
-and ``norm_before_fc`` / ``fc_norm`` heads (DFlash drafters: :mod:`treedec.heads.formats.dflash`).
+A drafter of N > 1 decoder layers (``num_hidden_layers``, the speculators layer config's; published ones have 4, e.g.
+amazon/GPT-OSS-20B-P-EAGLE) holds layer 0 as above (the EAGLE-3 midlayer, q/k/v over 2H) and layers 1..N-1 as plain
+Llama layers ``layers.{i}.*`` (``input_layernorm``, ``self_attn`` over H, ``post_attention_layernorm``, ``mlp``; a
+``hidden_norm`` there is vLLM's unused one, dropped): treedec's ``layers_after.{i-1}.*``.
+
+Refused, each with a one-line error: layers that disagree with ``num_hidden_layers`` or skip an index, a later layer
+that reads 2H, no mask token id, no K, and ``norm_before_fc`` / ``fc_norm`` heads (DFlash drafters:
+:mod:`treedec.heads.formats.dflash`).
 """
 from __future__ import annotations
 
@@ -25,7 +31,9 @@ from pathlib import Path
 
 import torch
 
-from treedec.heads.formats.fields import config_int
+from treedec.heads.formats.fields import check_shapes, config_int
+from treedec.models.config import LlamaConfig
+from treedec.models.llama import DecoderLayer
 
 MASK_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")  # + dflash_config.mask_token_id (newer vLLM reads it)
 K_KEYS = ("num_speculative_tokens", "num_depths", "para_depths")
@@ -40,24 +48,60 @@ def is_peagle(raw: dict) -> bool:
     return any(k in raw for k in MASK_KEYS) or any(s in a for a in archs for s in _ARCH)
 
 
-def layer_raw(raw: dict, path: Path, keys=()) -> dict:
-    """The decoder layer's config (speculators: ``transformer_layer_config``; flat: the config itself), refusing a
-    head of several layers (by the config, or by tensors ``layers.<i>.*`` with i > 0 in ``keys``)."""
-    lr = raw
+def layer_raw(raw: dict, path: Path, keys=()) -> tuple[dict, int]:
+    """(the decoder layers' config: speculators' ``transformer_layer_config``, else the config itself; their number N),
+    N from ``num_hidden_layers``, or from the tensors ``keys`` where the config names none, and checked against them:
+    layer 0 under ``midlayer.`` or ``layers.0.``, then ``layers.1.`` .. ``layers.{N-1}.``, none missing or extra."""
+    lr, cfg_file = raw, path / "config.json"
     if "speculators_model_type" in raw:
         if not isinstance(raw.get("transformer_layer_config"), dict):
-            raise ValueError(f"{path / 'config.json'}: a speculators config needs transformer_layer_config")
+            raise ValueError(f"{cfg_file}: a speculators config needs transformer_layer_config")
         lr = {**raw["transformer_layer_config"], **{k: raw[k] for k in ("draft_vocab_size",) if k in raw}}
-    found = [int(k.split(".")[1]) + 1 for k in keys if k.startswith("layers.") and k.split(".")[1].isdigit()]
-    held = max(found, default=1 if any(k.startswith("midlayer.") for k in keys) else 0)
+    found = {int(k.split(".")[1]) for k in keys if k.startswith("layers.") and k.split(".")[1].isdigit()}
+    mid = any(k.startswith("midlayer.") for k in keys)
+    held = sorted(found | ({0} if mid else set()))
+    n_held = held[-1] + 1 if held else 0
     field = ("transformer_layer_config." if lr is not raw else "") + "num_hidden_layers"
-    n = config_int(lr, "num_hidden_layers", path / "config.json", field,
-                   f"{held} layer{'s' if held != 1 else ''}" if held else None)
-    n = max([1 if n is None else n, *found])
-    if n != 1:
-        raise ValueError(f"{path / 'config.json'}: num_hidden_layers={n}: a {n}-layer P-EAGLE drafter; treedec's draft "
-                         "heads have one layer (one EAGLE-3 midlayer), so it cannot be loaded")
-    return lr
+    n = config_int(lr, "num_hidden_layers", cfg_file, field,
+                   f"{n_held} layer{'s' if n_held != 1 else ''}" if held else None)
+    if n is not None and n < 1:
+        raise ValueError(f"{cfg_file}: \"{field}\" is {n}; a P-EAGLE drafter has at least its EAGLE-3 midlayer (1)")
+    says = f"\"{field}\" is {n}, but" if n is not None else f"\"{field}\" is absent and"
+    n = (n_held or 1) if n is None else n
+    if held and held != list(range(n)):
+        names = ", ".join("midlayer.*" if i == 0 and mid else f"layers.{i}.*" for i in held)
+        gaps = ", ".join(f"layers.{i}.*" for i in range(max(n, n_held)) if i not in held)
+        raise ValueError(f"{cfg_file}: {says} the weights hold {names}{f' (no {gaps})' if gaps else ''}: a P-EAGLE "
+                         "drafter's layers are 0 (midlayer.* or layers.0.*) to N-1 (layers.{N-1}.*); correct "
+                         "config.json, or fetch the whole checkpoint")
+    return lr, n
+
+
+def later_layers(src: dict[str, torch.Tensor], lc: LlamaConfig, n: int, cfg_file: Path,
+                 scope: str = "") -> dict[str, torch.Tensor]:
+    """Layers 1..``n``-1 (plain Llama layers over H), popped from ``src``, under treedec's names
+    (``layers_after.{i-1}.*``); a ``hidden_norm`` there (vLLM builds one per layer and uses layer 0's) is dropped,
+    anything else beyond a Llama layer's tensors is left in ``src`` (the caller lists it as unexpected).
+    ``scope``: where the layer fields sit in config.json (as :func:`~treedec.heads.formats.fields.check_shapes`)."""
+    with torch.device("meta"):  # (the names of this config's layer: biases, q/k norms; no memory)
+        names = list(DecoderLayer(lc).state_dict())
+    state = {}
+    for i in range(1, n):
+        p = f"layers.{i}."
+        src.pop(p + "hidden_norm.weight", None)
+        check_shapes(lc, None, src, p, cfg_file, scope)
+        q = src.get(p + "self_attn.q_proj.weight")
+        if q is not None and q.dim() == 2 and q.shape[1] != lc.hidden_size:
+            raise ValueError(f"{cfg_file.parent}: {p}self_attn.q_proj.weight has shape {tuple(q.shape)}: a P-EAGLE "
+                             f"layer after the first reads the hidden state ({lc.hidden_size} wide), not "
+                             f"{q.shape[1]}; treedec serves drafters whose layers 1.. are plain Llama layers")
+        missing = [p + k for k in names if p + k not in src]
+        if missing:
+            raise ValueError(f"{cfg_file.parent} (peagle layout): missing tensors {missing[:6]}"
+                             f"{' ...' if len(missing) > 6 else ''}; layer {i} of a P-EAGLE drafter is a whole Llama "
+                             "decoder layer: fetch the whole checkpoint")
+        state.update({f"layers_after.{i - 1}.{k}": src.pop(p + k) for k in names})
+    return state
 
 
 def _int(value, what: str, path: Path) -> int:
@@ -140,4 +184,4 @@ def mask_tensors(src: dict[str, torch.Tensor], raw: dict, vocab: int, hidden: in
     return {"mask_embed": mask_embed, "mask_hidden": hidden_h}, embed
 
 
-__all__ = ["MASK_KEYS", "block_size", "is_peagle", "layer_raw", "mask_tensors", "mask_token_id"]
+__all__ = ["MASK_KEYS", "block_size", "is_peagle", "later_layers", "layer_raw", "mask_tensors", "mask_token_id"]

@@ -4,7 +4,7 @@ builds a head from; :func:`published_summary`, what a config check needs of one 
 A directory with a ``config.json`` and no ``draft_config.json`` is a head trained elsewhere; its layout is told by
 the config (:func:`detect`), each read by its file of this package: ``eagle`` (:mod:`~treedec.heads.formats.eagle`),
 ``eagle3`` (:mod:`~treedec.heads.formats.eagle3`), ``speculators`` (:mod:`~treedec.heads.formats.speculators`),
-``peagle`` (:mod:`~treedec.heads.formats.peagle`); DFlash drafters are refused (:mod:`~treedec.heads.formats.dflash`).
+``peagle`` (:mod:`~treedec.heads.formats.peagle`), ``dflash`` (:mod:`~treedec.heads.formats.dflash`).
 Weights come from :mod:`~treedec.heads.formats.weights`. A head that does not fit its target, or whose tensors do not
 match its layout, is an error naming both.
 """
@@ -16,23 +16,23 @@ from pathlib import Path
 import torch
 
 from treedec.heads.config import DraftConfig
-from treedec.heads.formats import eagle, eagle3, peagle, speculators
-from treedec.heads.formats.dflash import refuse_dflash
+from treedec.heads.formats import dflash, eagle, eagle3, peagle, speculators
 from treedec.heads.formats.fields import as_int, check_shapes, layer_config
 from treedec.heads.formats.weights import read_weights
 from treedec.models.checkpoint import WEIGHTS, _keys, read_json_object
 from treedec.models.config import LlamaConfig
 from treedec.models.llama import Transformer
 
-LAYOUTS = ("eagle", "eagle3", "speculators", "peagle")
+LAYOUTS = ("eagle", "eagle3", "speculators", "peagle", "dflash")
 # Buffers and tensors a published head may carry that treedec recomputes or takes from the target.
 _SKIP = ("rotary_emb.inv_freq", "verifier_lm_head.weight", "verifier_norm.weight")
 
 
 def detect(raw: dict, path: Path | str = "config.json") -> str:
-    """The layout of a head's config.json (``path``, named in errors): eagle | eagle3 | speculators | peagle (an error
-    otherwise, e.g. a DFlash drafter, or a GPT-2 config, which would otherwise read as an EAGLE-1 head of Llama's shape)."""
-    refuse_dflash(raw, set(), Path(path).parent)
+    """The layout of a head's config.json (``path``, named in errors): eagle | eagle3 | speculators | peagle | dflash
+    (an error otherwise, e.g. a GPT-2 config, which would otherwise read as an EAGLE-1 head of Llama's shape)."""
+    if dflash.is_dflash(raw):
+        return "dflash"
     if peagle.is_peagle(raw):
         return "peagle"
     kind = raw.get("speculators_model_type")
@@ -56,16 +56,19 @@ def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftC
     raw = read_json_object(path / "config.json", "restore the head's config.json from where it was published")
     layout = detect(raw, path / "config.json")
     src = {k: v for k, v in read_weights(path).items() if not k.endswith(_SKIP)}
-    refuse_dflash(raw, set(src), path)  # (a DFlash drafter whose config does not say so)
+    if layout == "dflash" or dflash.is_dflash(raw, set(src)):  # (tensors laid out as one, whatever the config says)
+        cfg, state = dflash.read(raw, src, target, path)
+        _check_fits(path, layer_config(raw, path), target, None)
+        return cfg, state, "dflash"
     layout = "peagle" if layout == "eagle3" and "mask_hidden" in src else layout
-    layer_raw = peagle.layer_raw(raw, path, src) if layout == "peagle" else \
-        speculators.layer_raw(raw, src, path) if layout == "speculators" else raw
+    layer_raw, n_layers = peagle.layer_raw(raw, path, src) if layout == "peagle" else \
+        (speculators.layer_raw(raw, src, path) if layout == "speculators" else raw, 1)
     lc = layer_config(layer_raw, path)
     prefix = eagle3.LAYER_PREFIX if any(k.startswith(eagle3.LAYER_PREFIX) for k in src) else eagle.LAYER_PREFIX
     K = None if layout == "eagle" else as_int(layer_raw.get("draft_vocab_size") or lc.vocab_size, "draft_vocab_size",
                                               path)
-    check_shapes(lc, K, src, prefix, path / "config.json",
-                 "transformer_layer_config." if "speculators_model_type" in raw else "")
+    scope = "transformer_layer_config." if "speculators_model_type" in raw else ""
+    check_shapes(lc, K, src, prefix, path / "config.json", scope)
     masks: dict[str, torch.Tensor] = {}
     if layout == "peagle":  # its mask token's row of embed_tokens, fc(mask_hidden); the rest of the table is checked
         masks, embed = peagle.mask_tensors(src, raw, lc.vocab_size, lc.hidden_size, target, path)
@@ -76,9 +79,10 @@ def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftC
     for k in list(src):  # the layer: published prefix -> treedec's "layer."
         if k.startswith(prefix):
             state["layer." + k[len(prefix):]] = src.pop(k)
+    state.update(peagle.later_layers(src, lc, n_layers, path / "config.json", scope))  # a P-EAGLE's layers 1..N-1
     mine = _treedec_key(raw, path)  # what treedec's export recorded of the head's target (other engines ignore it)
     common = dict(target=mine.get("target") or str(path), target_fingerprint=mine.get("target_fingerprint", ""),
-                  qkv_bias=lc.qkv_bias, o_bias=lc.o_bias, qk_norm=lc.qk_norm)
+                  qkv_bias=lc.qkv_bias, o_bias=lc.o_bias, qk_norm=lc.qk_norm, draft_layers=n_layers)
     if layout == "eagle":
         cfg, names = eagle.read_config(raw, lc, common, path)
     else:
@@ -129,6 +133,10 @@ def published_summary(path: str | Path) -> dict:
     layout = detect(raw, path / "config.json")
     if layout == "eagle":
         return {"kind": "eagle", "block_size": 0, "feature_layers": [-1]}
+    if layout == "dflash":
+        n = as_int(raw.get("num_hidden_layers", 1), "num_hidden_layers", path)
+        return {"kind": "dflash", "block_size": dflash.block_size(raw, path),
+                "feature_layers": dflash.feature_layers(raw, n, path, None)}
     if layout == "eagle3" and (path / WEIGHTS).is_file() and "mask_hidden" in _keys(path / WEIGHTS):
         layout = "peagle"  # an EAGLE-3 config over P-EAGLE tensors (convert() decides the same way)
     layers = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(

@@ -18,7 +18,8 @@ def layer_raw(raw: dict, src: dict[str, torch.Tensor], path: Path) -> dict:
         raise ValueError(f"{path / 'config.json'}: a speculators config needs transformer_layer_config")
     n = config_int(lr, "num_hidden_layers", path / "config.json", "transformer_layer_config.num_hidden_layers")
     if n not in (None, 1):
-        raise ValueError(f"{path}: a {n}-layer speculators head; treedec loads 1-layer heads")
+        raise ValueError(f"{path}: a {n}-layer speculators EAGLE-3 head; an EAGLE-3 head has one layer (its midlayer), "
+                         "and only P-EAGLE heads (speculators_model_type peagle) load with several")
     if raw.get("norm_before_fc") or "input_norm.weight" in src:
         raise ValueError(f"{path}: norm_before_fc heads (an RMSNorm before fc) are not supported")
     return lr
