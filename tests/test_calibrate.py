@@ -128,9 +128,6 @@ def test_calibrate_config_errors(stack, tmp_path):
     ("prompts.source=file", r"prompts\.source=file needs prompts\.file="),
     ("+dp.max_budgte=3", r"dp\.max_budgte.*Did you mean dp\.max_budget\? Keys of dp: max_budget, max_depth"),
     ("model.dtype=bf17", r"invalid model\.dtype: unknown dtype 'bf17'"),
-    ("draft.path=tiny-code-parallel", r"draft\.path=tiny-code-parallel is a one-pass \(P-EAGLE, kind parallel\) head: "
-                                      r"calibrate measures an EAGLE or EAGLE-3 head.* calibrate an autoregressive head "
-                                      r"instead \(draft=tiny_code or draft=tiny_code_eagle3"),  # not tree=...: no group
 ])
 def test_calibrate_rejects_bad_options_before_loading(stack, tmp_path, override, needle):
     from treedec.calibrate import run
@@ -161,3 +158,32 @@ def test_calibrate_on_third_party_prompts(stack, tmp_path):
     assert m["prompts"] == 2 and len(saved["prompt_sources"]) == 2
     assert all("site-packages" in s["file"] for s in saved["prompt_sources"].values())
     assert yaml.safe_load((tmp_path / "learned_tree.yaml").read_text())["budget"] == 5
+
+
+def test_calibrate_a_one_pass_head_writes_its_calibration_and_best_first_reads_it(tmp_path, capsys):
+    """A one-pass head: a best-first probe as deep as its block, calibration.yaml alone (no learned shape), and
+    tree=best_first ranks paths by it (its scores are the calibrated acceptances, its drafts stay lossless)."""
+    import torch
+
+    from treedec.calibrate import run
+    from treedec.decoding.speculative import SpeculativeDecoder
+    from treedec.heads import load_head
+    from treedec.models import load_model
+    from treedec.tree.calibration import load_calibration
+    from treedec.tree.policies import BestFirstPolicy
+
+    m = run(compose_config("calibrate", ["draft=tiny_code_parallel", f"paths.run_dir={tmp_path}", "prompts.n=2",
+                                         "prompts.prompt_tokens=48", "max_new_tokens=24", "dp.max_budget=24",
+                                         "num_threads=1"]))
+    cal_file = tmp_path / "calibration.yaml"
+    assert m["out"] is None and m["calibration"] == str(cal_file) and not (tmp_path / "learned_tree.yaml").exists()
+    cal = load_calibration(cal_file)
+    assert cal.depth == 8 and cal.meta["trials_by_depth"][0] > 0  # every depth of the block measured
+    assert "tree=best_first tree.calibration=" in capsys.readouterr().out
+    target = load_model("tiny-code", dtype=torch.float32)
+    head = load_head("tiny-code-parallel", target=target, dtype=torch.float32)
+    prompt = [list(range(40, 80))]
+    policy = BestFirstPolicy(16, 8, calibration=str(cal_file))
+    assert policy.calibration is not None and policy.calibration.depth == 8
+    raw = SpeculativeDecoder(target, head, BestFirstPolicy(16, 8, calibration=None)).generate(prompt, 24)
+    assert SpeculativeDecoder(target, head, policy).generate(prompt, 24).tokens == raw.tokens  # lossless either way

@@ -20,6 +20,10 @@
 5. **Output**: the shape file ``out`` (default ``<run dir>/learned_tree.yaml``; use it with
    ``tree=learned tree.path=...``), ``acceptance.json`` and ``metrics.json`` in the run dir.
 
+A one-pass head (P-EAGLE, DFlash) drafts best-first trees of its per-depth marginals, not a learned shape: its probe
+is a best-first tree of ``dp.max_budget`` nodes as deep as its block, and the run writes only the calibration
+(step 4), which ``tree=best_first`` and ``tree=auto`` read beside the head.
+
 The work is :mod:`treedec.probe`'s, imported inside :func:`run` once the options are checked: it loads torch and
 the decoders, seconds of imports a mistyped option must not wait for before its one-line error.
 """
@@ -29,7 +33,7 @@ import logging
 import time
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 import treedec.config.schema  # noqa: F401  (registers schema/calibrate before Hydra composes)
 from treedec.cli import entry, launch, load_stack
@@ -44,13 +48,12 @@ def run(cfg: DictConfig) -> dict:
     validate(cfg, "calibrate")  # also the probe node by its _target_, before anything loads
     import torch  # (after the checks: see the module docstring)
 
-    from treedec.config.commands import refuse_one_pass
     from treedec.probe.acceptance import probe_acceptance
     from treedec.probe.learn import learn_tree
-    from treedec.probe.outputs import summary, write_outputs
+    from treedec.probe.outputs import summary, write_one_pass_outputs, write_outputs
     from treedec.probe.prompts import encode_prompts, prompt_set
+    from treedec.tree.policies import BestFirstPolicy
 
-    path = OmegaConf.select(cfg, "draft.path")
     probe = instantiate_checked(cfg.probe, "probe")
     if hasattr(probe, "scores"):  # a static probe records its nodes' draft log-probs for the reliability diagram
         probe.scores = True
@@ -60,7 +63,9 @@ def run(cfg: DictConfig) -> dict:
     torch.manual_seed(int(cfg.seed))
     t_start = time.perf_counter()
     target, tok, draft = load_stack(cfg)
-    refuse_one_pass(getattr(draft, "one_pass", False), path)  # (a draft group of another loader)
+    one_pass = getattr(draft, "one_pass", False)
+    if one_pass:  # the best paths of its raw marginals, as deep as its block
+        probe = BestFirstPolicy(int(cfg.dp.max_budget), draft.block_size, calibration=None)
     pset = prompt_set(cfg, tok)
     prompts = encode_prompts(cfg, tok, [p.text for p in pset])
     log.info("probing acceptance: %d prompts x %d new tokens, probe tree of %d nodes (depth %d)",
@@ -69,6 +74,10 @@ def run(cfg: DictConfig) -> dict:
                                                         tok.eos_ids or None, int(cfg.seed))
     if not counts.trials:
         raise RuntimeError("the probe run verified no node with children; raise max_new_tokens or check the probe")
+    if one_pass:
+        metrics = write_one_pass_outputs(cfg, target, sampling, pset, probe_stats, reliability, t_start)
+        print(summary(metrics))
+        return metrics
     learned = learn_tree(counts, probe_stats, cfg.dp, cfg.timing, target, draft)
     metrics = write_outputs(cfg, target, sampling, pset, counts, probe_stats, reliability, learned, t_start)
     print(summary(metrics))

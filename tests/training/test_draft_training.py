@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -242,3 +243,25 @@ def test_exit_143_means_no_export_and_no_metrics(when, target_dir, corpus, tmp_p
     else:
         assert done.returncode == 143 == 128 + signal.SIGTERM and written == [False, False], (done.returncode, log)
         assert "before the export and metrics.json" in log and "Traceback" not in log, log
+
+
+@pytest.mark.parametrize("kind", ["parallel", "dflash"])
+def test_one_pass_training_loss_falls_at_every_depth(kind, target_dir):
+    """A one-pass head (P-EAGLE's or DFlash's) trains in one pass: every depth's CE falls and its top-1 rises, the
+    loss is its documented mix of the depths, and the target stays frozen."""
+    from treedec.training.draft import DraftModule
+
+    torch.manual_seed(0)
+    draft = {"kind": kind, "block_size": 4, "draft_vocab_size": 64, "feature_layers": None,
+             **({"draft_layers": 2} if kind == "dflash" else {})}
+    module = DraftModule(str(target_dir), draft=draft, target_dtype="float32", feature_noise=0.0, block_anchors=8)
+    module.set_draft_vocab(torch.randperm(TINY_ARCH["vocab_size"])[:64])
+    ids = torch.randint(0, TINY_ARCH["vocab_size"], (4, 33))
+    first, last = fit(module, ids, steps=60)
+    for i in ("", "_1", "_2", "_3"):  # depths 1..4
+        assert last[f"ce{i}"] < first[f"ce{i}"] - 0.2 and last[f"top1_acc{i}"] > first[f"top1_acc{i}"], (i, first, last)
+    if kind == "dflash":  # the decay weights depth j by exp(-(j-1)/gamma), gamma = half the block: 2
+        w = [math.exp(-j / 2) for j in range(4)]
+        ce = [first[f"ce{s}"] for s in ("", "_1", "_2", "_3")]
+        assert first["loss"] == pytest.approx(sum(a * b for a, b in zip(w, ce)) / sum(w), rel=0.05)
+    assert all(p.grad is None for p in module.target.parameters())

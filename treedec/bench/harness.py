@@ -269,7 +269,8 @@ def run(cfg: DictConfig) -> dict:
     log.info("%d prompts (%d-%d tokens), max_new_tokens=%d, %d threads, %s %s on %s", len(prompts),
              min(len(p.ids) for p in prompts), max(len(p.ids) for p in prompts), int(bench.max_new_tokens),
              torch.get_num_threads(), str(target.dtype).removeprefix("torch."), cfg.model.attn_backend, target.device)
-    methods, skipped = build_methods(cfg, target, draft, eos_ids, policies, why, heads)
+    methods, skipped = build_methods(cfg, target, draft, eos_ids, policies, why, heads,
+                                     {short: node.path for short, node in nodes.items()} if nodes else None)
     check_compared(cfg, method_names(bench), methods, skipped, heads or {OmegaConf.select(cfg, "draft.path"): draft})
     run_dir = Path(cfg.paths.run_dir)  # made once the config is known to run, before the timing
     run_dir.mkdir(parents=True, exist_ok=True)

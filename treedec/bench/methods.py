@@ -293,12 +293,15 @@ def build_policies(cfg: DictConfig) -> dict:
 
 
 def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None = None,
-                  why: dict[str, str] | None = None, heads: dict | None = None) -> tuple[list[Method], dict[str, str]]:
+                  why: dict[str, str] | None = None, heads: dict | None = None,
+                  head_paths: dict | None = None) -> tuple[list[Method], dict[str, str]]:
     """treedec's methods from ``bench.methods`` (and their sampled variants); returns (methods, skipped).
 
     ``heads`` ({short name: head}, bench.draft_heads): every speculative method runs with every head as
     ``METHOD@HEAD``, the first head with ``policies``' own objects (batched.py shares them), the others with
     new ones; vanilla runs once. A (method, head) pair whose policy rejects the head (``check_head``) is skipped.
+    ``head_paths`` ({short name: the head's path}): a tree that reads its head's files (``draft_path``: its
+    calibration.yaml) reads each head's own, never the first's.
     """
     why = {**resolve_auto(cfg), **(why or {})}  # the reasons of the first resolution, when given
     bench = cfg.bench
@@ -311,8 +314,14 @@ def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None
     heads = heads or {None: draft}
     methods, skipped = [], {}
 
-    def fresh(name: str):  # a policy object of its own: a compiled decoder may pad or precompute per policy
-        return instantiate_checked(tree_config(bench, name), f"bench.trees.{name}")
+    def fresh(name: str, short: str | None = None):  # a policy object of its own: a compiled decoder may pad or
+        #                                              precompute per policy; it reads head ``short``'s files
+        node = tree_config(bench, name)
+        if head_paths and short in head_paths and "draft_path" in node:
+            node = OmegaConf.merge(node, {"draft_path": str(head_paths[short])})
+        return instantiate_checked(node, f"bench.trees.{name}")
+
+    own = OmegaConf.select(cfg, "draft.path")
 
     for name in names:
         if name == "vanilla":
@@ -333,7 +342,8 @@ def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None
         if name == "learned":
             log.info("`learned`: %s", why["learned"])
         for i, (short, head) in enumerate(heads.items()):
-            policy = policies[name] if i == 0 else fresh(name)
+            mine = not head_paths or str(head_paths.get(short)) == str(own)  # (its tree reads this head's files)
+            policy = policies[name] if i == 0 and mine else fresh(name, short)
             row = head_name(name, short)
             reason = rejects(policy, head)
             if reason:
@@ -342,10 +352,10 @@ def build_methods(cfg: DictConfig, target, draft, eos_ids, policies: dict | None
                 continue
             methods.append(speculative_method(row, target, head, policy, n, greedy, eos_ids, head=short))
             if compiled:
-                methods.append(speculative_method(head_name(f"{name}_compile", short), target, head, fresh(name), n,
+                methods.append(speculative_method(head_name(f"{name}_compile", short), target, head, fresh(name, short), n,
                                                   greedy, eos_ids, compile=True, reference="vanilla_compile",
                                                   head=short))
             for s in settings:  # its own policy object per row, as for the compiled variants
                 methods.append(speculative_method(sampled_name(head_name(f"{name}_sample", short), s.temperature),
-                                                  target, head, fresh(name), n, s, eos_ids, head=short))
+                                                  target, head, fresh(name, short), n, s, eos_ids, head=short))
     return methods, skipped

@@ -9,10 +9,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from treedec.config.checks import at_least, check_dtype, check_rules, value_at
-from treedec.config.draft_arch import ONE_PASS
 from treedec.data.prompts import read_prompt_file, read_text
 from treedec.errors import ConfigError
-from treedec.heads.checkpoint import head_summary
 
 OPTIMIZABLE = ("tau", "tokens_per_s", "new_tokens", "steps", "prompt_tokens")  # numeric metrics.json keys of generate
 CALIBRATE_SOURCES = ("heldout", "third_party", "file")
@@ -66,21 +64,6 @@ def check_calibrate(cfg) -> None:
     bad = [b for b in (value_at(cfg, "timing.budgets") or []) if not 2 <= b <= top]
     if bad:
         raise ConfigError(f"timing.budgets has {bad[0]}: every budget must be in [2, dp.max_budget={top}]")
-    path = value_at(cfg, "draft.path")
-    if path is not None:
-        refuse_one_pass(head_summary(path)["kind"] in ONE_PASS, path)
-
-
-def refuse_one_pass(one_pass: bool, path) -> None:
-    """calibrate measures an autoregressive head (its ranks per depth, for the learned tree and calibration.yaml):
-    a one-pass head is refused with what serves it, before the probe tree would refuse it in generate's terms."""
-    if not one_pass:
-        return
-    raise ConfigError(f"draft.path={path} is a one-pass (P-EAGLE or DFlash) head: calibrate measures an EAGLE "
-                      f"or EAGLE-3 head's acceptance by depth and sibling rank for tree=learned and tree=dynamic, "
-                      f"which a one-pass head cannot draft, and its own trees (tree=chain, tree=best_first, "
-                      f"tree=auto in generate) read its raw marginals, so it needs no calibration; calibrate an "
-                      f"autoregressive head instead (draft=tiny_code or draft=tiny_code_eagle3, or draft.path=DIR)")
 
 
 def check_export_head(cfg) -> None:

@@ -120,6 +120,8 @@ class BestFirstTreeSchema:  # conf/tree/best_first.yaml (one-pass heads)
     _target_: str = MISSING
     total_tokens: int = MISSING
     depth: int = MISSING
+    calibration: Optional[str] = MISSING  # a calibration.yaml, auto (the one next to draft_path's head) or null
+    draft_path: Optional[str] = MISSING  # conf: ${oc.select:draft.path,null}
 
 
 @dataclass

@@ -57,14 +57,7 @@ def write_outputs(cfg: DictConfig, target, sampling, pset: list, counts: Accepta
     }
     out = save_learned(cfg.out, pick.choices, meta, trees)
 
-    cal, bins = fit_calibration(reliability, sampling, float(cfg.calibration.prior_strength), {
-        "draft": str(cfg.draft.path), "model": str(cfg.model.path), "prompts": n_prompts,
-        "prompt_source": str(cfg.prompts.source), "max_new_tokens": int(cfg.max_new_tokens),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S")}, str(cfg.calibration.map))
-    cal_out = save_calibration(out.with_name("calibration.yaml"), cal)
-    write_text_atomic(run_dir / "reliability.json", json.dumps({**bins, "grid": cal.grid, "values": cal.values},
-                                                                indent=1) + "\n")
-    plot = reliability_plot(cal, bins, run_dir / "reliability.png")
+    cal_out, plot = write_calibration(cfg, sampling, n_prompts, reliability, out.with_name("calibration.yaml"))
     metrics = {
         "out": str(out), "calibration": str(cal_out), "reliability_plot": str(plot) if plot else None,
         "budget": pick.n, "depth": pick.depth, "expected_tau": pick.expected_tau,
@@ -80,9 +73,44 @@ def write_outputs(cfg: DictConfig, target, sampling, pset: list, counts: Accepta
     return metrics
 
 
+def write_calibration(cfg: DictConfig, sampling, n_prompts: int, reliability, cal_path: Path):
+    """Fit and write ``calibration.yaml`` at ``cal_path``, and the reliability bins and plot in the run dir ->
+    (the calibration file, the plot or None)."""
+    run_dir = Path(cfg.paths.run_dir)
+    cal, bins = fit_calibration(reliability, sampling, float(cfg.calibration.prior_strength), {
+        "draft": str(cfg.draft.path), "model": str(cfg.model.path), "prompts": n_prompts,
+        "prompt_source": str(cfg.prompts.source), "max_new_tokens": int(cfg.max_new_tokens),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S")}, str(cfg.calibration.map))
+    cal_out = save_calibration(cal_path, cal)
+    write_text_atomic(run_dir / "reliability.json", json.dumps({**bins, "grid": cal.grid, "values": cal.values},
+                                                                indent=1) + "\n")
+    return cal_out, reliability_plot(cal, bins, run_dir / "reliability.png")
+
+
+def write_one_pass_outputs(cfg: DictConfig, target, sampling, pset: list, probe_stats: dict, reliability,
+                           t_start: float) -> dict:
+    """A one-pass head's calibrate run: ``calibration.yaml`` (beside ``out``), the reliability files and
+    ``metrics.json``; no learned tree (its trees are best-first trees of its marginals)."""
+    run_dir = Path(cfg.paths.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cal_out, plot = write_calibration(cfg, sampling, len(pset), reliability, Path(cfg.out).with_name("calibration.yaml"))
+    metrics = {"out": None, "calibration": str(cal_out), "reliability_plot": str(plot) if plot else None,
+               "probe_tau": probe_stats["tau"], "probe_tokens_per_s": probe_stats["tokens_per_s"],
+               "steps": probe_stats["steps"], "new_tokens": probe_stats["new_tokens"], "prompts": len(pset),
+               "accept_by_depth": probe_stats["accept_by_depth"], "time_s": time.perf_counter() - t_start}
+    record = {**metrics, "prompt_sources": {p.id: p.source for p in pset},
+              "config": OmegaConf.to_container(cfg, resolve=True)}
+    write_text_atomic(run_dir / "metrics.json", json.dumps(record, indent=2) + "\n")
+    return metrics
+
+
 def summary(metrics: dict) -> str:
     """The lines calibrate prints: the learned tree, the calibration, and the overrides that use them."""
     out, cal_out = metrics["out"], metrics["calibration"]
+    if out is None:  # a one-pass head: its calibration alone
+        return (f"draft calibration (probe tau {metrics['probe_tau']:.2f} over {metrics['steps']} steps) -> {cal_out}\n"
+                f"use it: python -m treedec.generate tree=best_first tree.calibration={cal_out} (or tree=auto; a "
+                f"calibration.yaml beside the head is read by both)")
     tps = metrics["expected_tokens_per_s"]
     tps = f", est. {tps:.1f} tok/s" if tps is not None else ""
     return (f"learned tree: T={metrics['budget']} depth {metrics['depth']}, expected tau {metrics['expected_tau']:.2f}"

@@ -12,6 +12,12 @@ of the best T - 1 at depth d - 1, each taking one of the T - 1 best tokens of q_
 candidates are depth d's, and the best T - 1 over all depths are the tree (ties go to the shallower, earlier node,
 so a kept node's parent is kept). Nodes stay in drafting order, which is topological.
 
+A marginal is not an acceptance rate: a one-pass head's deeper marginals are underconfident (it cannot know which
+drafts above it will be kept), so raw scores spend the budget on width. With a ``calibration`` (``python -m
+treedec.calibrate`` on the head, the same per-depth maps ``tree=dynamic`` reads) each term is the measured acceptance
+of a depth-d token of that marginal probability instead, a monotone map per depth, so each depth's order and a
+child's score below its parent's are kept and the paths are ranked by real acceptance.
+
 Lossless for greedy and sampling decoding alike: a node's children are distinct tokens chosen deterministically from
 the marginals, so verification's sample-then-walk rule applies unchanged (docs/design.md §5).
 """
@@ -21,6 +27,7 @@ import torch
 
 from treedec.conf_defaults import shipped_defaults
 from treedec.sampling import SamplingParams
+from treedec.tree import calibration as calib
 from treedec.tree.policies.base import TreePolicy, kept_tree, kept_tree_constants, whole
 from treedec.tree.policies.dynamic import Pool
 from treedec.tree.tree import Tree, TreeError
@@ -33,7 +40,11 @@ class BestFirstPolicy(TreePolicy):
 
     reads = "marginals"
 
-    def __init__(self, total_tokens: int = _D["total_tokens"], depth: int = _D["depth"]):
+    def __init__(self, total_tokens: int = _D["total_tokens"], depth: int = _D["depth"],
+                 calibration=_D["calibration"], draft_path: str | None = _D["draft_path"]):
+        """``calibration``: a calibration file, ``auto`` (the one next to ``draft_path``'s head, if any) or None (the
+        raw marginals, DDTree's)."""
+        self.calibration = calib.resolve(calibration, draft_path)
         self.total_tokens = whole(total_tokens, "total_tokens", 2)
         self.max_depth = whole(depth, "depth")
         self.max_size = self.total_tokens
@@ -55,6 +66,7 @@ class BestFirstPolicy(TreePolicy):
             c = kept_tree_constants(B, dev, k * D, self.total_tokens)
             c["first1"] = torch.arange(1, k + 1, device=dev).expand(B, k)
             c["rank1"] = torch.arange(k, device=dev).expand(B, k)
+            c["depth1"] = torch.arange(1, D + 1, device=dev)[None, :, None]  # [1, D, 1] each marginal's depth
             self._const = (key, c)
         return self._const[1]
 
@@ -68,22 +80,28 @@ class BestFirstPolicy(TreePolicy):
         c = self._constants(B, dev)
         temp = 1.0 if params is None or params.greedy else float(params.temperature)
         lq, tok = drafter.topk(drafter.marginals(D), k, temp)  # [B, D, k] each depth's k best, descending
+        cal = self.calibration
+        sc = lq if cal is None else cal.log_accept(lq, c["depth1"][:, :D])  # (monotone: each depth's order kept)
         first1 = c["first1"][:, :k]
-        scores, toks, ranks, parents1 = [lq[:, 0]], [tok[:, 0]], [c["rank1"][:, :k]], [c["zero"].expand(B, k)]
-        front_score, front_id1 = lq[:, 0], first1  # depth d's best k: scores and candidate ids + 1
+        scores, toks, ranks, parents1 = [sc[:, 0]], [tok[:, 0]], [c["rank1"][:, :k]], [c["zero"].expand(B, k)]
+        logqs = [lq[:, 0]]
+        front_score, front_id1, front_logq = sc[:, 0], first1, lq[:, 0]  # depth d's best k: scores, ids + 1
         for d in range(1, D):
-            cand = (front_score[:, :, None] + lq[:, d, None, :]).view(B, k * k)
+            cand = (front_score[:, :, None] + sc[:, d, None, :]).view(B, k * k)
             best = cand.topk(k, dim=1, sorted=True)
             slot, rank = best.indices // k, best.indices % k
             scores.append(best.values)
             toks.append(tok[:, d].gather(1, rank))
             ranks.append(rank)
             parents1.append(front_id1.gather(1, slot))
+            if cal is not None:  # the raw cumulative log-marginals beside the calibrated scores (Tree.scores)
+                front_logq = front_logq.gather(1, slot) + lq[:, d].gather(1, rank)
+                logqs.append(front_logq)
             front_score, front_id1 = best.values, first1 + d * k
         score = torch.cat(scores, 1)
         depth = torch.arange(1, D + 1, device=dev).repeat_interleave(k).expand(B, -1)
-        return Pool(drafter.root_tokens, torch.cat(toks, 1), score, score, torch.cat(parents1, 1), depth,
-                    torch.cat(ranks, 1), D, c)
+        return Pool(drafter.root_tokens, torch.cat(toks, 1), score if cal is None else torch.cat(logqs, 1), score,
+                    torch.cat(parents1, 1), depth, torch.cat(ranks, 1), D, c)
 
     def select(self, pool: Pool, T: int) -> Tree:
         """The ``T``-node tree of ``pool``'s best paths (ties: the earlier, shallower candidate)."""

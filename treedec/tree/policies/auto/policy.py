@@ -66,7 +66,8 @@ class AutoPolicy(TreePolicy):
         self.groups = [g for g in (np.flatnonzero(self._k == 1)[1:], np.flatnonzero(self._k > 1)) if len(g)]
         wide = max(self._k)
         if one_pass:
-            self.pools = BestFirstPolicy(total_tokens=max(self.max_size, 2), depth=self.max_depth)
+            self.pools = BestFirstPolicy(total_tokens=max(self.max_size, 2), depth=self.max_depth,
+                                         calibration=self.calibration)
         else:
             self.pools = DynamicPolicy(total_tokens=self.max_size, depth=self.max_depth, top_k=wide,
                                        calibration=self.calibration)
