@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from tests.helpers import eagle3_pair, greedy_reference, host_reads_per_step, make_pair, parallel_pair
+from tests.helpers import dflash_pair, eagle3_pair, greedy_reference, host_reads_per_step, make_pair, parallel_pair
 from treedec.decoding.drafter import Drafter
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.profiling import count_ops
@@ -187,25 +187,29 @@ def test_a_colder_temperature_gives_a_deeper_tree():
     assert float(cold.depth.float().mean()) > float(hot.depth.float().mean())
 
 
-def primed(seed=0, K=5, k=40, lens=(9, 4), sharpen=4.0):
-    """A real Drafter over a sharpened parallel head after a catch-up of random target features (ragged rows)."""
-    target, head = parallel_pair(seed, K=K, k=k, sharpen=sharpen)
+ONE_PASS_PAIRS = {"parallel": parallel_pair, "dflash": dflash_pair}
+
+
+def primed(seed=0, K=5, k=40, lens=(9, 4), sharpen=4.0, kind="parallel"):
+    """A real Drafter over a sharpened one-pass head after a catch-up of random target features (ragged rows)."""
+    target, head = ONE_PASS_PAIRS[kind](seed, K=K, k=k, sharpen=sharpen)
     g = torch.Generator().manual_seed(seed)
     L = max(lens)
     d = Drafter(head, len(lens), 128)
     toks = torch.randint(0, 64, (len(lens), L), generator=g)
-    feats = torch.randn(len(lens), L, 3 * 64, generator=g)
+    feats = torch.randn(len(lens), L, len(head.config.feature_layers) * 64, generator=g)
     with torch.inference_mode():
         d.catch_up(toks, feats, torch.tensor(lens), list(lens), toks[:, 0])
         d.flush()
     return d
 
 
+@pytest.mark.parametrize("kind", list(ONE_PASS_PAIRS))
 @pytest.mark.parametrize("lens", [(9, 4), (6, 6)], ids=["ragged", "even"])
-def test_the_real_drafter_gives_the_reference_tree_without_host_reads(lens):
-    """With a parallel head: the tree of its marginals (mapped to target ids) is the reference's, drafting reads
+def test_the_real_drafter_gives_the_reference_tree_without_host_reads(lens, kind):
+    """With a one-pass head: the tree of its marginals (mapped to target ids) is the reference's, drafting reads
     nothing back from the device, and the mask positions leave the cache as they found it."""
-    d = primed(lens=lens)
+    d = primed(lens=lens, kind=kind)
     pol = BestFirstPolicy(12, 3)
     with torch.inference_mode():
         pol.draft(d)  # the policy's constants, outside the count
@@ -219,10 +223,11 @@ def test_the_real_drafter_gives_the_reference_tree_without_host_reads(lens):
     assert_is_reference(tree, logits, d.head.vocab_ids, 12)
 
 
+@pytest.mark.parametrize("kind", list(ONE_PASS_PAIRS))
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, top_p=0.95)], ids=["greedy", "sample"])
-def test_best_first_reads_the_device_once_per_step(params):
+def test_best_first_reads_the_device_once_per_step(params, kind):
     """A decoding step with a best-first tree reads the host once (the step's read): drafting adds none."""
-    target, head = parallel_pair(1, K=4, sharpen=4.0)
+    target, head = ONE_PASS_PAIRS[kind](1, K=4, sharpen=4.0)
     dec = SpeculativeDecoder(target, head, BestFirstPolicy(12, 4), params)
     per_step, steps, res, reads = host_reads_per_step(dec)
     assert res.stats.steps > 10
