@@ -122,9 +122,12 @@ def parallel_pair(seed: int = 0, K: int = 5, k: int = 40, sharpen: float = 1.0, 
     return target, head.eval().bind(target)
 
 
-def dflash_pair(seed: int = 0, K: int = 5, k: int = 40, sharpen: float = 1.0, layers: int = 2, **kw):
+def dflash_pair(seed: int = 0, K: int = 5, k: int = 40, sharpen: float = 1.0, layers: int = 2, attn: float = 1.0,
+                **kw):
     """A random target of 4 layers and a random DFlash head drafting K depths with ``layers`` layers over ``k`` random
-    draft tokens (0: all), its mask input random; ``sharpen`` scales its final norm (as :func:`parallel_pair`)."""
+    draft tokens (0: all), its mask input random; ``sharpen`` scales its final norm (as :func:`parallel_pair`), ``attn``
+    its q/k projections: every mask position reads the same input, so only sharp attention (RoPE) sets the depths'
+    marginals apart in a random head."""
     target, _ = make_pair(seed, layers=4, **kw)
     head = build_head(DraftConfig.for_target(target.config, kind="dflash", block_size=K, draft_layers=layers,
                                              draft_vocab_size=k))
@@ -134,6 +137,9 @@ def dflash_pair(seed: int = 0, K: int = 5, k: int = 40, sharpen: float = 1.0, la
     with torch.no_grad():
         head.mask_embed.normal_(0, 1, generator=g)
         head.norm.weight.mul_(sharpen)
+        for layer in head.layers:
+            layer.self_attn.q_proj.weight.mul_(attn)
+            layer.self_attn.k_proj.weight.mul_(attn)
     return target, head.eval().bind(target)
 
 

@@ -27,7 +27,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.helpers import make_pair, parallel_pair
+from tests.helpers import dflash_pair, make_pair, parallel_pair
 from treedec.decoding import speculative, vanilla
 from treedec.decoding.speculative import SpeculativeDecoder
 from treedec.decoding.verify import Verdict
@@ -51,8 +51,8 @@ def learned(tmp_path) -> LearnedPolicy:
     return LearnedPolicy(str(path))
 
 
-def one_pass(seed: int, block: int):
-    return lambda: parallel_pair(seed, K=block, k=0, sharpen=3.0, vocab=V, hidden=32, heads=2, kv_heads=1, peaked=4.0)
+def one_pass(seed: int, block: int, make=parallel_pair, **kw):
+    return lambda: make(seed, K=block, k=0, sharpen=3.0, vocab=V, hidden=32, heads=2, kv_heads=1, peaked=4.0, **kw)
 
 
 # The draft heads: EAGLE heads (seed 7's top-1 drafts never fall in chain_top_p_low's nucleus after this prompt: its
@@ -66,6 +66,9 @@ PAIRS = {
     "one_pass": one_pass(0, 3),
     "one_pass_deep": one_pass(0, 5),
     "one_pass_apart": one_pass(2, 3),
+    "dflash": one_pass(4, 3, dflash_pair),  # DFlash (every depth from the block after the root): seed 4 reaches depth 3
+    #                                           in a tenth of the rows
+    "dflash_apart": one_pass(2, 3, dflash_pair, attn=6.0),  # sharp attention: its depths' marginals differ
 }
 
 CASES = {  # name: (pair, policy from a tmp dir, sampling)
@@ -91,6 +94,9 @@ CASES = {  # name: (pair, policy from a tmp dir, sampling)
                                       SamplingParams(1.0)),
     "parallel_auto": ("one_pass", lambda _: AutoPolicy(max_depth=3, top_k=3, max_total_tokens=6),
                       SamplingParams(0.9, top_p=0.95)),
+    "dflash_best_first": ("dflash", lambda _: BestFirstPolicy(6, 3), SamplingParams(1.0)),
+    "dflash_chain_sampled_drafts": ("dflash_apart", lambda _: ChainPolicy(3, sample_drafts=True),
+                                    SamplingParams(1.0)),
 }
 AUTO = {"auto", "parallel_auto"}  # tree=auto picks its own depths: the depth-reach check does not apply
 MIN_REACH = 100  # rows whose first step must verify its deepest level, so that level's law is really tested
@@ -236,11 +242,12 @@ def one_depth_off(q: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_a_parallel_chain_recording_the_wrong_marginal_fails_the_same_test():
+@pytest.mark.parametrize("case", ["parallel_chain_sampled_drafts", "dflash_chain_sampled_drafts"])
+def test_a_parallel_chain_recording_the_wrong_marginal_fails_the_same_test(case):
     """Sampled drafts from per-depth marginals: the SpecInfer rule must see, at each node, the marginal its child was
     drawn from; recording the depth below's must be detected."""
-    policy = MisrecordedDraftProbs(CASES["parallel_chain_sampled_drafts"][1](None), one_depth_off)
-    assert failing("parallel_chain_sampled_drafts", policy)
+    policy = MisrecordedDraftProbs(CASES[case][1](None), one_depth_off)
+    assert failing(case, policy)
 
 
 def depth3_from(depth: int):
