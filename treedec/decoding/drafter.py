@@ -143,8 +143,10 @@ class Drafter:
     @torch.inference_mode()
     def _block_marginals(self, depth: int) -> torch.Tensor:
         """A context-only head's (DFlash's) draft logits [B, depth, K]: the pending context written and the block (the
-        root, then ``depth`` mask positions after it) run in one head pass; the block's keys are dropped with the tree."""
-        cache, root = self.cache, self.root_tokens
+        root, then the head's ``block_size`` mask positions: within a non-causal block every position reads every
+        other, so the block always has the length it was trained at) run in one head pass; its first ``depth``
+        marginals are returned and its keys dropped with the tree."""
+        cache, root, depth, want = self.cache, self.root_tokens, self.head.block_size, depth
         host = list(cache.host_lengths)
         if self._pending:
             p, n_valid, pos = self._take_pending()
@@ -163,7 +165,7 @@ class Drafter:
         out = self.head.forward_block(root, ctx, depth, cache, pos, mask)
         if ctx is not None:
             cache.advance(n_host)
-        return self.head.logits(out)
+        return self.head.logits(out[:, :want])
 
     def _block_layout(self, pos: torch.Tensor, n_valid: torch.Tensor, n_host: list[int], n: int,
                       causal: bool = True):
