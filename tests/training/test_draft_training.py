@@ -265,3 +265,20 @@ def test_one_pass_training_loss_falls_at_every_depth(kind, target_dir):
         ce = [first[f"ce{s}"] for s in ("", "_1", "_2", "_3")]
         assert first["loss"] == pytest.approx(sum(a * b for a, b in zip(w, ce)) / sum(w), rel=0.05)
     assert all(p.grad is None for p in module.target.parameters())
+
+
+@pytest.mark.slow
+def test_dflash_train_resume_and_export(target_dir, corpus, tmp_path):
+    """draft_arch=dflash through the real job: trains, resumes from last.ckpt, exports a head that loads as one."""
+    from treedec.heads import DFlashHead, load_head
+    from treedec.train import run
+
+    extra = ("draft_arch=dflash", "draft_arch.draft_vocab_size=48", "draft_arch.block_size=4",
+             "draft_arch.draft_layers=2", "optim.block_anchors=8", "eval.every_n_steps=0")
+    m = run(train_cfg(target_dir, corpus, tmp_path, 6, *extra))
+    assert m["steps"] == 6 and "val/ce_3" in m["val"] and "val/ce_4" not in m["val"]
+    m2 = run(train_cfg(target_dir, corpus, tmp_path, 10, *extra))  # resumed from last.ckpt
+    assert m2["resumed_from"] and m2["steps"] == 10
+    head = load_head(tmp_path / "draft")
+    assert isinstance(head, DFlashHead) and head.block_size == 4 and head.config.draft_layers == 2
+    assert head.lm_head.out_features == 48 and head.vocab_ids.unique().numel() == 48
