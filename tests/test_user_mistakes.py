@@ -64,7 +64,7 @@ MISTAKES = ["17-draft.path", "17-model.path", "17-no-model-dir", "17-tree.path",
             "46.12-local-list", "46.12-local-key", "46.12-local-empty", "46.12-local-no-header", "46.12-unquoted",
             "46.12-pretrain-group", "46.12-regenerate-type", "46.12-export-key",
             # issue 46: a one-pass (P-EAGLE) head where the entry point cannot use it, and its block size
-            "46.3-init-kind", "46.9-block", "46.8-calibrate-one-pass", "46.7-export-one-pass", "46.5-bench-all-skipped"]
+            "46.3-init-kind", "46.9-block", "49-dflash-layers", "46.7-export-one-pass", "46.5-bench-all-skipped"]
 
 
 LOCAL = "--config-dir={tmp}/conf"
@@ -138,17 +138,16 @@ LOCAL = "--config-dir={tmp}/conf"
     ("regenerate", ["max_new_tokens=many"], None,
      r"max_new_tokens=many: Value 'many' of type 'str' could not be converted to Integer"),
     ("export_head", ["formt=eagle3"], None, r"formt=eagle3: export_head has no key formt\. Did you mean format\?"),
-    # items 3, 9, 8, 7, 5: a one-pass head trained, calibrated, exported or benched where it cannot work
+    # items 3, 9, 7, 5: a one-pass head trained, exported or benched where it cannot work (issue 49: a DFlash drafter
+    # of no layers; calibrate measures one-pass heads now)
     ("train", ["init_from=tiny-code-parallel"], None,  # the default draft_arch=eagle
      r"init_from=tiny-code-parallel is a one-pass \(P-EAGLE, kind parallel\) head, but draft_arch\.kind=eagle trains "
      r"an EAGLE-1/2 head: pass draft_arch=parallel to fine-tune it$"),
     ("train", ["draft_arch=parallel", "draft_arch.block_size=100000"], None,
      r"draft_arch\.block_size=100000: a one-pass head drafting 100000 positions needs 100001 positions of "
      r"context .*; lower draft_arch\.block_size"),
-    ("calibrate", ["draft=tiny_code_parallel"], None,  # calibrate's own fix, not the tree policies' "use tree=..."
-     r"draft\.path=tiny-code-parallel is a one-pass \(P-EAGLE, kind parallel\) head: calibrate .* needs no "
-     r"calibration; calibrate an autoregressive head instead \(draft=tiny_code or draft=tiny_code_eagle3, or "
-     r"draft\.path=DIR\)$"),
+    ("train", ["draft_arch=dflash", "draft_arch.draft_layers=0"], None,
+     r"draft_arch\.draft_layers=0: a whole number >= 1 of decoder layers \(DFlash's drafters have 1 to 8\)$"),
     ("export_head", ["draft=tiny_code_parallel", "format=eagle3", "out={tmp}/x"], None,
      r"draft\.path=tiny-code-parallel is a one-pass \(P-EAGLE, kind parallel\) head, and treedec cannot export one .*: "
      r"use its treedec directory as it is \(python -m treedec\.generate draft=path draft\.path=tiny-code-parallel\)$"),
