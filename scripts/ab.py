@@ -6,7 +6,8 @@
     python scripts/ab.py --temperature 0.8 vanilla auto chain:5 dynamic:8/2/4     # sampled (top-p 0.95)
 
 A method is ``vanilla``, ``chain:D``, ``static`` (EAGLE's 26-node shape), ``dynamic:T/D/K`` (calibrated),
-``best_first:T/D`` (DDTree's tree from a one-pass head: ``+NAME`` of a parallel head),
+``best_first:T/D`` (DDTree's tree from a one-pass head: ``+NAME`` of a parallel or DFlash head; calibrated where
+the head has a calibration.yaml),
 ``auto`` (``tree=auto``; on an older REV without it, that code's ``tree.total_tokens=auto`` as its bench ran it)
 or ``lookup:D`` (prompt lookup beside a D-deep chain), with ``@fp32`` / ``@bf16`` / ``@auto`` for the draft head's
 dtype (default auto), or ``@int8`` for the auto dtype's head with int8 weights (``draft.quantize=int8``), then
@@ -61,7 +62,10 @@ def policy(kind: str, arg: str, P, head: str = "tiny-code-eagle", knobs: dict | 
         return P.DynamicPolicy(total_tokens="auto", depth=7, top_k=4, min_depth=5, chain_depth=10, **calibrated)
     if kind == "best_first":
         T, d = map(int, arg.split("/"))
-        return P.BestFirstPolicy(total_tokens=T, depth=d)
+        try:  # calibrated by the head's calibration.yaml where it has one
+            return P.BestFirstPolicy(total_tokens=T, depth=d, **calibrated)
+        except TypeError:  # an older REV's, which reads raw marginals only
+            return P.BestFirstPolicy(total_tokens=T, depth=d)
     if kind == "lookup":
         return P.LookupPolicy(P.ChainPolicy(int(arg)))
     raise SystemExit(f"unknown method {kind!r}: vanilla, chain:D, static, dynamic:T/D/K, best_first:T/D, auto or "
