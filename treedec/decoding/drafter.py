@@ -153,8 +153,9 @@ class Drafter:
             ctx, w, n_host = self.head.project(p.features), p.tokens.shape[1], p.n_host
         else:
             ctx, w, n_host = None, 0, None
-        if ctx is None and min(host) == max(host):  # no context to write, rows of one length: the block sees all
-            pos = torch.arange(host[0], host[0] + depth + 1, device=self.device).expand(self.batch, -1)
+        if min(host) == max(host) and (ctx is None or min(n_host) == w):  # rows of one length, no padding: the
+            #                                        block sees every key (batch 1 always): no mask to build
+            pos = torch.arange(host[0], host[0] + w + depth + 1, device=self.device).expand(self.batch, -1)
             mask = "full"
         else:
             if ctx is None:

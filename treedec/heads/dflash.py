@@ -29,7 +29,7 @@ from treedec.heads.config import DraftConfig
 from treedec.heads.eagle3 import Eagle3Head
 from treedec.models.cache import KVCache
 from treedec.models.config import LlamaConfig
-from treedec.models.llama import MLP, Attention, RMSNorm, one_row_matmuls, rope_cos_sin, rope_lookup
+from treedec.models.llama import MLP, Attention, RMSNorm, rope_cos_sin, rope_lookup
 
 
 class DFlashLayer(nn.Module):
@@ -124,11 +124,10 @@ class DFlashHead(Eagle3Head):
             return None
         x = self.block_inputs(root, n)
         backend = "eager" if self.target.attn_backend == "eager" else "sdpa"
-        with one_row_matmuls(x, False):
-            for i, layer in enumerate(self.layers):
-                q, k, v = layer.qkv(ctx, x, cos, sin)
-                keys, values = cache.write(i, k, v)
-                x = layer.finish(x, attend(q, keys, values, cache.lengths, None, mask, backend))
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(ctx, x, cos, sin)
+            keys, values = cache.write(i, k, v)
+            x = layer.finish(x, attend(q, keys, values, cache.lengths, None, mask, backend))
         return x[:, 1:]
 
     def forward_train(self, tokens: torch.Tensor, features: torch.Tensor, anchor: torch.Tensor,
