@@ -139,12 +139,13 @@ class TreePolicy:
         name, one = type(self).__name__, bool(getattr(head, "one_pass", False))
         if one and self.reads == "nodes":
             raise TreeError(f"{name} drafts node by node, one head pass per depth; this draft head is a one-pass "
-                            "(parallel) head that drafts per-position marginals: use tree=chain, tree=best_first or "
-                            "tree=auto")
+                            f"({head.config.kind}) head that drafts per-position marginals: use tree=chain, "
+                            "tree=best_first or tree=auto")
         if not one and self.reads == "marginals":
             raise TreeError(f"{name} builds its tree from a one-pass head's per-position marginals; this draft head is "
-                            f"an autoregressive ({head.config.kind}) head: use draft=tiny_code_parallel (or a "
-                            "parallel head of your own), or tree=dynamic / tree=chain / tree=auto")
+                            f"an autoregressive ({head.config.kind}) head: use draft=tiny_code_dflash or "
+                            "draft=tiny_code_parallel (or a one-pass head of your own), or tree=dynamic / tree=chain / "
+                            "tree=auto")
         if one and self.max_depth > head.block_size:
             raise TreeError(f"{name} drafts {self.max_depth} deep, but this one-pass head drafts {head.block_size} "
                             f"positions per pass: set the tree's depth to at most {head.block_size}")
