@@ -96,6 +96,10 @@ class DFlashHead(Eagle3Head):
         for layer in self.layers:
             layer.fuse()
 
+    def forward(self, *args, **kwargs):
+        """An EAGLE head's node-by-node pass has no meaning here: every depth comes from the block."""
+        raise TypeError("a DFlash drafter drafts whole blocks (Drafter.marginals -> forward_block), not node by node")
+
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """Target features -> the fused context every layer reads (``hidden_norm(fc(features))``)."""
         return self.hidden_norm(self.fc(features.to(self.dtype)))
