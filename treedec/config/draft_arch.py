@@ -48,10 +48,10 @@ def check_draft_arch(draft: dict, init: str | None, target: str) -> None:
                               f"but model.path={target} has {n} layers (ids 0..{n - 1}): it was trained for a deeper "
                               f"model; start from a head trained for this target, or drop init_from to train one")
     elif kind != "eagle" and draft.get("feature_layers") is not None:
-        ids = draft["feature_layers"]
-        if not _fit(ids, n):
+        ids, top = draft["feature_layers"], n if kind == "dflash" else n - 1  # (DFlash: id L, the last layer's output)
+        if not _fit(ids, top + 1):
             raise ConfigError(f"draft_arch.feature_layers={list(ids)}: {HEAD_NAMES[kind]} head reads the inputs of "
-                              f"target layers, and model.path={target} has {n} (ids 0..{n - 1}); pass ids in that "
+                              f"target layers, and model.path={target} has {n} (ids 0..{top}); pass ids in that "
                               f"range, or draft_arch.feature_layers=null (the kind's default)")
 
 
