@@ -88,7 +88,7 @@ def test_readme_results_commands_compose_validate_and_name_shipped_heads():
         cfg = compose_config("bench", args)
         validate(cfg, "bench")
         heads |= set(cfg.bench.draft_heads or [])
-    assert {"tiny_code", "tiny_code_eagle3", "tiny_code_parallel"} <= heads
+    assert {"tiny_code", "tiny_code_eagle3", "tiny_code_parallel", "tiny_code_dflash"} <= heads
     for head in heads:
         path = OmegaConf.load(CONF / "draft" / f"{head}.yaml").path
         assert (BUNDLED_DRAFTS[path] / "draft.safetensors").is_file(), head

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 BUNDLED_HEAD = {"eagle": "tiny-code-eagle", "eagle3": "tiny-code-eagle3", "parallel": "tiny-code-parallel",
                 "dflash": "tiny-code-dflash"}  # the head of each kind shipped for tiny-code (what export_dir=bundled replaces)
-BUNDLED_DRAFTS = {name: ASSETS / name for name in ("tiny-code-eagle", "tiny-code-eagle3", "tiny-code-parallel")}
+BUNDLED_DRAFTS = {name: ASSETS / name for name in BUNDLED_HEAD.values()}  # the heads shipped for tiny-code
 DRAFT_CONFIG = "draft_config.json"
 DRAFT_WEIGHTS = "draft.safetensors"
 
