@@ -78,7 +78,9 @@ def test_readme_results_commands_compose_validate_and_name_shipped_heads():
         import treedec.tree.policies as P
         from scripts.ab import policy, policy_knobs
 
-        specs = [a for a in shlex.split(ab.split("  #")[0])[2:] if not a.startswith("--") and not a.isdigit()]
+        args = shlex.split(ab.split("  #")[0])[2:]
+        specs = [a for prev, a in zip([""] + args, args)
+                 if not a.startswith("--") and not a.isdigit() and prev != "--head"]  # (--head NAME=DIR: a value)
         for spec in specs:
             kind, _, arg = policy_knobs(spec.removesuffix("!"))[0].partition("+")[0].partition("@")[0].partition(":")
             assert kind == "vanilla" or policy(kind, arg, P) is not None, spec
