@@ -108,7 +108,7 @@ LOCAL = "--config-dir={tmp}/conf"
     # item 12: Hydra's composition errors (several lines of Hydra's own, no Error: before)
     ("generate", ["experiment=nonexistent"], None,
      r"experiment=nonexistent: the config group experiment has no option 'nonexistent'\. Pass experiment=<one of: "
-     r"tree_sweep \(generate\), which_tree \(bench\)>"),
+     r"tree_sweep \(generate\), which_head \(bench\), which_tree \(bench\)>"),
     ("bench", ["experiment=nonexistent"], None, r"experiment=nonexistent: the config group experiment has no option"),
     ("generate", ["experiment=which_tree"], None,
      r"experiment=which_tree is an experiment of bench, not of generate: run python -m treedec\.bench "
