@@ -146,7 +146,7 @@ class Drafter:
         root, then the head's ``block_size`` mask positions: within a non-causal block every position reads every
         other, so the block always has the length it was trained at) run in one head pass; its first ``depth``
         marginals are returned and its keys dropped with the tree."""
-        cache, root, depth, want = self.cache, self.root_tokens, self.head.block_size, depth
+        cache, root, n = self.cache, self.root_tokens, self.head.block_size  # n: the whole block's depths
         host = list(cache.host_lengths)
         if self._pending:
             p, n_valid, pos = self._take_pending()
@@ -155,18 +155,18 @@ class Drafter:
             ctx, w, n_host = None, 0, None
         if min(host) == max(host) and (ctx is None or min(n_host) == w):  # rows of one length, no padding: the
             #                                        block sees every key (batch 1 always): no mask to build
-            pos = torch.arange(host[0], host[0] + w + depth + 1, device=self.device).expand(self.batch, -1)
+            pos = torch.arange(host[0], host[0] + w + n + 1, device=self.device).expand(self.batch, -1)
             mask = "full"
         else:
             if ctx is None:
                 pos, n_valid = cache.lengths[:, None][:, :0], torch.zeros_like(cache.lengths)
                 n_host = [0] * self.batch
-            pos, mask = self._block_layout(pos, n_valid, n_host, depth + 1, causal=False)
+            pos, mask = self._block_layout(pos, n_valid, n_host, n + 1, causal=False)
             mask = mask[:, :, w:]  # the block's rows: context positions ask nothing
-        out = self.head.forward_block(root, ctx, depth, cache, pos, mask)
+        out = self.head.forward_block(root, ctx, n, cache, pos, mask)
         if ctx is not None:
             cache.advance(n_host)
-        return self.head.logits(out[:, :want])
+        return self.head.logits(out[:, :depth])
 
     def _block_layout(self, pos: torch.Tensor, n_valid: torch.Tensor, n_host: list[int], n: int,
                       causal: bool = True):
