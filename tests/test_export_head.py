@@ -46,7 +46,11 @@ def decode(target, head, prompt):
 def test_eagle_round_trip(variant, tmp_path):
     target = tiny_model(seed=1)
     head = make_head(target, 2, fc_bias=variant != "no_fc_bias", qkv_bias=variant == "qkv_bias")
-    out = export_head(head, tmp_path / "out", "eagle")
+    if variant == "qkv_bias":  # vLLM would read "bias" as attention biases this head already has its own of
+        with pytest.warns(UserWarning, match="vLLM cannot hold both"):
+            out = export_head(head, tmp_path / "out", "eagle")
+    else:
+        out = export_head(head, tmp_path / "out", "eagle")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen2ForCausalLM" if variant == "qkv_bias" else "LlamaForCausalLM"]
     assert cfg["bias"] == (variant != "no_fc_bias") and cfg["num_hidden_layers"] == 1
@@ -248,10 +252,11 @@ def test_export_records_the_target_fingerprint_and_loading_warns_on_another(tmp_
 
 @pytest.mark.parametrize("fmt", ["eagle", "eagle3"])
 def test_a_one_pass_head_is_refused_naming_what_works(fmt, tmp_path):
-    """No circle: the refusal of a one-pass head names no other format to try, only its treedec directory's use,
-    from its config before its weights load; export_head itself says the same of a loaded head."""
+    """No circle: a one-pass head asked for another layout is refused naming format=peagle, which works, from its
+    config before its weights load; export_head itself says the same of a loaded head."""
     from omegaconf import OmegaConf
 
+    from tests.helpers import parallel_pair
     from treedec.export_head import run
     from treedec.heads.config import BUNDLED_DRAFTS, DRAFT_CONFIG
 
@@ -263,12 +268,100 @@ def test_a_one_pass_head_is_refused_naming_what_works(fmt, tmp_path):
     with pytest.raises(ValueError) as err:
         run(cfg)
     msg = str(err.value)
-    assert f"draft.path={head_dir} is a one-pass (P-EAGLE, kind parallel) head" in msg
-    assert "cannot export one to an engine layout yet" in msg and f"draft=path draft.path={head_dir})" in msg
-    assert "format=parallel" not in msg and "\n" not in msg
+    assert f"draft.path={head_dir} is kind 'parallel', so it exports as format=peagle (not {fmt})" in msg
+    assert "\n" not in msg
+    with pytest.raises(ValueError, match="kind 'parallel', so it exports as format=peagle"):
+        export_head(parallel_pair()[1], tmp_path / "out", fmt)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dflash_head_is_refused_naming_its_own_directory(tmp_path):
+    from tests.helpers import dflash_pair
+
+    for fmt in ("eagle", "eagle3", "peagle"):
+        with pytest.raises(ValueError, match="kind 'dflash', which no engine layout treedec writes holds .*q/k norms"):
+            export_head(dflash_pair()[1], tmp_path / "out", fmt)
+    assert not (tmp_path / "out").exists()
+
+
+def test_eagle_export_is_exact_as_vllm_reads_it(tmp_path):
+    """vLLM reads "bias": true as q/k/v and o_proj biases and gives fc none: the export folds fc's bias into those,
+    so a head built as vLLM builds it from the file (fc without bias, biased attention) drafts what the head does."""
+    from safetensors.torch import load_file
+
+    target = tiny_model(seed=1)
+    head = make_head(target, 2)
+    out = export_head(head, tmp_path / "out", "eagle")
+    sd = load_file(str(out / "model.safetensors"))
+    as_vllm = build_head(DraftConfig.for_target(target.config, fc_bias=False, qkv_bias=True, o_bias=True)).eval()
+    state = {"fc.weight": sd["fc.weight"], **{"layer." + k[len("layers.0."):]: v for k, v in sd.items()
+                                              if k.startswith("layers.0.")}}
+    as_vllm.load_state_dict(state)
+    as_vllm.layer.fuse()
+    as_vllm.bind(target)
+    torch.testing.assert_close(head_logits(as_vllm, 3), head_logits(head, 3), atol=1e-5, rtol=1e-5)
+    without = make_head(target, 2, fc_bias=False)  # no fc bias: no attention biases either ("bias": false)
+    sd = load_file(str(export_head(without, tmp_path / "plain", "eagle") / "model.safetensors"))
+    assert not any(k.endswith(".bias") for k in sd)
+
+
+def test_a_tampered_fold_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_model(seed=1)
+    out = export_head(make_head(target, 2), tmp_path / "out", "eagle")
+    sd = load_file(str(out / "model.safetensors"))
+    sd["layers.0.self_attn.o_proj.bias"] = sd["layers.0.self_attn.o_proj.bias"] + 1.0
+    save_file(sd, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="o_proj.bias is not fc.bias folded into the layer"):
+        load_head(out, target=target)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_peagle_round_trip(layers, tmp_path):
+    """format=peagle (vLLM's parallel drafting): the mask feature goes back before fc, the mask embedding into the
+    target's table at its end-of-text row; the treedec reader (checked against vLLM's forward in
+    tests/heads/test_head_formats.py) gives back the head's marginals."""
+    from safetensors.torch import load_file
+
+    from tests.heads.test_head_formats import peagle_marginals
     from tests.helpers import parallel_pair
 
-    with pytest.raises(ValueError, match="the head is a one-pass .* cannot export one") as err:
-        export_head(parallel_pair()[1], tmp_path / "out", fmt)
-    assert "format=parallel" not in str(err.value)
-    assert not (tmp_path / "out").exists()
+    target, head = parallel_pair(seed=3, K=4, sharpen=3.0)
+    if layers > 1:
+        from treedec.heads.parallel import ParallelHead
+        torch.manual_seed(4)
+        deep = randomize_(build_head(DraftConfig.for_target(target.config, kind="parallel", block_size=4,
+                                                            draft_layers=layers, draft_vocab_size=40)), 4).eval()
+        deep.restrict_vocab(head.vocab_ids)
+        head = deep.bind(target)
+        assert isinstance(head, ParallelHead)
+    target.config.eos_token_id = 7
+    out = export_head(head, tmp_path / "out", "peagle")
+    cfg = json.loads((out / "config.json").read_text())
+    sd = load_file(str(out / "model.safetensors"))
+    assert cfg["mask_token_id"] == 7 and cfg["num_speculative_tokens"] == 4 and cfg["num_hidden_layers"] == layers
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and "d2t" in sd
+    assert sd["mask_hidden"].shape == (1, 1, 3 * target.config.hidden_size)
+    torch.testing.assert_close(sd["fc.weight"] @ sd["mask_hidden"].reshape(-1), head.mask_hidden.float(),
+                               atol=1e-5, rtol=1e-5)
+    table = target.model.embed_tokens.weight
+    assert torch.equal(sd["embed_tokens.weight"][7], head.mask_embed.float())
+    assert torch.equal(sd["embed_tokens.weight"][:7], table[:7].float())
+    assert (f"layers.{layers - 1}.mlp.down_proj.weight" in sd) == (layers > 1)
+    again = load_head(out, target=target)
+    assert again.config.kind == "parallel" and again.config.draft_layers == layers
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, target.config.vocab_size, (1, 9), generator=g)
+    lmh = torch.randn(1, 9, 3 * target.config.hidden_size, generator=g)
+    torch.testing.assert_close(peagle_marginals(again, tokens, lmh, 4), peagle_marginals(head, tokens, lmh, 4),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_a_peagle_export_needs_its_target(tmp_path):
+    from tests.helpers import parallel_pair
+
+    head = parallel_pair()[1]
+    head._target = ()
+    with pytest.raises(ValueError, match="carries the target's embedding table: bind the head"):
+        export_head(head, tmp_path / "out", "peagle")

@@ -64,7 +64,8 @@ MISTAKES = ["17-draft.path", "17-model.path", "17-no-model-dir", "17-tree.path",
             "46.12-local-list", "46.12-local-key", "46.12-local-empty", "46.12-local-no-header", "46.12-unquoted",
             "46.12-pretrain-group", "46.12-regenerate-type", "46.12-export-key",
             # issue 46: a one-pass (P-EAGLE) head where the entry point cannot use it, and its block size
-            "46.3-init-kind", "46.9-block", "49-dflash-layers", "46.7-export-one-pass", "46.5-bench-all-skipped"]
+            "46.3-init-kind", "46.9-block", "49-dflash-layers", "46.7-export-one-pass", "50-export-dflash",
+            "50-peagle-no-target", "46.5-bench-all-skipped"]
 
 
 LOCAL = "--config-dir={tmp}/conf"
@@ -149,8 +150,13 @@ LOCAL = "--config-dir={tmp}/conf"
     ("train", ["draft_arch=dflash", "draft_arch.draft_layers=0"], None,
      r"draft_arch\.draft_layers=0: a whole number >= 1 of decoder layers \(DFlash's drafters have 1 to 8\)$"),
     ("export_head", ["draft=tiny_code_parallel", "format=eagle3", "out={tmp}/x"], None,
-     r"draft\.path=tiny-code-parallel is a one-pass \(P-EAGLE, kind parallel\) head, and treedec cannot export one .*: "
-     r"use its treedec directory as it is \(python -m treedec\.generate draft=path draft\.path=tiny-code-parallel\)$"),
+     r"draft\.path=tiny-code-parallel is kind 'parallel', so it exports as format=peagle \(not eagle3\): .*$"),
+    ("export_head", ["draft=tiny_code_dflash", "format=eagle3", "out={tmp}/x"], None,
+     r"draft\.path=tiny-code-dflash is kind 'dflash', which no engine layout treedec writes holds .*: use its treedec "
+     r"directory as it is \(python -m treedec\.generate draft=path draft\.path=tiny-code-dflash\)$"),
+    ("export_head", ["draft=tiny_code_parallel", "format=peagle", "target=/nowhere/model", "out={tmp}/x"], None,
+     r"format=peagle carries the target's embedding table, and the target '/nowhere/model' does not load .*: pass "
+     r"target=<the target model's directory>$"),
     ("bench", ["bench.draft_heads=[tiny_code_parallel]", "bench.methods=[vanilla,dynamic]"], None,
      r"bench\.methods=\['vanilla', 'dynamic'\]: every tree method was skipped, so the bench would compare nothing: "
      r"dynamic@tiny_code_parallel \(DynamicPolicy drafts node by node.*\); choose methods these heads can draft "

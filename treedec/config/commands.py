@@ -67,9 +67,9 @@ def check_calibrate(cfg) -> None:
 
 
 def check_export_head(cfg) -> None:
-    if value_at(cfg, "format") not in ("eagle", "eagle3"):
-        raise ConfigError(f"format={value_at(cfg, 'format')!r}; choose eagle (an EAGLE-1/2 head) or eagle3 "
-                          f"(an EAGLE-3 head)")
+    if value_at(cfg, "format") not in ("eagle", "eagle3", "peagle"):
+        raise ConfigError(f"format={value_at(cfg, 'format')!r}; choose eagle (an EAGLE-1/2 head), eagle3 "
+                          f"(an EAGLE-3 head) or peagle (a one-pass head)")
     check_dtype(cfg, "dtype")
 
 

@@ -285,8 +285,9 @@ class BenchSchema:
 @dataclass
 class ExportHeadSchema:
     draft: DraftSchema = field(default_factory=DraftSchema)  # the head to export
-    format: str = MISSING  # eagle | eagle3 (the head's kind): the public layout to write
+    format: str = MISSING  # eagle | eagle3 | peagle (the head's kind): the public layout to write
     out: str = MISSING  # the directory to create
+    target: Optional[str] = None  # format=peagle: the target whose embedding table travels along (null: the head's)
     dtype: Optional[str] = MISSING  # null: the head's own
     paths: PathsSchema = field(default_factory=PathsSchema)
 

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from treedec.atomic import follow_umask
 from treedec.heads.checkpoint import head_summary
-from treedec.heads.formats.write import kind_mismatch, to_published
+from treedec.heads.formats.write import FORMAT_OF_KIND, kind_mismatch, to_published
 from treedec.models.checkpoint import WEIGHTS
 
 log = logging.getLogger("treedec.export_head")  # the command's own name, as in its other messages
@@ -94,7 +94,7 @@ def clean_stale(out: Path, written: tuple[str, ...]) -> list[Path]:
 
 
 def export_head(head, out: str | os.PathLike, fmt: str, dtype: torch.dtype | None = None) -> Path:
-    """Write ``head`` (a :class:`~treedec.heads.head.DraftHead`) to ``out`` in layout ``fmt`` (eagle | eagle3)."""
+    """Write ``head`` (a :class:`~treedec.heads.head.DraftHead`) to ``out`` in layout ``fmt`` (eagle | eagle3 | peagle)."""
     out = Path(out).expanduser()
     check_out(out)
     cfg, tensors = to_published(head, fmt)
@@ -134,5 +134,5 @@ def check_kind(path, fmt: str) -> None:
     if path is None:
         return
     kind = head_summary(path)["kind"]
-    if kind != fmt:
+    if FORMAT_OF_KIND.get(kind) != fmt:
         raise ValueError(kind_mismatch(kind, fmt, path))

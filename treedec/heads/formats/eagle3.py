@@ -79,12 +79,12 @@ def read_config(raw: dict, src: dict[str, torch.Tensor], lc: LlamaConfig, K: int
 
 
 def finish_export(cfg: dict, out: dict[str, torch.Tensor], c: DraftConfig, ids: torch.Tensor | None) -> None:
-    """The layout's own part of an export: the draft vocabulary as ``d2t``/``t2d``, the feature layers, the norm."""
+    """The layout's own part of an export: a draft vocabulary as ``d2t``/``t2d``, the feature layers, the norm."""
     K = c.draft_vocab_size or c.vocab_size
-    ids = torch.arange(K) if ids is None else ids.long()
-    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    out.update(d2t=ids - torch.arange(K), t2d=t2d)
+    if ids is not None:  # (vLLM refuses a d2t where the draft vocabulary is the target's: it has no place for it)
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        t2d[ids.long()] = True
+        out.update(d2t=ids.long() - torch.arange(K), t2d=t2d)
     layers = [int(i) for i in c.feature_layers]
     cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=K, eagle_aux_hidden_state_layer_ids=layers,
                eagle_config={"eagle_aux_hidden_state_layer_ids": layers, "use_aux_hidden_state": True},

@@ -21,6 +21,11 @@ amazon/GPT-OSS-20B-P-EAGLE) holds layer 0 as above (the EAGLE-3 midlayer, q/k/v 
 Llama layers ``layers.{i}.*`` (``input_layernorm``, ``self_attn`` over H, ``post_attention_layernorm``, ``mlp``; a
 ``hidden_norm`` there is vLLM's unused one, dropped): treedec's ``layers_after.{i-1}.*``.
 
+Written (``python -m treedec.export_head format=peagle``, :func:`finish_export`) as vLLM's flat dialect, which its
+``method: eagle3`` with ``parallel_drafting: true`` loads: the EAGLE-3 export plus ``mask_token_id``,
+``num_speculative_tokens``, ``mask_hidden`` [1, 3H] (fc's input that fc maps to treedec's mask feature) and the
+target's embedding table with the mask token's row set to treedec's ``mask_embed``.
+
 Refused, each with a one-line error: layers that disagree with ``num_hidden_layers`` or skip an index, a later layer
 that reads 2H, no mask token id, no K, and ``norm_before_fc`` / ``fc_norm`` heads (DFlash drafters:
 :mod:`treedec.heads.formats.dflash`).
@@ -184,4 +189,22 @@ def mask_tensors(src: dict[str, torch.Tensor], raw: dict, vocab: int, hidden: in
     return {"mask_embed": mask_embed, "mask_hidden": hidden_h}, embed
 
 
-__all__ = ["MASK_KEYS", "block_size", "is_peagle", "later_layers", "layer_raw", "mask_tensors", "mask_token_id"]
+def finish_export(cfg: dict, out: dict[str, torch.Tensor], block: int, mask: dict[str, torch.Tensor],
+                  embed: torch.Tensor, mask_id: int) -> None:
+    """The P-EAGLE part of an export (after EAGLE-3's): the mask token and K in ``cfg``; ``mask_hidden`` as fc's input
+    (the least-norm solution of fc(m) = treedec's mask feature: fc [H, 3H] has full row rank) and ``embed`` with the
+    mask token's row set to ``mask["mask_embed"]`` in ``out``."""
+    fc = out["fc.weight"].double()
+    h = mask["mask_hidden"].double().reshape(-1, 1)
+    m = torch.linalg.lstsq(fc, h, driver="gelsd").solution if fc.shape[0] < fc.shape[1] else None
+    if m is None or float((fc @ m - h).norm()) > 1e-6 * float(h.norm()) + 1e-9:
+        raise ValueError(f"the head's fc ({tuple(fc.shape)}) cannot map any input onto its mask feature, so vLLM's "
+                         "P-EAGLE layout (mask_hidden before fc) cannot hold it; keep the head in treedec's format")
+    table = embed.detach().float().cpu().clone()
+    table[mask_id] = mask["mask_embed"].float().cpu()
+    out.update({"mask_hidden": m.reshape(1, 1, -1).float(), "embed_tokens.weight": table})
+    cfg.update(mask_token_id=mask_id, num_speculative_tokens=block)
+
+
+__all__ = ["MASK_KEYS", "block_size", "finish_export", "is_peagle", "later_layers", "layer_raw", "mask_tensors",
+           "mask_token_id"]

@@ -69,6 +69,8 @@ def convert(path: str | Path, target: Transformer | None = None) -> tuple[DraftC
                                               path)
     scope = "transformer_layer_config." if "speculators_model_type" in raw else ""
     check_shapes(lc, K, src, prefix, path / "config.json", scope)
+    if layout == "eagle" and not (lc.qkv_bias or lc.o_bias):
+        eagle.drop_fold(src, "fc.bias" in src, path)
     masks: dict[str, torch.Tensor] = {}
     if layout == "peagle":  # its mask token's row of embed_tokens, fc(mask_hidden); the rest of the table is checked
         masks, embed = peagle.mask_tensors(src, raw, lc.vocab_size, lc.hidden_size, target, path)
