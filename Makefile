@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test setup
+.PHONY: run test setup vllm
 
 setup: $(VENV)/.installed
 
@@ -30,3 +30,12 @@ test: setup
 	$(VENV)/bin/ruff check --quiet .
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 $(ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# the vllm extra (vLLM's CPU build) in the same .venv: the engine tests (tests/engines) then run instead of skipping.
+# PyPI's torchvision, torchaudio and torchcodec, which it pulls, are CUDA builds that stop vLLM's engine beside a CPU
+# torch ("operator torchvision::nms does not exist"), and text generation needs none of them: removed on a machine
+# without a GPU
+vllm: setup
+	$(PY) -m pip install --quiet -e ".[dev,vllm]"
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; fi
+	VLLM_TARGET_DEVICE=cpu $(PY) -c "import vllm; print('vllm', vllm.__version__)"

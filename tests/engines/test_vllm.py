@@ -1,0 +1,69 @@
+"""Every export format, served by vLLM (its CPU build) on the bundled target: vLLM's greedy tokens equal treedec's
+vanilla tokens, and its per-prompt acceptance equals treedec's chain of the same depth with the same head, since
+both follow the greedy chain rule (fp32, so that no near-tie can flip a token).
+
+vLLM is an optional extra (``make vllm``). Without it these tests skip, except where ``TREEDEC_REQUIRE_VLLM=1``
+(CI installs the extra and sets it), where a missing vLLM fails them: a broken install never passes as a skip.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from treedec.engines.vllm import EngineRun, run_vllm, vllm_available
+
+pytestmark = pytest.mark.slow
+K, NEW = 5, 48
+HEADS = {"eagle": "tiny-code-eagle", "eagle3": "tiny-code-eagle3", "peagle": "tiny-code-parallel"}  # format -> head
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(prompts, vLLM's outputs by run, the export directories by format): one worker process for every engine."""
+    if not vllm_available():
+        if os.environ.get("TREEDEC_REQUIRE_VLLM") == "1":
+            pytest.fail("TREEDEC_REQUIRE_VLLM=1 but vLLM is not installed: make vllm")
+        pytest.skip("vLLM is not installed (make vllm); CI installs it and sets TREEDEC_REQUIRE_VLLM=1")
+    import warnings
+
+    from treedec import load_head, load_model, load_tokenizer
+    from treedec.data.prompts import load_prompt_set
+    from treedec.heads.export import export_head
+    from treedec.models.paths import resolve_path
+
+    tmp = tmp_path_factory.mktemp("exports")
+    target = load_model("tiny-code", dtype=torch.float32)
+    dirs = {}
+    for fmt, name in HEADS.items():
+        head = load_head(name, dtype=None, quantize=None)
+        if fmt == "peagle":
+            head.bind(target)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the EAGLE-1/2 layout has no draft vocabulary: said elsewhere)
+            dirs[fmt] = export_head(head, tmp / fmt, fmt)
+    tok = load_tokenizer("tiny-code")
+    prompts = [tok.encode(p.text) for p in load_prompt_set("third_party", 4, 64, tok, seed=0, hint="")]
+    runs = [EngineRun("vanilla")] + [EngineRun(fmt, str(d), fmt, K) for fmt, d in dirs.items()]
+    return prompts, run_vllm(resolve_path("tiny-code"), prompts, NEW, runs), dirs, target
+
+
+def test_every_export_is_served_by_vllm_as_treedec_decodes_it(served):
+    from treedec import ChainPolicy, SpeculativeDecoder, VanillaDecoder, load_head
+
+    prompts, vllm, dirs, target = served
+    vanilla = [list(VanillaDecoder(target, eos_ids=[]).generate([p], NEW).tokens[0]) for p in prompts]
+    assert vllm["vanilla"].tokens == vanilla
+    wrong = []
+    for fmt, d in dirs.items():
+        head = load_head(d, target=target, dtype=torch.float32, quantize=None)
+        ours = [SpeculativeDecoder(target, head, ChainPolicy(K), eos_ids=[]).generate([p], NEW) for p in prompts]
+        theirs = vllm[fmt]
+        if theirs.tokens != vanilla:
+            wrong.append(f"{fmt}: vLLM's tokens differ from vanilla's")
+        mine = [{int(k): n for k, n in o.stats.accepted.items()} for o in ours]
+        if theirs.accepted != mine:
+            wrong.append(f"{fmt}: vLLM accepted {theirs.accepted}, treedec's chain {K} {mine}")
+        assert theirs.acceptance_length > 2.0, f"{fmt}: the export drafts nothing useful in vLLM"
+    assert not wrong, "; ".join(wrong)

@@ -1,0 +1,97 @@
+"""vLLM on treedec's model and exported heads (``pip install -e ".[vllm]"``: vLLM's CPU build on a machine without a
+GPU): :func:`run_vllm` decodes a prompt set with vLLM's vanilla and speculative engines in one child process
+(:mod:`treedec.engines.vllm_worker`, one engine at a time) and returns each engine's tokens, per-prompt acceptance
+and times. The engine tests (tests/engines/test_vllm.py) prove every export format this way.
+
+What vLLM calls each export (``format`` of ``python -m treedec.export_head``) is :data:`SPEC_METHOD`: an EAGLE-1/2
+head is ``method: eagle``; EAGLE-3 is ``eagle3``; a one-pass head (``format=peagle``) is ``eagle3`` with
+``parallel_drafting``. vLLM drafts a chain of ``num_speculative_tokens`` and accepts by the greedy chain rule, so
+its acceptance equals treedec's ``ChainPolicy(k)`` with the same head.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SPEC_METHOD = {"eagle": {"method": "eagle"}, "eagle3": {"method": "eagle3"},
+               "peagle": {"method": "eagle3", "parallel_drafting": True}}
+INSTALL_HINT = 'install vLLM\'s CPU build with: make vllm (or pip install -e ".[vllm]")'
+
+
+@dataclass
+class EngineRun:
+    """One vLLM engine: vanilla (``draft`` None) or speculative with an exported head of ``fmt``, drafting ``k``."""
+
+    name: str
+    draft: str | None = None
+    fmt: str | None = None
+    k: int = 0
+
+    def spec_config(self) -> dict | None:
+        if self.draft is None:
+            return None
+        if self.fmt not in SPEC_METHOD or self.k < 1:
+            raise ValueError(f"engine run {self.name!r}: format {self.fmt!r} with k={self.k}; vLLM serves "
+                             f"{', '.join(SPEC_METHOD)} exports drafting k >= 1 tokens")
+        return {**SPEC_METHOD[self.fmt], "model": str(self.draft), "num_speculative_tokens": self.k}
+
+
+@dataclass
+class EngineOutput:
+    """One engine's decoding of the prompt set: tokens per prompt; per prompt, accepted drafts per step -> steps
+    (speculative engines; vLLM's per-request histogram); seconds to start and to decode (after a warm-up)."""
+
+    tokens: list[list[int]]
+    accepted: list[dict[int, int]] = field(default_factory=list)
+    start_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens per speculative step over every prompt (1 + accepted drafts per step); 1.0 for vanilla."""
+        steps = sum(n for h in self.accepted for n in h.values())
+        return 1.0 + sum(k * n for h in self.accepted for k, n in h.items()) / steps if steps else 1.0
+
+
+def vllm_available() -> bool:
+    """Whether vLLM is installed (its import is left to the child process)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def run_vllm(target: str | os.PathLike, prompts: list[list[int]], max_new_tokens: int, runs: list[EngineRun],
+             dtype: str = "float32", threads: int | None = None, stop_ids: list[int] | None = None,
+             timeout_s: float = 900.0) -> dict[str, EngineOutput]:
+    """Decode ``prompts`` (token ids) greedily for ``max_new_tokens`` with each of ``runs`` in vLLM, on the target
+    directory ``target`` (a Hugging Face directory: vLLM reads it, tokenizer included) -> outputs by run name.
+    ``stop_ids``: tokens that end a prompt's output (None: none, every prompt gets ``max_new_tokens``).
+    ``threads``: the child's OpenMP threads (None: vLLM's default)."""
+    if not vllm_available():
+        raise RuntimeError(f"vLLM is not installed: {INSTALL_HINT}")
+    request = {"target": str(target), "prompts": prompts, "max_new_tokens": max_new_tokens, "dtype": dtype,
+               "stop_ids": stop_ids, "runs": [{"name": r.name, "spec": r.spec_config()} for r in runs]}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core in the worker's own process
+    env.setdefault("VLLM_TARGET_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    with tempfile.TemporaryDirectory(prefix="treedec-vllm-") as tmp:
+        req, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
+        req.write_text(json.dumps(request))
+        done = subprocess.run([sys.executable, "-m", "treedec.engines.vllm_worker", str(req), str(out)], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0 or not out.is_file():
+            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+            raise RuntimeError(f"vLLM's worker failed (exit {done.returncode}):\n{tail}")
+        got = json.loads(out.read_text())
+    return {name: EngineOutput(r["tokens"], [{int(k): n for k, n in h.items()} for h in r["accepted"]],
+                               r["start_s"], r["decode_s"]) for name, r in got.items()}
+
+
+__all__ = ["EngineOutput", "EngineRun", "SPEC_METHOD", "run_vllm", "vllm_available"]
