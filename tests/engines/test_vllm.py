@@ -7,6 +7,7 @@ vLLM is an optional extra (``make vllm``). Without it these tests skip, except w
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -20,12 +21,16 @@ HEADS = {"eagle": "tiny-code-eagle", "eagle3": "tiny-code-eagle3", "peagle": "ti
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(prompts, vLLM's outputs by run, the export directories by format): one worker process for every engine."""
+def vllm():
     if not vllm_available():
         if os.environ.get("TREEDEC_REQUIRE_VLLM") == "1":
             pytest.fail("TREEDEC_REQUIRE_VLLM=1 but vLLM is not installed: make vllm")
         pytest.skip("vLLM is not installed (make vllm); CI installs it and sets TREEDEC_REQUIRE_VLLM=1")
+
+
+@pytest.fixture(scope="module")
+def served(vllm, tmp_path_factory):
+    """(prompts, vLLM's outputs by run, the export directories by format): one worker process for every engine."""
     import warnings
 
     from treedec import load_head, load_model, load_tokenizer
@@ -67,3 +72,23 @@ def test_every_export_is_served_by_vllm_as_treedec_decodes_it(served):
             wrong.append(f"{fmt}: vLLM accepted {theirs.accepted}, treedec's chain {K} {mine}")
         assert theirs.acceptance_length > 2.0, f"{fmt}: the export drafts nothing useful in vLLM"
     assert not wrong, "; ".join(wrong)
+
+
+def test_bench_runs_vllm_beside_treedec(vllm, tmp_path):
+    """bench.peers=[vllm, vllm_eagle3]: vLLM's rows sit beside treedec's, token for token vanilla's output in fp32,
+    and the EAGLE-3 peer's τ is treedec's chain of the same depth with the same head."""
+    from tests.helpers import compose_config
+    from treedec.bench import harness
+
+    cfg = compose_config("bench", ["model.dtype=float32", "draft=tiny_code_eagle3", "bench.methods=[vanilla,chain]",
+                                   "bench.peers=[vllm,vllm_eagle3,vllm_peagle]", f"bench.trees.chain.depth={K}",
+                                   f"bench.vllm_tokens={K}", "bench.n_prompts=2", "bench.max_new_tokens=24",
+                                   "bench.repeats=1", "bench.warmup=0", "bench.plots=false", "bench.vanilla_fp32=false",
+                                   f"paths.run_dir={tmp_path}"])
+    rows = harness.run(cfg)["methods"]
+    assert {"vllm", "vllm_eagle3"} <= rows.keys()
+    assert rows["vllm"]["identical_to_vanilla"] and rows["vllm_eagle3"]["identical_to_vanilla"]
+    assert rows["vllm_eagle3"]["tau"] == pytest.approx(rows["chain"]["tau"])
+    assert rows["vllm"]["tokens_per_s"] > 0 and rows["vllm_eagle3"]["tau"] > 2.0
+    skipped = json.loads((tmp_path / "metrics.json").read_text())["skipped"]
+    assert "no head of the bench exports as format=peagle" in skipped["vllm_peagle"]  # (the bench's head: EAGLE-3)

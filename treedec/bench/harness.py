@@ -64,6 +64,7 @@ from treedec.bench.methods import (
     temperature_key,
 )
 from treedec.bench.timing import time_methods
+from treedec.bench.vllm_peers import build_vllm_peers
 from treedec.cli import load_stack
 from treedec.config import validate
 
@@ -275,8 +276,12 @@ def run(cfg: DictConfig) -> dict:
     run_dir = Path(cfg.paths.run_dir)  # made once the config is known to run, before the timing
     run_dir.mkdir(parents=True, exist_ok=True)
     peer_methods, peer_skipped = peer_mod.build_peers(cfg, target, eos_ids, why["hf_assisted"])
-    methods += peer_methods
+    head_paths = {short: str(node.path) for short, node in nodes.items()} if nodes else \
+        {"draft": str(OmegaConf.select(cfg, "draft.path"))}
+    vllm_methods, vllm_skipped = build_vllm_peers(cfg, target, head_paths, eos_ids, prompts, run_dir)
+    methods += peer_methods + vllm_methods
     skipped.update(peer_skipped)
+    skipped.update(vllm_skipped)
 
     timing = time_methods(methods, prompts, int(bench.repeats), int(bench.warmup), int(bench.seed), target.device)
     table, _ = summarize(methods, prompts, timing)

@@ -76,6 +76,7 @@ class RunOutput:
     tree_nodes: int = 0  # tree nodes verified, summed over passes (speculative; mean tree size = / passes)
     depth_hits: Counter = field(default_factory=Counter)  # depth -> steps that accepted a node there (speculative)
     depth_trials: Counter = field(default_factory=Counter)  # depth -> steps whose path reached a parent with children
+    seconds: float | None = None  # the run's own time (a peer timed in its own process); None: the bench's clock
 
 
 @dataclass

@@ -129,7 +129,7 @@ def build_peers(cfg: DictConfig, target, eos_ids: list[int],
     ``assistant_note``: why ``bench.assistant_path`` is what it is (from resolving ``auto``).
     """
     bench = cfg.bench
-    names = list(dict.fromkeys(bench.get("peers") or []))
+    names = [n for n in dict.fromkeys(bench.get("peers") or []) if n.startswith("hf_")]  # (vllm*: vllm_peers.py)
     skipped: dict[str, str] = {}
     settings = sample_settings(cfg) if "hf_sample" in names else []
     if "hf_sample" in names and not settings:  # a greedy run: the sampled peer has nothing to match

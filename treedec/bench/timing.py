@@ -36,7 +36,7 @@ def _timed(m: Method, p: Prompt, seed: int, device: torch.device) -> tuple[RunOu
     t0 = time.perf_counter()
     out = m(p, seed)
     _sync(device)
-    return out, time.perf_counter() - t0
+    return out, time.perf_counter() - t0 if out.seconds is None else out.seconds
 
 
 NOT_COUNTED_COMPILED = ("not counted: torch.compile cannot run under count_ops' dispatch mode (and a compiled "

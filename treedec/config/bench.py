@@ -11,7 +11,8 @@ from treedec.data.prompts import SOURCES, read_prompt_file
 from treedec.errors import ConfigError
 from treedec.models.paths import ASSETS, CONF
 
-PEERS = ("hf_greedy", "hf_prompt_lookup", "hf_assisted", "hf_sample")  # the peers a bench can run (bench/peers.py)
+PEERS = ("hf_greedy", "hf_prompt_lookup", "hf_assisted", "hf_sample",  # the peers a bench can run (bench/peers.py,
+         "vllm", "vllm_eagle", "vllm_eagle3", "vllm_peagle")              # bench/vllm_peers.py)
 
 _RULES = [
     ("bench.n_prompts", at_least(1), ">= 1"), ("bench.prompt_tokens", at_least(1), ">= 1"),
@@ -84,6 +85,9 @@ def check_bench(cfg) -> None:
     for name in value_at(cfg, b + "peers") or []:
         if name not in PEERS:
             raise ConfigError(f"bench.peers names {name!r}. {unknown_key_hint(name, PEERS, label='Peers')}")
+    k = value_at(cfg, b + "vllm_tokens")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"bench.vllm_tokens={k!r}: the tokens vLLM's speculative peers draft per step, an integer >= 1")
 
 
 def draft_head_entry(entry: str) -> tuple[str, Path | None]:

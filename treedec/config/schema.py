@@ -266,6 +266,7 @@ class BenchOptionsSchema:
     batch_mode: str = MISSING  # static: full batches of b | continuous: queues of 4*b prompts through b slots
     trees: Dict[str, Any] = MISSING  # method name -> tree policy config (checked by _target_)
     peers: List[str] = MISSING  # conf/bench.yaml
+    vllm_tokens: int = MISSING
     prompt_lookup_num_tokens: int = MISSING
     assistant_path: Optional[str] = MISSING  # auto: tiny-code-assistant for the bundled target; or a directory
     tie_ulps: float = MISSING

@@ -47,12 +47,18 @@ class EngineRun:
 @dataclass
 class EngineOutput:
     """One engine's decoding of the prompt set: tokens per prompt; per prompt, accepted drafts per step -> steps
-    (speculative engines; vLLM's per-request histogram); seconds to start and to decode (after a warm-up)."""
+    (speculative engines; vLLM's per-request histogram); seconds to start the engine; seconds per pass per prompt
+    (each prompt alone, after a warm-up)."""
 
     tokens: list[list[int]]
     accepted: list[dict[int, int]] = field(default_factory=list)
     start_s: float = 0.0
-    decode_s: float = 0.0
+    seconds: list[list[float]] = field(default_factory=list)
+
+    def steps(self, i: int) -> int:
+        """Target passes after the prefill for prompt ``i``: its speculative steps, else one per token after the
+        first (which the prefill gives)."""
+        return sum(self.accepted[i].values()) if self.accepted and self.accepted[i] else len(self.tokens[i]) - 1
 
     @property
     def acceptance_length(self) -> float:
@@ -67,16 +73,16 @@ def vllm_available() -> bool:
 
 
 def run_vllm(target: str | os.PathLike, prompts: list[list[int]], max_new_tokens: int, runs: list[EngineRun],
-             dtype: str = "float32", threads: int | None = None, stop_ids: list[int] | None = None,
-             timeout_s: float = 900.0) -> dict[str, EngineOutput]:
+             dtype: str = "float32", threads: int | None = None, stop_ids: list[int] | None = None, passes: int = 1,
+             timeout_s: float = 1800.0) -> dict[str, EngineOutput]:
     """Decode ``prompts`` (token ids) greedily for ``max_new_tokens`` with each of ``runs`` in vLLM, on the target
     directory ``target`` (a Hugging Face directory: vLLM reads it, tokenizer included) -> outputs by run name.
     ``stop_ids``: tokens that end a prompt's output (None: none, every prompt gets ``max_new_tokens``).
-    ``threads``: the child's OpenMP threads (None: vLLM's default)."""
+    ``threads``: the child's OpenMP threads (None: vLLM's default); ``passes``: timed passes over the prompts."""
     if not vllm_available():
         raise RuntimeError(f"vLLM is not installed: {INSTALL_HINT}")
     request = {"target": str(target), "prompts": prompts, "max_new_tokens": max_new_tokens, "dtype": dtype,
-               "stop_ids": stop_ids, "runs": [{"name": r.name, "spec": r.spec_config()} for r in runs]}
+               "stop_ids": stop_ids, "passes": passes, "runs": [{"name": r.name, "spec": r.spec_config()} for r in runs]}
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core in the worker's own process
     env.setdefault("VLLM_TARGET_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
     if threads:
@@ -91,7 +97,7 @@ def run_vllm(target: str | os.PathLike, prompts: list[list[int]], max_new_tokens
             raise RuntimeError(f"vLLM's worker failed (exit {done.returncode}):\n{tail}")
         got = json.loads(out.read_text())
     return {name: EngineOutput(r["tokens"], [{int(k): n for k, n in h.items()} for h in r["accepted"]],
-                               r["start_s"], r["decode_s"]) for name, r in got.items()}
+                               r["start_s"], r["seconds"]) for name, r in got.items()}
 
 
 __all__ = ["EngineOutput", "EngineRun", "SPEC_METHOD", "run_vllm", "vllm_available"]
