@@ -45,6 +45,11 @@ of one process; a rank left without a shard waits for the others and ends cleanl
 A malformed line (not JSON, nested too deeply, a lone surrogate, a wrong shape) is an error naming its
 line, before the model loads, or, with ``on_error=skip``, skipped, logged and counted in ``metrics.json``.
 
+**Engines.** ``engine=lightning`` (the default) decodes with treedec's speculative decoder; ``engine=vllm``
+(``make vllm``) with vLLM's own, one engine in a child process for the whole job (``vllm_args``: more arguments of
+``vllm.LLM``, e.g. ``+vllm_args.tensor_parallel_size=2``), for corpora that outgrow one machine's treedec: the
+same shards, manifest, resume and parts; greedy fp32 shards equal the Lightning engine's (docs/regenerate.md).
+
 The job: :mod:`treedec.training.regenerate_job` (the records and requests: :mod:`treedec.training.regen_requests`;
 the shards, the manifest, the locks and claims and the stats files: :mod:`treedec.training.regen_state`), imported
 inside :func:`run` once the options are checked: torch and Lightning take seconds to import, and a mistyped option
@@ -68,14 +73,18 @@ def run(cfg: DictConfig) -> dict:
     sampling = instantiate_checked(cfg.sampling, "sampling")
     import torch  # (after the checks: see the module docstring)
 
-    from treedec.training.regenerate_job import read_input, regenerate, reproducible
+    from treedec.training.regenerate_job import read_input, regenerate, reproducible, treedec_module
 
     policy = reproducible(policy, sampling)
     inp = read_input(cfg)  # a malformed line, or an out_dir of another run: an error before the model loads
     if cfg.num_threads:
         torch.set_num_threads(int(cfg.num_threads))
+    if cfg.engine == "vllm":  # vLLM loads the target itself, in its own process: treedec reads its config only
+        from treedec.training.regenerate_job import vllm_module
+
+        return regenerate(cfg, inp, *vllm_module(cfg, sampling))
     target, tok, draft = load_stack(cfg)
-    return regenerate(cfg, inp, target, tok, draft, policy, sampling)
+    return regenerate(cfg, inp, *treedec_module(cfg, target, tok, draft, policy, sampling))
 
 
 @hydra.main(version_base="1.3", config_path="pkg://treedec.conf", config_name="regenerate")

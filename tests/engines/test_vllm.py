@@ -92,3 +92,34 @@ def test_bench_runs_vllm_beside_treedec(vllm, tmp_path):
     assert rows["vllm"]["tokens_per_s"] > 0 and rows["vllm_eagle3"]["tau"] > 2.0
     skipped = json.loads((tmp_path / "metrics.json").read_text())["skipped"]
     assert "no head of the bench exports as format=peagle" in skipped["vllm_peagle"]  # (the bench's head: EAGLE-3)
+
+
+def test_regenerate_engine_vllm_writes_the_lightning_engines_shards_and_resumes(vllm, tmp_path):
+    """engine=vllm: 8 records, greedy fp32, shards byte for byte engine=lightning's; a shard lost to a kill is
+    decoded again by the same command (and only it); the other engine on its out_dir is refused."""
+    from tests.helpers import compose_config
+    from treedec.regenerate import run
+
+    records = tmp_path / "r.jsonl"
+    from treedec import load_tokenizer
+    from treedec.data.prompts import load_prompt_set
+
+    tok = load_tokenizer("tiny-code")
+    texts = [p.text for p in load_prompt_set("third_party", 8, 48, tok, seed=3, hint="")]
+    records.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+    def regen(engine, out):
+        return run(compose_config("regenerate", [f"input={records}", "model.dtype=float32", f"engine={engine}",
+                                                 "max_new_tokens=40", "batch_size=4", "shard_size=4", "progress=false",
+                                                 f"paths.run_dir={out}"]))
+
+    regen("lightning", tmp_path / "l")
+    regen("vllm", tmp_path / "v")
+    shards = lambda d: {p.name: p.read_bytes() for p in sorted((d / "shards").glob("part-*.jsonl"))}
+    assert len(shards(tmp_path / "l")) == 2 and shards(tmp_path / "v") == shards(tmp_path / "l")
+    for f in (tmp_path / "v" / "shards").glob("part-00001.*"):  # killed before shard 1 was written
+        f.unlink()
+    again = regen("vllm", tmp_path / "v")
+    assert again["this_run"]["shards"] == 1 and shards(tmp_path / "v") == shards(tmp_path / "l")
+    with pytest.raises(ValueError, match="differs in: engine"):
+        regen("lightning", tmp_path / "v")

@@ -34,3 +34,21 @@ def test_vllm_tokens_must_be_a_positive_integer(value, tmp_path):
     cfg = compose_config("bench", [f"bench.vllm_tokens={value}", f"paths.run_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="bench.vllm_tokens=.*an integer >= 1"):
         validate(cfg, "bench")
+
+
+def test_regenerate_engine_settings_are_checked(monkeypatch, tmp_path):
+    import importlib.util
+
+    from treedec.config import ConfigError, validate
+
+    records = tmp_path / "r.jsonl"
+    records.write_text('{"text": "def f(x):"}\n')
+    base = [f"input={records}", f"paths.run_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match="engine='fast'; choose one of lightning, vllm"):
+        validate(compose_config("regenerate", base + ["engine=fast"]), "regenerate")
+    with pytest.raises(ConfigError, match="vllm_args is for engine=vllm"):
+        validate(compose_config("regenerate", base + ["+vllm_args.tensor_parallel_size=2"]), "regenerate")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError, match="engine=vllm needs vLLM, which is not installed: make vllm"):
+        validate(compose_config("regenerate", base + ["engine=vllm"]), "regenerate")

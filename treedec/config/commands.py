@@ -5,6 +5,7 @@ merge and the generic checks of :mod:`treedec.config.checks`.
 """
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Callable
 
@@ -76,7 +77,8 @@ def check_export_head(cfg) -> None:
 def check_regenerate(cfg) -> None:
     check_rules(cfg, [(k, at_least(1), ">= 1") for k in ("prompt_tokens", "max_new_tokens", "batch_size",
                                                           "shard_size", "parts", "num_threads", "slots")])
-    for key, known in (("format", ("auto", "text", "chat")), ("on_error", ("fail", "skip"))):
+    for key, known in (("format", ("auto", "text", "chat")), ("on_error", ("fail", "skip")),
+                       ("engine", ("lightning", "vllm"))):
         if value_at(cfg, key) not in known:
             raise ConfigError(f"{key}={value_at(cfg, key)!r}; choose one of {', '.join(known)}")
     src = value_at(cfg, "input")
@@ -84,6 +86,11 @@ def check_regenerate(cfg) -> None:
         raise ConfigError("input is required: input=<records.jsonl> ({\"text\": ...} lines or chats)")
     if not Path(src).expanduser().is_file():
         raise ConfigError(f"input={src!r} is not a file; pass input=<records.jsonl> ({{\"text\": ...}} lines or chats)")
+    if value_at(cfg, "engine") == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("engine=vllm needs vLLM, which is not installed: make vllm (or pip install -e \".[vllm]\"), "
+                          "or engine=lightning")
+    if value_at(cfg, "vllm_args") and value_at(cfg, "engine") != "vllm":
+        raise ConfigError("vllm_args is for engine=vllm; drop it, or pass engine=vllm")
     if not 0 <= value_at(cfg, "part") < value_at(cfg, "parts"):
         raise ConfigError(f"part={value_at(cfg, 'part')} must be in [0, parts={value_at(cfg, 'parts')})")
 

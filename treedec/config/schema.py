@@ -321,6 +321,8 @@ class RegenerateSchema:  # conf/regenerate.yaml (python -m treedec.regenerate, d
     compile: bool = MISSING
     seed: int = MISSING
     num_threads: Optional[int] = MISSING
+    engine: str = MISSING  # lightning | vllm
+    vllm_args: Dict[str, Any] = field(default_factory=dict)  # engine=vllm: more vllm.LLM arguments
     paths: PathsSchema = field(default_factory=PathsSchema)
 
 

@@ -100,4 +100,60 @@ def run_vllm(target: str | os.PathLike, prompts: list[list[int]], max_new_tokens
                                r["start_s"], r["seconds"]) for name, r in got.items()}
 
 
-__all__ = ["EngineOutput", "EngineRun", "SPEC_METHOD", "run_vllm", "vllm_available"]
+class VllmServer:
+    """One vLLM engine kept up in a child process for a whole job (``regenerate engine=vllm``): :meth:`generate`
+    sends a batch of prompts and gets their continuations; vLLM batches them continuously. Its log goes to
+    ``log_path``. ``llm_args``: more arguments of ``vllm.LLM`` (``tensor_parallel_size``, ``gpu_memory_utilization``,
+    ...); on a CPU the engine runs eagerly with a 1 GiB KV cache unless they say otherwise."""
+
+    def __init__(self, target: str | os.PathLike, dtype: str, max_model_len: int, log_path: str | os.PathLike,
+                 llm_args: dict | None = None, threads: int | None = None):
+        if not vllm_available():
+            raise RuntimeError(f"engine=vllm needs vLLM: {INSTALL_HINT}")
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cpu = not torch.cuda.is_available()
+        self._config = self.log_path.with_name(self.log_path.name + ".json")
+        self._config.write_text(json.dumps({"target": str(target), "dtype": dtype, "max_model_len": int(max_model_len),
+                                            "cpu": cpu, "llm_args": dict(llm_args or {})}))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu" if cpu else "cuda")
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        self._log = self.log_path.open("a")
+        self._proc = subprocess.Popen([sys.executable, "-m", "treedec.engines.vllm_worker", "--serve", str(self._config)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                      env=env)
+        self._read()  # {"ready": true}, or the engine's failure
+
+    def _read(self) -> dict:
+        line = self._proc.stdout.readline()
+        if not line:
+            self._proc.wait()
+            self._log.flush()
+            tail = self.log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+            raise ValueError(f"vLLM's engine stopped (exit {self._proc.returncode}): {tail[0]}; check the model and "
+                             f"vllm_args (its log: {self.log_path})")
+        return json.loads(line)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, seeds: list[int], stop_ids: list[int],
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> list[list[int]]:
+        """Each prompt's continuation (its stop token included where it stopped on one), sampled with its seed."""
+        req = {"prompts": prompts, "max_new_tokens": max_new_tokens, "seeds": seeds, "stop_ids": stop_ids,
+               "temperature": temperature, "top_p": top_p, "top_k": top_k}
+        self._proc.stdin.write(json.dumps(req) + "\n")
+        self._proc.stdin.flush()
+        return self._read()["tokens"]
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._log.close()
+        self._config.unlink(missing_ok=True)
+
+
+__all__ = ["EngineOutput", "EngineRun", "SPEC_METHOD", "VllmServer", "run_vllm", "vllm_available"]

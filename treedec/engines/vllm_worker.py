@@ -1,4 +1,5 @@
-"""The child process of :func:`treedec.engines.vllm.run_vllm`: ``python -m treedec.engines.vllm_worker REQUEST OUT``.
+"""The child process of :func:`treedec.engines.vllm.run_vllm` (``python -m treedec.engines.vllm_worker REQUEST OUT``)
+and of :class:`treedec.engines.vllm.VllmServer` (``python -m treedec.engines.vllm_worker --serve CONFIG``).
 
 Reads the request (target directory, prompts as token ids, runs, passes), starts one vLLM engine per run in turn,
 decodes every prompt alone and greedily (after one warm-up prompt), once per pass, and writes tokens, each prompt's
@@ -69,5 +70,32 @@ def main(request: Path, out: Path) -> None:
     os.replace(tmp, out)
 
 
+def serve(config: Path) -> None:
+    """One engine for the whole run: a JSON request per line on stdin (prompts, max_new_tokens, temperature, top_p,
+    top_k, seeds, stop_ids) -> a JSON line of tokens per prompt on the original stdout, once ``{"ready": true}`` has
+    been said. vLLM's own output (its log goes to stdout) is moved to stderr so that it never mixes in."""
+    from vllm import LLM, SamplingParams
+
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    cfg = json.loads(config.read_text())
+    llm = LLM(model=cfg["target"], dtype=cfg["dtype"], max_model_len=int(cfg["max_model_len"]), seed=0,
+              **({"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30} if cfg["cpu"] else {}), **cfg["llm_args"])
+    replies.write(json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        req = json.loads(line)
+        greedy = float(req["temperature"]) == 0.0
+        params = [SamplingParams(temperature=float(req["temperature"]), top_p=1.0 if greedy else float(req["top_p"]),
+                                 top_k=-1 if greedy or not req["top_k"] else int(req["top_k"]), seed=seed,
+                                 max_tokens=int(req["max_new_tokens"]), stop_token_ids=list(req["stop_ids"]),
+                                 ignore_eos=not req["stop_ids"]) for seed in req["seeds"]]
+        outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], params, use_tqdm=False)
+        replies.write(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs]}) + "\n")
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    if sys.argv[1] == "--serve":
+        serve(Path(sys.argv[2]))
+    else:
+        main(Path(sys.argv[1]), Path(sys.argv[2]))

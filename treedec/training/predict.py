@@ -70,8 +70,49 @@ def row_seed(seed: int, key: object, turn: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-class SpeculativeGenerationModule(L.LightningModule):
-    """``predict_step(batch)`` -> ``{"requests": batch (filled), "stats": DecodeStats, "seconds": float}``."""
+class GenerationModule(L.LightningModule):
+    """What every regeneration engine shares: requests decoded in rounds (a chat asks for one prompt per turn), each
+    prompt cut to the context, each row seeded by (``seed``, its request's key, the round): ``predict_step(batch)``
+    -> ``{"requests": batch (filled), "stats": DecodeStats, "seconds": float}``. An engine gives :meth:`decode_round`."""
+
+    def __init__(self, max_new_tokens: int, seed: int, context_length: int):
+        super().__init__()
+        self.max_new_tokens, self.seed, self.context_length = int(max_new_tokens), int(seed), int(context_length)
+
+    def fit_prompt(self, ids: list[int]) -> list[int]:
+        """The prompt's last ``context - max_new_tokens`` tokens: a long conversation keeps its recent turns."""
+        room = self.context_length - self.max_new_tokens
+        if room < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} leaves no room for a prompt in the target's "
+                             f"context of {self.context_length} tokens")
+        return list(ids[-room:])
+
+    def decode_round(self, prompts: list[list[int]], seeds: list[int], seed: int) -> tuple[list[list[int]], DecodeStats]:
+        """(each prompt's continuation, the round's stats); ``seeds``: each row's, ``seed``: the round's."""
+        raise NotImplementedError
+
+    def generate(self, requests: Sequence[Request]) -> DecodeStats:
+        """Decode every request to completion, in rounds of ragged batches; the stats of all rounds."""
+        stats, turn = DecodeStats(batch=len(requests)), 0
+        while True:
+            live = [(r, p) for r in requests if (p := r.next_prompt()) is not None]
+            if not live:
+                return stats
+            tokens, round_stats = self.decode_round([self.fit_prompt(p) for _, p in live],
+                                                    [row_seed(self.seed, r.key, turn) for r, _ in live],
+                                                    row_seed(self.seed, tuple(r.key for r, _ in live), turn))
+            for (r, _), toks in zip(live, tokens):
+                r.take(toks)
+            stats, turn = stats.merge(round_stats), turn + 1
+
+    def predict_step(self, batch: Sequence[Request], batch_idx: int = 0, dataloader_idx: int = 0) -> dict:
+        t0 = time.perf_counter()
+        stats = self.generate(batch)
+        return {"requests": batch, "stats": stats, "seconds": time.perf_counter() - t0}
+
+
+class SpeculativeGenerationModule(GenerationModule):
+    """treedec's engine: :class:`SpeculativeDecoder` (or :class:`CompactingDecoder`) over each round."""
 
     def __init__(self, target: Transformer, draft: DraftHead, policy: TreePolicy,
                  sampling: SamplingParams = SamplingParams(), max_new_tokens: int = 128,
@@ -81,10 +122,10 @@ class SpeculativeGenerationModule(L.LightningModule):
         graphs are per batch shape); False: they ride along frozen, as in ``SpeculativeDecoder``. ``slots``: at
         most this many rows decode at once, the round's other prompts queueing for a finished row's slot
         (continuous batching, :meth:`~treedec.decoding.loop.Decoder.serve`); None: the whole batch at once."""
-        super().__init__()
+        super().__init__(max_new_tokens, seed, target.config.context_length)
         self.target, self.draft = target, draft
-        self.policy, self.sampling, self.max_new_tokens = policy, sampling, int(max_new_tokens)
-        self.eos_ids, self.seed, self.compile = eos_ids, int(seed), bool(compile)
+        self.policy, self.sampling = policy, sampling
+        self.eos_ids, self.compile = eos_ids, bool(compile)
         self.compact = bool(compact) and not self.compile
         self.slots = check_slots(slots)  # (fails here, at construction, not at the first batch)
         self._decoder: SpeculativeDecoder | None = None
@@ -98,32 +139,10 @@ class SpeculativeGenerationModule(L.LightningModule):
                                 compile=self.compile)
         return self._decoder
 
-    def fit_prompt(self, ids: list[int]) -> list[int]:
-        """The prompt's last ``context - max_new_tokens`` tokens: a long conversation keeps its recent turns."""
-        room = self.target.config.context_length - self.max_new_tokens
-        if room < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} leaves no room for a prompt in the target's "
-                             f"context of {self.target.config.context_length} tokens")
-        return list(ids[-room:])
-
-    def generate(self, requests: Sequence[Request]) -> DecodeStats:
-        """Decode every request to completion, in rounds of ragged batches; the stats of all rounds."""
-        stats, turn = DecodeStats(batch=len(requests)), 0
-        while True:
-            live = [(r, p) for r in requests if (p := r.next_prompt()) is not None]
-            if not live:
-                return stats
-            gen = RowSeededGenerator([row_seed(self.seed, r.key, turn) for r, _ in live], self.target.device,
-                                     seed=row_seed(self.seed, tuple(r.key for r, _ in live), turn))
-            res = self.decoder.serve([self.fit_prompt(p) for _, p in live], self.max_new_tokens, self.slots, gen)
-            for (r, _), toks in zip(live, res.tokens):
-                r.take(toks)
-            stats, turn = stats.merge(res.stats), turn + 1
-
-    def predict_step(self, batch: Sequence[Request], batch_idx: int = 0, dataloader_idx: int = 0) -> dict:
-        t0 = time.perf_counter()
-        stats = self.generate(batch)
-        return {"requests": batch, "stats": stats, "seconds": time.perf_counter() - t0}
+    def decode_round(self, prompts: list[list[int]], seeds: list[int], seed: int) -> tuple[list[list[int]], DecodeStats]:
+        gen = RowSeededGenerator(seeds, self.target.device, seed=seed)
+        res = self.decoder.serve(prompts, self.max_new_tokens, self.slots, gen)
+        return res.tokens, res.stats
 
 
-__all__ = ["Prompt", "Request", "SpeculativeGenerationModule", "row_seed"]
+__all__ = ["GenerationModule", "Prompt", "Request", "SpeculativeGenerationModule", "row_seed"]

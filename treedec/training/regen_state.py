@@ -60,8 +60,10 @@ def read_state(path: Path, fix: str, keys: tuple[str, ...] = ()) -> dict | None:
 
 def comparable(manifest: dict) -> dict:
     """A manifest as resumes compare it: the kernel (``model.attn_backend``) as its own key, the keys free to
-    change (``FREE_KEYS``) left out; older manifests (kernel inside ``model``, ``slots``) read the same."""
+    change (``FREE_KEYS``) left out; older manifests (kernel inside ``model``, ``slots``, no ``engine``) read the
+    same."""
     out = {k: v for k, v in manifest.items() if k not in FREE_KEYS}
+    out.setdefault("engine", "lightning")  # (older runs: the only engine there was)
     if isinstance(out.get("model"), dict) and "attn_backend" in out["model"]:
         out["model"] = dict(out["model"])
         out.setdefault("kernel", out["model"].pop("attn_backend"))

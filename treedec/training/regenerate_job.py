@@ -14,6 +14,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from treedec.data.chat import ChatRenderer
 from treedec.data.files import file_fingerprint
+from treedec.engines.vllm import VllmServer
+from treedec.models.checkpoint import read_config, resolve_dtype
+from treedec.models.paths import resolve_path
+from treedec.models.tokenizer import load_tokenizer
 from treedec.training.predict import SpeculativeGenerationModule
 from treedec.training.regen_requests import ChatRequest, Record, TextRequest, read_records
 from treedec.training.regen_state import (
@@ -25,11 +29,12 @@ from treedec.training.regen_state import (
     finished_stats,
     summarize,
 )
+from treedec.training.vllm_predict import VllmGenerationModule
 from treedec.tree.policies import AutoPolicy, ChainPolicy
 
 log = logging.getLogger("treedec.regenerate")  # the command's own name, as in its other messages
 DECODING_KEYS = ("model", "draft", "tree", "sampling", "max_new_tokens", "prompt_tokens", "chat_template",
-                 "format", "batch_size", "shard_size", "on_error", "seed")  # what a resumed run must share
+                 "format", "batch_size", "shard_size", "on_error", "seed", "engine")  # what a resumed run must share
 SIGTERM_EXIT = 128 + signal.SIGTERM  # 143: the shell's status of a job ended by SIGTERM
 
 
@@ -72,13 +77,33 @@ def read_input(cfg: DictConfig) -> RegenInput:
     return RegenInput(records, skipped, n_shards, t0)
 
 
-def regenerate(cfg: DictConfig, inp: RegenInput, target, tok, draft, policy, sampling) -> dict:
-    """Decode ``inp``'s unfinished shards (this worker's) into ``cfg.out_dir`` and return ``metrics.json``."""
-    records, skipped, n_shards, t0 = inp.records, inp.skipped, inp.n_shards, inp.t0
-    out_dir, S = Path(cfg.out_dir), int(cfg.shard_size)
+def treedec_module(cfg: DictConfig, target, tok, draft, policy, sampling):
+    """(the Lightning engine's module, the tokenizer, a closer): treedec's speculative decoder."""
     module = SpeculativeGenerationModule(target, draft, policy, sampling, int(cfg.max_new_tokens),
                                          eos_ids=tok.eos_ids or None, seed=int(cfg.seed), compile=bool(cfg.compile),
                                          slots=cfg.get("slots"))
+    return module, tok, lambda: None
+
+
+def vllm_module(cfg: DictConfig, sampling):
+    """(the vLLM engine's module, the tokenizer, a closer that stops the engine): the target's config and tokenizer
+    only are read here; vLLM loads the weights in its own process (its log: ``<run dir>/vllm.log``)."""
+    path = resolve_path(cfg.model.path)
+    lc, raw = read_config(path)
+    dtype = str(resolve_dtype(cfg.model.dtype, raw)).removeprefix("torch.")
+    server = VllmServer(path, dtype, lc.context_length, Path(cfg.paths.run_dir) / "vllm.log",
+                        OmegaConf.to_container(cfg.vllm_args, resolve=True), cfg.num_threads)
+    tok = load_tokenizer(path)
+    module = VllmGenerationModule(server, lc.context_length, sampling, int(cfg.max_new_tokens), tok.eos_ids or None,
+                                  int(cfg.seed))
+    return module, tok, server.close
+
+
+def regenerate(cfg: DictConfig, inp: RegenInput, module, tok, close) -> dict:
+    """Decode ``inp``'s unfinished shards (this worker's) into ``cfg.out_dir`` with ``module`` (an engine's
+    :class:`~treedec.training.predict.GenerationModule`), then ``close()`` it, and return ``metrics.json``."""
+    records, skipped, n_shards, t0 = inp.records, inp.skipped, inp.n_shards, inp.t0
+    out_dir, S = Path(cfg.out_dir), int(cfg.shard_size)
     renderer = ChatRenderer(tok, cfg.chat_template) if records[0].kind == "chat" else None
     P = int(cfg.prompt_tokens)
 
@@ -104,6 +129,7 @@ def regenerate(cfg: DictConfig, inp: RegenInput, target, tok, draft, policy, sam
         raise SystemExit(SIGTERM_EXIT) from None
     finally:
         data.release()
+        close()
     if not trainer.is_global_zero:
         return {}
     wall = time.time() - t0
