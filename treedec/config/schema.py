@@ -288,7 +288,7 @@ class ExportHeadSchema:
     draft: DraftSchema = field(default_factory=DraftSchema)  # the head to export
     format: str = MISSING  # eagle | eagle3 | peagle (the head's kind): the public layout to write
     out: str = MISSING  # the directory to create
-    target: Optional[str] = None  # format=peagle: the target whose embedding table travels along (null: the head's)
+    target: Optional[str] = MISSING  # format=peagle: the target whose embedding table travels along (null: the head's)
     dtype: Optional[str] = MISSING  # null: the head's own
     paths: PathsSchema = field(default_factory=PathsSchema)
 
@@ -322,7 +322,7 @@ class RegenerateSchema:  # conf/regenerate.yaml (python -m treedec.regenerate, d
     seed: int = MISSING
     num_threads: Optional[int] = MISSING
     engine: str = MISSING  # lightning | vllm
-    vllm_args: Dict[str, Any] = field(default_factory=dict)  # engine=vllm: more vllm.LLM arguments
+    vllm_args: Dict[str, Any] = MISSING  # engine=vllm: more vllm.LLM arguments
     paths: PathsSchema = field(default_factory=PathsSchema)
 
 

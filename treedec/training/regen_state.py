@@ -63,7 +63,6 @@ def comparable(manifest: dict) -> dict:
     change (``FREE_KEYS``) left out; older manifests (kernel inside ``model``, ``slots``, no ``engine``) read the
     same."""
     out = {k: v for k, v in manifest.items() if k not in FREE_KEYS}
-    out.setdefault("engine", "lightning")  # (older runs: the only engine there was)
     if isinstance(out.get("model"), dict) and "attn_backend" in out["model"]:
         out["model"] = dict(out["model"])
         out.setdefault("kernel", out["model"].pop("attn_backend"))
@@ -81,6 +80,8 @@ def check_manifest(out_dir: Path, manifest: dict) -> None:
             write_text_atomic(path, json.dumps(comparable(manifest), indent=2) + "\n")
             return
         old, new = comparable(old), comparable(manifest)
+        for m in (old, new):
+            m.setdefault("engine", "lightning")  # (older runs: the only engine there was)
         if old != new:
             diff = sorted(k for k in {*old, *new} if old.get(k) != new.get(k))
             raise ValueError(f"{out_dir} holds a regeneration of another input or config (differs in: "
