@@ -31,11 +31,13 @@ test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 $(ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# the vllm extra (vLLM's CPU build) in the same .venv: the engine tests (tests/engines) then run instead of skipping.
+# vLLM in the same .venv: the engine tests (tests/engines) then run instead of skipping. Without a GPU, the vllm extra
+# (vLLM's CPU build); with one, PyPI's vllm (its CUDA build).
 # PyPI's torchvision, torchaudio and torchcodec, which it pulls, are CUDA builds that stop vLLM's engine beside a CPU
 # torch ("operator torchvision::nms does not exist"), and text generation needs none of them: removed on a machine
 # without a GPU
 vllm: setup
-	$(PY) -m pip install --quiet -e ".[dev,vllm]"
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; fi
-	VLLM_TARGET_DEVICE=cpu $(PY) -c "import vllm; print('vllm', vllm.__version__)"
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet -e ".[dev]" vllm; \
+	else $(PY) -m pip install --quiet -e ".[dev,vllm]" && \
+	  $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; fi
+	$(PY) -c "import vllm; print('vllm', vllm.__version__)"
