@@ -73,15 +73,13 @@ def run(cfg: DictConfig) -> dict:
     sampling = instantiate_checked(cfg.sampling, "sampling")
     import torch  # (after the checks: see the module docstring)
 
-    from treedec.training.regenerate_job import read_input, regenerate, reproducible, treedec_module
+    from treedec.training.regenerate_job import read_input, regenerate, reproducible, treedec_module, vllm_module
 
     policy = reproducible(policy, sampling)
     inp = read_input(cfg)  # a malformed line, or an out_dir of another run: an error before the model loads
     if cfg.num_threads:
         torch.set_num_threads(int(cfg.num_threads))
     if cfg.engine == "vllm":  # vLLM loads the target itself, in its own process: treedec reads its config only
-        from treedec.training.regenerate_job import vllm_module
-
         return regenerate(cfg, inp, *vllm_module(cfg, sampling))
     target, tok, draft = load_stack(cfg)
     return regenerate(cfg, inp, *treedec_module(cfg, target, tok, draft, policy, sampling))

@@ -72,6 +72,15 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def _child_env(threads: int | None) -> dict[str, str]:
+    """The worker's environment: vLLM's engine core in the worker's own process, the device, its OpenMP threads."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.setdefault("VLLM_TARGET_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
 def run_vllm(target: str | os.PathLike, prompts: list[list[int]], max_new_tokens: int, runs: list[EngineRun],
              dtype: str = "float32", threads: int | None = None, stop_ids: list[int] | None = None, passes: int = 1,
              timeout_s: float = 1800.0) -> dict[str, EngineOutput]:
@@ -82,11 +91,9 @@ def run_vllm(target: str | os.PathLike, prompts: list[list[int]], max_new_tokens
     if not vllm_available():
         raise RuntimeError(f"vLLM is not installed: {INSTALL_HINT}")
     request = {"target": str(target), "prompts": prompts, "max_new_tokens": max_new_tokens, "dtype": dtype,
-               "stop_ids": stop_ids, "passes": passes, "runs": [{"name": r.name, "spec": r.spec_config()} for r in runs]}
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core in the worker's own process
-    env.setdefault("VLLM_TARGET_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
+               "stop_ids": stop_ids, "passes": passes, "cpu": not torch.cuda.is_available(),
+               "runs": [{"name": r.name, "spec": r.spec_config()} for r in runs]}
+    env = _child_env(threads)
     with tempfile.TemporaryDirectory(prefix="treedec-vllm-") as tmp:
         req, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
         req.write_text(json.dumps(request))
@@ -116,14 +123,10 @@ class VllmServer:
         self._config = self.log_path.with_name(self.log_path.name + ".json")
         self._config.write_text(json.dumps({"target": str(target), "dtype": dtype, "max_model_len": int(max_model_len),
                                             "cpu": cpu, "llm_args": dict(llm_args or {})}))
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        env.setdefault("VLLM_TARGET_DEVICE", "cpu" if cpu else "cuda")
-        if threads:
-            env["OMP_NUM_THREADS"] = str(threads)
         self._log = self.log_path.open("a")
         self._proc = subprocess.Popen([sys.executable, "-m", "treedec.engines.vllm_worker", "--serve", str(self._config)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                      env=env)
+                                      env=_child_env(threads))
         self._read()  # {"ready": true}, or the engine's failure
 
     def _read(self) -> dict:
